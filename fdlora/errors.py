@@ -1,0 +1,50 @@
+"""Every error fd-lora raises on purpose. Each message says what failed, why, and what to do."""
+
+from __future__ import annotations
+
+
+class FdLoraError(Exception):
+    """Base class: catch this to handle any fd-lora error."""
+
+
+class AdapterShapeError(FdLoraError, ValueError):
+    """An adapter's tensors do not fit the module they target."""
+
+
+class CapacityError(FdLoraError, ValueError):
+    """A bank is full (slots) or too narrow (rank); the message names the setting to raise."""
+
+
+class UnknownAdapterError(FdLoraError, KeyError):
+    """An adapter name that is not loaded."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateAdapterError(FdLoraError, ValueError):
+    """An adapter name that is already loaded."""
+
+
+class TargetError(FdLoraError, ValueError):
+    """Targets that match no module, or modules fd-lora cannot wrap."""
+
+
+class BackendUnavailableError(FdLoraError, RuntimeError):
+    """The requested kernel backend cannot run this problem; the message lists every backend's reason."""
+
+
+class NonFiniteError(FdLoraError, ValueError):
+    """NaN or Inf in adapter weights while validation is on."""
+
+
+class CompiledModelError(FdLoraError, RuntimeError):
+    """An operation that would reshape buffers of a model that is compiled or captured."""
+
+
+class FormatError(FdLoraError, ValueError):
+    """A file or state dict whose format is unknown, unsupported or malformed."""
+
+
+class UnsupportedFeatureError(FdLoraError, NotImplementedError):
+    """A LoRA variant fd-lora does not implement yet (for example DoRA)."""

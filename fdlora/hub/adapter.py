@@ -1,0 +1,127 @@
+"""The canonical adapter: the one type every format converts into and every layer loads from.
+
+Nothing downstream of a converter looks at state-dict keys: a `LoraAdapter` maps module paths
+(relative to the model it targets, e.g. ``down_blocks.0.attentions.0.proj_in``) to `ModuleLora`
+weights in the layout of ``nn.Linear`` / ``nn.Conv2d``:
+
+    linear:  A [r, K], B [N, r]             delta = (x A^T) B^T * scale
+    conv2d:  A [r, C_in, kh, kw], B [N, r, 1, 1]   (kohya LoCon: A has the base kernel/stride/padding)
+
+with ``scale = alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA) times the user's weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..errors import AdapterShapeError, FormatError, NonFiniteError
+
+LayerKind = Literal["linear", "conv2d"]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where an adapter came from: enough to find the exact bytes again."""
+
+    source: str = "<memory>"  # repo id, path, or "<memory>"
+    revision: str | None = None  # commit sha when resolved through the Hub
+    file: str | None = None
+    format: str = "canonical"
+
+
+@dataclass
+class ModuleLora:
+    """LoRA weights for one module. `alpha` defaults to the rank (scale 1)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    alpha: float | None = None
+    bias: torch.Tensor | None = None  # lora_B bias [N] (PEFT lora_bias=True); scaled like the delta
+
+    def __post_init__(self) -> None:
+        if self.A.dim() not in (2, 4) or self.B.dim() not in (2, 4) or self.A.dim() != self.B.dim():
+            raise AdapterShapeError(
+                f"LoRA A {tuple(self.A.shape)} / B {tuple(self.B.shape)}: expected A [r, K] and B [N, r] "
+                "(linear) or A [r, C_in, kh, kw] and B [N, r, 1, 1] (conv2d)."
+            )
+        if self.B.shape[1] != self.A.shape[0]:
+            raise AdapterShapeError(
+                f"LoRA rank mismatch: A has {self.A.shape[0]} rows but B has {self.B.shape[1]} columns; "
+                "A must be [r, K] and B [N, r]."
+            )
+        if self.A.dim() == 4 and tuple(self.B.shape[2:]) != (1, 1):
+            raise AdapterShapeError(f"conv LoRA B must be [N, r, 1, 1], got {tuple(self.B.shape)}.")
+        if self.alpha is None:
+            self.alpha = float(self.rank)
+        self.alpha = float(self.alpha)
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[0])
+
+    @property
+    def kind(self) -> LayerKind:
+        return "linear" if self.A.dim() == 2 else "conv2d"
+
+    @property
+    def in_features(self) -> int:
+        return int(self.A.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.B.shape[0])
+
+    def scaling(self, use_rslora: bool = False) -> float:
+        return self.alpha / (math.sqrt(self.rank) if use_rslora else self.rank)
+
+    def nbytes(self) -> int:
+        extra = self.bias.nbytes if self.bias is not None else 0
+        return self.A.nbytes + self.B.nbytes + extra
+
+
+@dataclass
+class LoraAdapter:
+    """A whole adapter: module path -> weights, plus how to scale them and where it came from."""
+
+    modules: dict[str, ModuleLora]
+    use_rslora: bool = False
+    name: str | None = None
+    provenance: Provenance = field(default_factory=Provenance)
+
+    def __post_init__(self) -> None:
+        if not self.modules:
+            raise FormatError("an adapter needs at least one module; this one has none.")
+
+    def scaling(self, path: str) -> float:
+        return self.modules[path].scaling(self.use_rslora)
+
+    def nbytes(self) -> int:
+        return sum(m.nbytes() for m in self.modules.values())
+
+    def check_finite(self) -> None:
+        for path, m in self.modules.items():
+            for what, t in (("A", m.A), ("B", m.B), ("bias", m.bias)):
+                if t is not None and not torch.isfinite(t).all():
+                    raise NonFiniteError(
+                        f"adapter {self.name!r}: {path}.{what} contains NaN or Inf; "
+                        "the file is corrupt or was saved from a diverged run. Load another revision, "
+                        "or pass validate=False to skip this check."
+                    )
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> LoraAdapter:
+        def cv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        mods = {p: ModuleLora(cv(m.A), cv(m.B), m.alpha, cv(m.bias)) for p, m in self.modules.items()}
+        return LoraAdapter(mods, self.use_rslora, self.name, self.provenance)
+
+    def __repr__(self) -> str:
+        ranks = sorted({m.rank for m in self.modules.values()})
+        return (
+            f"LoraAdapter(name={self.name!r}, modules={len(self.modules)}, ranks={ranks}, "
+            f"rslora={self.use_rslora}, from={self.provenance.source!r}@{self.provenance.revision})"
+        )

@@ -1,0 +1,53 @@
+"""The built-in backends and what each can do, as data."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .. import env
+from .registry import Backend, Capability, register
+
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+def _probe_triton() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'fd-lora[triton]')"
+    if not torch.cuda.is_available() and not env.triton_interpret():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run it on CPU for tests)"
+    if importlib.util.find_spec("fdlora.kernels.triton.ops") is None:
+        return "fd-lora was installed without its Triton kernels"
+    return None
+
+
+def _probe_cuda() -> str | None:
+    return "the CUDA C++ extension is not built in this version of fd-lora; use 'triton' or 'torch'"
+
+
+register(
+    Backend(
+        "torch",
+        Capability(devices=frozenset({"cpu", "cuda", "mps", "xpu"}), dtypes=FLOATS,
+                   kinds=frozenset({"linear", "conv2d"})),
+        module="fdlora.kernels.reference",
+    )
+)
+register(
+    Backend(
+        "triton",
+        Capability(devices=frozenset({"cuda"} | ({"cpu"} if env.triton_interpret() else set())),
+                   dtypes=FLOATS, kinds=frozenset({"linear"}), max_rank=128, max_slots=64),
+        module="fdlora.kernels.triton.ops",
+        probe=_probe_triton,
+    )
+)
+register(
+    Backend(
+        "cuda",
+        Capability(devices=frozenset({"cuda"}), dtypes=FLOATS, kinds=frozenset({"linear"})),
+        module="fdlora.kernels.cuda",
+        probe=_probe_cuda,
+    )
+)

@@ -1,0 +1,185 @@
+"""Backends as data, and the one place that chooses between them.
+
+A backend declares what it can run (`Capability`); a layer describes what it needs (`Problem`);
+`select` compares the two and returns the backend together with the reasons for and against every
+candidate. Layers call `select` once, when they are built or their bank changes shape, and keep the
+`Selection` (their `repr` shows it). Adding a backend is one `register(Backend(...))` call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .. import env
+from ..errors import BackendUnavailableError
+
+AUTO_ORDER = ("triton", "cuda", "torch")
+
+
+@dataclass(frozen=True)
+class Capability:
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    kinds: frozenset[str]  # "linear", "conv2d"
+    max_rank: int | None = None  # bank rank capacity R
+    max_slots: int | None = None
+    compile_safe: bool = True
+    needs_contiguous: bool = False
+
+
+@dataclass(frozen=True)
+class Problem:
+    device: str  # "cpu", "cuda", ...
+    dtype: torch.dtype
+    kind: str
+    rank: int
+    slots: int
+
+
+@dataclass
+class Backend:
+    name: str
+    capability: Capability
+    module: str  # import path of the module holding the ops; imported on first use
+    probe: Callable[[], str | None] = lambda: None  # a reason it cannot run on this machine, or None
+    _ops: ModuleType | None = field(default=None, repr=False)
+    _unavailable: str | None = field(default=None, repr=False)
+    _probed: bool = field(default=False, repr=False)
+
+    def unavailable(self) -> str | None:
+        if not self._probed:
+            self._probed = True
+            try:
+                self._unavailable = self.probe()
+                if self._unavailable is None:
+                    self._ops = importlib.import_module(self.module)
+            except Exception as e:  # a backend that cannot import is recorded, never raised here
+                self._unavailable = f"import failed: {type(e).__name__}: {e}"
+        return self._unavailable
+
+    @property
+    def ops(self) -> ModuleType:
+        reason = self.unavailable()
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {self.name!r} is unavailable: {reason}")
+        assert self._ops is not None
+        return self._ops
+
+    def refuses(self, p: Problem) -> str | None:
+        """Why this backend cannot run `p` (first reason), or None if it can."""
+        if (reason := self.unavailable()) is not None:
+            return reason
+        c = self.capability
+        if p.device not in c.devices:
+            return f"device {p.device} not in {sorted(c.devices)}"
+        if p.dtype not in c.dtypes:
+            return f"dtype {p.dtype} not supported"
+        if p.kind not in c.kinds:
+            return f"layer kind {p.kind} not supported"
+        if c.max_rank is not None and p.rank > c.max_rank:
+            return f"rank capacity {p.rank} > {c.max_rank}"
+        if c.max_slots is not None and p.slots > c.max_slots:
+            return f"slots {p.slots} > {c.max_slots}"
+        return None
+
+
+@dataclass(frozen=True)
+class Selection:
+    backend: Backend
+    reasons: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def __str__(self) -> str:
+        return f"{self.name} [{'; '.join(self.reasons)}]"
+
+
+_BACKENDS: dict[str, Backend] = {}
+_preference: str | None = None  # None: read FDLORA_BACKEND
+_layers: weakref.WeakSet[Any] = weakref.WeakSet()  # live layers, reselected by set_backend
+
+
+def register(backend: Backend) -> None:
+    _BACKENDS[backend.name] = backend
+
+
+def backends() -> dict[str, Backend]:
+    return dict(_BACKENDS)
+
+
+def preference() -> str:
+    return _preference if _preference is not None else env.backend_preference()
+
+
+def _check_name(name: str) -> str:
+    name = name.lower()
+    if name != "auto" and name not in _BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {name!r}; choose one of: auto, {', '.join(_BACKENDS)}.")
+    return name
+
+
+def select(problem: Problem, prefer: str | None = None) -> Selection:
+    """Pick the backend for `problem`: the preferred one, or the first capable one in AUTO_ORDER."""
+    prefer = _check_name(prefer or preference())
+    verdicts = {name: b.refuses(problem) for name, b in _BACKENDS.items()}
+    trace = [f"{n}: {'ok' if r is None else r}" for n, r in verdicts.items()]
+    if prefer != "auto":
+        if verdicts[prefer] is None:
+            return Selection(_BACKENDS[prefer], (f"requested {prefer!r}", *trace))
+        raise BackendUnavailableError(
+            f"backend {prefer!r} cannot run {problem}. Every backend: " + "; ".join(trace)
+            + ". Use fdlora.set_backend('auto') (or unset FDLORA_BACKEND) to fall back automatically."
+        )
+    for name in AUTO_ORDER:
+        if name in verdicts and verdicts[name] is None:
+            return Selection(_BACKENDS[name], (f"auto picked {name!r}", *trace))
+    raise BackendUnavailableError(f"no backend can run {problem}: " + "; ".join(trace))
+
+
+def ops(name: str) -> ModuleType:
+    """The op namespace of one backend: the per-call override tests and benchmarks use."""
+    return _BACKENDS[_check_name(name)].ops
+
+
+def track(layer: Any) -> None:
+    _layers.add(layer)
+
+
+def set_backend(name: str) -> None:
+    """Choose the backend for every layer: "auto" | "triton" | "cuda" | "torch". Live layers reselect now."""
+    global _preference
+    name = _check_name(name)
+    previous = _preference
+    _preference = name
+    try:
+        for layer in list(_layers):
+            layer.select_backend()
+    except Exception:
+        _preference = previous
+        for layer in list(_layers):
+            layer.select_backend()
+        raise
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Temporarily prefer a backend (tests, benchmarks); restores the previous preference."""
+    global _preference
+    previous = _preference
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _preference = previous
+        for layer in list(_layers):
+            layer.select_backend()

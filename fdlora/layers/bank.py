@@ -1,0 +1,91 @@
+"""AdapterBank: preallocated per-layer buffers for every loaded adapter (one slot each).
+
+Layout (shared with every kernel backend, see fdlora.kernels.reference):
+
+    A      [S, R, K]  (conv: [S, R, C_in, kh, kw])  slot s in rows 0..r_s, zeros after
+    B      [N, S, R]  so B.view(N, S*R) expands all slots as one rank-S*R adapter
+    ranks  [S] int32  live rank per slot (0 = empty), lets kernels skip the padding
+    bias   [S, N]     lora_B bias (PEFT lora_bias=True), allocated on first use
+
+R is a multiple of 16 (tensor-core tile). Loading writes a slot in place and deleting zeroes it;
+nothing here reallocates except `resize`, which callers must not use on a compiled model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..hub.adapter import ModuleLora
+
+RANK_ALIGN = 16
+
+
+def padded_rank(r: int) -> int:
+    return max(RANK_ALIGN, -(-r // RANK_ALIGN) * RANK_ALIGN)
+
+
+class AdapterBank(nn.Module):
+    def __init__(
+        self,
+        slots: int,
+        rank: int,
+        out_features: int,
+        a_shape: tuple[int, ...],  # per-rank-row shape of A: (K,) or (C_in, kh, kw)
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        R = padded_rank(rank)
+        self.register_buffer("A", torch.zeros(slots, R, *a_shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("B", torch.zeros(out_features, slots, R, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("ranks", torch.zeros(slots, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("bias", None, persistent=False)  # [S, N], allocated on first use
+        self.used: list[bool] = [False] * slots  # host mirror of ranks > 0
+
+    @property
+    def slots(self) -> int:
+        return self.A.shape[0]
+
+    @property
+    def rank_capacity(self) -> int:
+        return self.A.shape[1]
+
+    def write(self, slot: int, m: ModuleLora) -> None:
+        r = m.rank
+        self.A[slot, :r].copy_(m.A)
+        self.A[slot, r:].zero_()
+        self.B[:, slot, :r].copy_(m.B.reshape(m.B.shape[0], r))
+        self.B[:, slot, r:].zero_()
+        self.ranks[slot] = r
+        if m.bias is not None:
+            if self.bias is None:
+                self.bias = torch.zeros(self.slots, self.B.shape[0], dtype=self.B.dtype, device=self.B.device)
+            self.bias[slot].copy_(m.bias)
+        elif self.bias is not None:
+            self.bias[slot].zero_()
+        self.used[slot] = True
+
+    def clear(self, slot: int) -> None:
+        self.A[slot].zero_()
+        self.B[:, slot].zero_()
+        self.ranks[slot] = 0
+        if self.bias is not None:
+            self.bias[slot].zero_()
+        self.used[slot] = False
+
+    def resize(self, slots: int, rank: int) -> None:
+        """Reallocate to a larger capacity, keeping every loaded slot (not while compiled or captured)."""
+        R, S0, R0 = padded_rank(rank), self.slots, self.rank_capacity
+        A = self.A.new_zeros(slots, R, *self.A.shape[2:])
+        B = self.B.new_zeros(self.B.shape[0], slots, R)
+        A[:S0, :R0] = self.A
+        B[:, :S0, :R0] = self.B
+        ranks = self.ranks.new_zeros(slots)
+        ranks[:S0] = self.ranks
+        self.A, self.B, self.ranks = A, B, ranks
+        if self.bias is not None:
+            bias = self.bias.new_zeros(slots, self.bias.shape[1])
+            bias[:S0] = self.bias
+            self.bias = bias
+        self.used = self.used + [False] * (slots - S0)

@@ -1,0 +1,228 @@
+"""FusedLoraLinear / FusedLoraConv2d: the untouched base module plus every loaded adapter.
+
+    y = base(x) + sum_s scale[s] * (x A_s^T) B_s^T        (one op call, backend chosen once)
+
+The base module is kept as is (nn.Linear, transformers Conv1D, nn.Conv2d, or any opaque
+Linear-like module such as a quantized linear: base output + delta), so restoring the model is
+putting the same object back. The mode comes from the shared `ModelState`; all shapes are static.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import AdapterShapeError, FdLoraError
+from ..hub.adapter import ModuleLora
+from ..kernels import registry
+from .bank import AdapterBank
+from .state import Mode, ModelState
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): weight [K, N], y = x W + b."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of a Linear-like module, or None if it is not one."""
+    if _is_conv1d(module):
+        K, N = module.weight.shape
+        return int(K), int(N)
+    K, N = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    if isinstance(K, int) and isinstance(N, int) and not isinstance(module, nn.modules.conv._ConvNd):
+        return K, N
+    return None
+
+
+def compute_dtype(module: nn.Module, default: torch.dtype = torch.float32) -> tuple[torch.dtype, torch.device]:
+    """The float dtype and device the module computes in (quantized bases report a compute dtype)."""
+    w = getattr(module, "weight", None)
+    device = w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
+    if isinstance(w, torch.Tensor) and w.is_floating_point():
+        return w.dtype, device
+    dtype = getattr(module, "compute_dtype", None)
+    return (dtype if isinstance(dtype, torch.dtype) else default), device
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a LoRA for a module must look like: kind, A's shape after the rank, B's rows."""
+
+    kind: str
+    a_shape: tuple[int, ...]
+    out_features: int
+
+
+def spec_of(module: nn.Module) -> LayerSpec | None:
+    """The LoRA shape a module takes, or None if fd-lora cannot wrap it."""
+    if isinstance(module, _FusedLora):
+        module = module.base
+    if isinstance(module, nn.Conv2d):
+        return LayerSpec("conv2d", (module.in_channels // module.groups, *module.kernel_size), module.out_channels)
+    dims = linear_dims(module)
+    return None if dims is None else LayerSpec("linear", (dims[0],), dims[1])
+
+
+def check_fits(spec: LayerSpec, m: ModuleLora, path: str, what: str) -> None:
+    """Raise a clear error if LoRA weights `m` cannot go into a module of shape `spec`."""
+    if m.kind != spec.kind:
+        raise AdapterShapeError(f"{what}: a {m.kind} LoRA cannot target {path}, which is a {spec.kind} layer.")
+    if tuple(m.A.shape[1:]) != spec.a_shape or m.out_features != spec.out_features:
+        raise AdapterShapeError(
+            f"{what}: LoRA for {path} has A {tuple(m.A.shape)} and B {tuple(m.B.shape)}, but the module takes "
+            f"A [r, {', '.join(map(str, spec.a_shape))}] and B [{spec.out_features}, r]. "
+            "The adapter was made for another base model (or another variant of it)."
+        )
+    if not (m.A.is_floating_point() and m.B.is_floating_point()):
+        raise AdapterShapeError(f"{what}: {path} weights are {m.A.dtype}/{m.B.dtype}; LoRA weights must be float.")
+    if m.bias is not None and tuple(m.bias.shape) != (spec.out_features,):
+        raise AdapterShapeError(f"{what}: {path} lora bias is {tuple(m.bias.shape)}, expected ({spec.out_features},).")
+
+
+class _FusedLora(nn.Module):
+    kind = "linear"
+
+    def __init__(self, base: nn.Module, state: ModelState, index: int, path: str,
+                 rank: int, a_shape: tuple[int, ...], out_features: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        bdtype, device = compute_dtype(base)
+        self.base = base
+        self.path = path
+        self.index = index
+        self.out_features = out_features
+        self.bank = AdapterBank(state.slots.capacity, rank, out_features, a_shape, dtype or bdtype, device)
+        object.__setattr__(self, "state", state)  # shared, not a submodule
+        self.selection: registry.Selection | None = None
+        self.rebind()
+        self.select_backend()
+        registry.track(self)
+
+    # --- wiring -------------------------------------------------------------------------------
+    def rebind(self) -> None:
+        """Point this layer's scale views at the shared table on its device."""
+        t = self.state.table.on(self.bank.A.device)
+        self.scale_blend = t[0, self.index]  # [S] weight * alpha / r
+        self.scale_unit = t[1, self.index]  # [S] alpha / r
+
+    def select_backend(self) -> None:
+        A = self.bank.A
+        p = registry.Problem(A.device.type, A.dtype, self.kind, self.bank.rank_capacity, self.bank.slots)
+        try:
+            self.selection = registry.select(p)
+        except FdLoraError as e:
+            raise type(e)(f"{self.path}: {e}") from None
+        self._ops = self.selection.backend.ops
+
+    def _apply(self, fn, recurse=True):  # .to() / .half(): follow the bank to its new device and dtype
+        super()._apply(fn, recurse)
+        self.rebind()
+        self.select_backend()
+        return self
+
+    # --- loading ------------------------------------------------------------------------------
+    def check(self, m: ModuleLora, what: str) -> None:
+        check_fits(spec_of(self.base), m, self.path, what)
+
+    # --- forward ------------------------------------------------------------------------------
+    def _skip(self) -> bool:
+        st = self.state
+        if st.mode is Mode.OFF:
+            return True
+        if st.static or torch.compiler.is_compiling():
+            return False  # no host-side shortcuts: a switch must not change the traced graph
+        return (st.mode is Mode.BLEND and not st.active) or not any(self.bank.used)
+
+    def _weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale [S], group_weight [G, S]) for the blend and per-sample modes."""
+        if self.state.mode is Mode.BLEND:
+            return self.scale_blend, self.state.ones(device)
+        return self.scale_unit, self.state.group_weight(device)
+
+    def _add_bias(self, y2: torch.Tensor, scale: torch.Tensor, gw: torch.Tensor, row_slot: torch.Tensor | None) -> None:
+        bias = self.bank.bias.float()  # [S, N]
+        if row_slot is not None:
+            S = bias.shape[0]
+            onehot = (row_slot.long()[:, None] == torch.arange(S, device=row_slot.device)).float()
+            d = (onehot * scale) @ bias  # [M, N]
+        else:
+            G = gw.shape[0]
+            d = ((gw * scale) @ bias).repeat_interleave(y2.shape[0] // G, dim=0)
+        y2.copy_((y2.float() + d).to(y2.dtype))
+
+    def extra_repr(self) -> str:
+        b = self.bank
+        return (f"path={self.path!r}, slots={b.slots}, rank_capacity={b.rank_capacity}, dtype={b.A.dtype}, "
+                f"backend={self.selection}")
+
+
+class FusedLoraLinear(_FusedLora):
+    kind = "linear"
+
+    def __init__(self, base: nn.Module, state: ModelState, index: int, path: str, rank: int,
+                 dtype: torch.dtype | None = None) -> None:
+        dims = linear_dims(base)
+        if dims is None:
+            raise FdLoraError(f"{path}: {type(base).__name__} is not Linear-like (no in_features/out_features).")
+        super().__init__(base, state, index, path, rank, (dims[0],), dims[1], dtype)
+        self.in_features = dims[0]
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base(x, *args, **kwargs)
+        if self._skip():
+            return y
+        y = y.contiguous()
+        A, B, ranks = self.bank.A, self.bank.B, self.bank.ranks
+        x2 = x.reshape(-1, self.in_features).to(A.dtype)
+        y2 = y.view(-1, self.out_features)
+        M, st = x2.shape[0], self.state
+        if st.mode is Mode.ROWS:
+            row_slot = st.row_slot(x.device)
+            if row_slot.shape[0] != M:
+                raise FdLoraError(f"{self.path}: {row_slot.shape[0]} per-row adapters given for {M} rows.")
+            self._ops.lora_delta_rows(y2, x2, A, B, self.scale_unit, row_slot, ranks)
+            if self.bank.bias is not None:
+                self._add_bias(y2, self.scale_unit, st.ones(x.device), row_slot)
+            return y
+        scale, gw = self._weights(x.device)
+        if M % gw.shape[0]:
+            raise FdLoraError(
+                f"{self.path}: {gw.shape[0]} per-sample adapters given but the input has {M} rows "
+                f"(shape {tuple(x.shape)}); give one entry per sample of the batch."
+            )
+        self._ops.lora_delta(y2, x2, A, B, scale, gw, ranks)
+        if self.bank.bias is not None:
+            self._add_bias(y2, scale, gw, None)
+        return y
+
+
+class FusedLoraConv2d(_FusedLora):
+    kind = "conv2d"
+
+    def __init__(self, base: nn.Conv2d, state: ModelState, index: int, path: str, rank: int,
+                 dtype: torch.dtype | None = None) -> None:
+        if base.groups != 1:
+            raise FdLoraError(f"{path}: LoRA on grouped convolutions (groups={base.groups}) is not supported.")
+        super().__init__(base, state, index, path, rank, (base.in_channels, *base.kernel_size),
+                         base.out_channels, dtype)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base(x, *args, **kwargs)
+        if self._skip():
+            return y
+        if self.state.mode is Mode.ROWS:
+            raise FdLoraError(f"{self.path}: per-row adapters apply to linear layers; use per-sample adapters for convs.")
+        y = y.contiguous()
+        scale, gw = self._weights(x.device)
+        if x.shape[0] % gw.shape[0]:
+            raise FdLoraError(f"{self.path}: {gw.shape[0]} per-sample adapters for a batch of {x.shape[0]}.")
+        b = self.base
+        self._ops.lora_conv_delta(y, x.to(self.bank.A.dtype), self.bank.A, self.bank.B, scale, gw,
+                                  b.stride, b.padding, b.dilation)
+        if self.bank.bias is not None:
+            y2 = y.permute(0, 2, 3, 1)  # bias per output channel
+            d = ((gw * scale) @ self.bank.bias.float()).repeat_interleave(y.shape[0] // gw.shape[0], dim=0)
+            y.copy_((y2.float() + d[:, None, None, :]).to(y.dtype).permute(0, 3, 1, 2))
+        return y

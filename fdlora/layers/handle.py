@@ -1,0 +1,271 @@
+"""The handle of an injected model: swap modules in and out, load, switch and delete adapters.
+
+Every public call validates everything first and only then writes, so bad input leaves the model
+as it was. `restore()` puts the original module objects back: the base model is bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import CapacityError, CompiledModelError, FdLoraError, TargetError
+from ..hub.adapter import LoraAdapter
+from .bank import padded_rank
+from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
+from .state import Mode, ModelState
+
+SampleSpec = str | None | Mapping[str, float]
+
+
+class FdLoraHandle:
+    def __init__(self, model: nn.Module, max_slots: int = 4, max_rank: int = 64,
+                 dtype: torch.dtype | None = None) -> None:
+        if max_slots < 1 or max_rank < 1:
+            raise CapacityError(f"max_slots ({max_slots}) and max_rank ({max_rank}) must be at least 1.")
+        self.model = model
+        self.max_rank = padded_rank(max_rank)
+        self.dtype = dtype
+        self.state = ModelState(0, max_slots)
+        self.layers: dict[str, _FusedLora] = {}
+        self._originals: dict[str, nn.Module] = {}
+        self._restored = False
+
+    # --- module swapping -----------------------------------------------------------------------
+    def wrap(self, paths: Sequence[str]) -> list[_FusedLora]:
+        """Swap fused layers in for `paths` (skipping those already wrapped)."""
+        self._alive()
+        new = [p for p in dict.fromkeys(paths) if p not in self.layers]
+        if not new:
+            return []
+        self._reshapeable("wrap more modules")
+        L0 = len(self.layers)
+        self.state.table.resize(L0 + len(new), self.state.slots.capacity)
+        made = []
+        for i, path in enumerate(new):
+            base = self.model.get_submodule(path)
+            cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
+            made.append(cls(base, self.state, L0 + i, path, self.max_rank, self.dtype))
+        for layer in made:
+            self._swap(layer.path, layer)
+            self._originals[layer.path] = layer.base
+            self.layers[layer.path] = layer
+        for layer in self.layers.values():
+            layer.rebind()
+        return made
+
+    def _swap(self, path: str, module: nn.Module) -> None:
+        parent, _, child = path.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
+
+    def restore(self) -> nn.Module:
+        """Put every original module back (bit-exact base model) and drop all adapters."""
+        self._alive()
+        for path, original in self._originals.items():
+            self._swap(path, original)
+        self._originals.clear()
+        self.layers.clear()
+        self._restored = True
+        from . import registry_of_models
+
+        registry_of_models.pop(self.model, None)
+        return self.model
+
+    # --- adapters ------------------------------------------------------------------------------
+    def add_adapter(self, adapter: LoraAdapter, name: str | None = None, *, activate: bool = True,
+                    validate: bool = True) -> int:
+        """Load `adapter` into a free slot of every layer it targets; returns the slot.
+
+        With `activate` (the default, as diffusers' `load_lora_weights`) it becomes the only active
+        adapter. Modules it targets that are not wrapped yet are wrapped first.
+        """
+        self._alive()
+        name = name or adapter.name or f"default_{len(self.state.slots.by_name)}"
+        slot = self.state.slots.check_new(name)
+        what = f"adapter {name!r}"
+        to_wrap = []
+        for path, m in adapter.modules.items():
+            layer = self.layers.get(path)
+            if layer is None:
+                try:
+                    base = self.model.get_submodule(path)
+                except AttributeError:
+                    base = None
+                spec = None if base is None else spec_of(base)
+                if spec is None:
+                    raise TargetError(
+                        f"{what} targets {path!r}, which is "
+                        + ("not a module of this model" if base is None else f"a {type(base).__name__}")
+                        + f". {self._unmatched_hint(adapter)}"
+                    )
+                check_fits(spec, m, path, what)
+                to_wrap.append(path)
+            else:
+                layer.check(m, what)
+            if padded_rank(m.rank) > self.max_rank:
+                raise CapacityError(
+                    f"{what}: {path} has rank {m.rank}, above this model's rank capacity {self.max_rank}. "
+                    f"Raise max_rank (fdlora.inject(..., max_rank={padded_rank(m.rank)}) or "
+                    f"handle.grow(max_rank={padded_rank(m.rank)}))."
+                )
+        if validate:
+            adapter.check_finite()
+        if to_wrap:
+            self._reshapeable(f"wrap {len(to_wrap)} more modules for {what}")
+        wrapped = self.wrap(to_wrap)
+        scaling = self.state.table.scaling
+        try:
+            for path, m in adapter.modules.items():
+                layer = self.layers[path]
+                layer.bank.write(slot, m)
+                scaling[layer.index, slot] = adapter.scaling(path)
+        except Exception:
+            self._clear_slot(slot)
+            for layer in wrapped:
+                self._unwrap(layer.path)
+            raise
+        self.state.slots.by_name[name] = slot
+        if activate:
+            self.set_adapters([name])
+        else:
+            self.state.table.flush()
+        return slot
+
+    def _unmatched_hint(self, adapter: LoraAdapter) -> str:
+        missing = [p for p in adapter.modules if p not in self.layers]
+        return (f"{len(missing)} of its {len(adapter.modules)} module paths are not wrapped here "
+                f"(e.g. {missing[:3]}); it was probably made for another model.")
+
+    def _unwrap(self, path: str) -> None:
+        self._swap(path, self._originals.pop(path))
+        self.layers.pop(path)
+
+    def _clear_slot(self, slot: int) -> None:
+        for layer in self.layers.values():
+            if layer.bank.used[slot]:
+                layer.bank.clear(slot)
+        self.state.table.scaling[:, slot] = 0
+
+    def delete_adapter(self, names: str | Sequence[str]) -> None:
+        names = [names] if isinstance(names, str) else list(names)
+        slots = [self.state.slots.slot(n) for n in names]  # validates every name first
+        for name, slot in zip(names, slots):
+            self._clear_slot(slot)
+            del self.state.slots.by_name[name]
+            self.state.active.pop(name, None)
+        self._write_weights()
+
+    def set_adapters(self, names: str | Sequence[str], weights: float | Sequence[float | None] | None = None) -> None:
+        """Activate `names` with `weights` (default 1.0 each); every other adapter goes inactive. O(1)."""
+        names = [names] if isinstance(names, str) else list(names)
+        if weights is None or isinstance(weights, (int, float)):
+            weights = [1.0 if weights is None else float(weights)] * len(names)
+        weights = list(weights)
+        if len(weights) != len(names):
+            raise FdLoraError(f"{len(names)} adapter names but {len(weights)} weights; give one weight per name.")
+        for n in names:
+            self.state.slots.slot(n)
+        self.state.active = {n: 1.0 if w is None else float(w) for n, w in zip(names, weights)}
+        self._write_weights()
+
+    def _write_weights(self) -> None:
+        st = self.state
+        w = torch.zeros(st.slots.capacity)
+        for n, x in st.active.items():
+            w[st.slots.by_name[n]] = x
+        st.table.weights = w
+        st.table.flush()
+
+    def set_multiplier(self, multiplier: float) -> None:
+        """Scale every adapter by `multiplier` (diffusers' per-call `scale`): one table write."""
+        self.state.table.multiplier = float(multiplier)
+        self.state.table.flush()
+
+    def active_adapters(self) -> list[str]:
+        return list(self.state.active) if self.state.enabled else []
+
+    def list_adapters(self) -> list[str]:
+        return list(self.state.slots.by_name)
+
+    def disable(self) -> None:
+        self.state.enabled = False
+        self.state.mode = Mode.OFF
+
+    def enable(self) -> None:
+        self.state.enabled = True
+        self.state.mode = Mode.BLEND
+
+    # --- per-sample / per-row scopes ------------------------------------------------------------
+    def _weight_row(self, spec: SampleSpec) -> torch.Tensor:
+        row = torch.zeros(self.state.slots.capacity)
+        if spec is None or spec == "__base__":
+            return row
+        items = {spec: 1.0} if isinstance(spec, str) else spec
+        for n, w in items.items():
+            row[self.state.slots.slot(n)] = float(w)
+        return row
+
+    @contextlib.contextmanager
+    def per_sample(self, adapters: Sequence[SampleSpec]) -> Iterator[None]:
+        """Within the block, sample i of every batch uses `adapters[i]`: a name, None, or {name: weight}."""
+        gw = torch.stack([self._weight_row(a) for a in adapters])
+        with self._mode(Mode.SAMPLES):
+            self.state.set_group_weight(gw)
+            yield
+
+    @contextlib.contextmanager
+    def per_row(self, adapters: Sequence[str | None]) -> Iterator[None]:
+        """Within the block, row m of every [M, K] input uses `adapters[m]` (None / "__base__": no adapter)."""
+        slots = [-1 if a is None or a == "__base__" else self.state.slots.slot(a) for a in adapters]
+        with self._mode(Mode.ROWS):
+            self.state.set_row_slot(torch.tensor(slots, dtype=torch.int32))
+            yield
+
+    @contextlib.contextmanager
+    def _mode(self, mode: Mode) -> Iterator[None]:
+        previous = self.state.mode
+        self.state.mode = mode if self.state.enabled else Mode.OFF
+        try:
+            yield
+        finally:
+            self.state.mode = previous
+
+    # --- capacity ------------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """Promise static buffers (torch.compile, CUDA graphs): no host-side shortcuts, no reallocation."""
+        self.state.static = True
+
+    def grow(self, max_slots: int | None = None, max_rank: int | None = None) -> None:
+        """Raise slot and/or rank capacity, keeping loaded adapters (not on a frozen model)."""
+        self._reshapeable("grow the banks")
+        S = max(max_slots or 0, self.state.slots.capacity)
+        R = max(padded_rank(max_rank or 1), self.max_rank)
+        for layer in self.layers.values():
+            layer.bank.resize(S, R)
+        self.state.table.resize(len(self.layers), S)
+        self.state.slots.capacity = S
+        self.max_rank = R
+        for layer in self.layers.values():
+            layer.rebind()
+            layer.select_backend()
+        self._write_weights()
+
+    def _reshapeable(self, what: str) -> None:
+        if self.state.static:
+            raise CompiledModelError(
+                f"cannot {what}: this model is frozen for torch.compile / CUDA graphs, and its buffers must keep "
+                "their shapes. Load into a free slot instead, or inject with larger max_slots / max_rank."
+            )
+
+    def _alive(self) -> None:
+        if self._restored:
+            raise FdLoraError("this handle was restored; call fdlora.inject(model, ...) again to use fd-lora.")
+
+    def __repr__(self) -> str:
+        backends = sorted({l.selection.name for l in self.layers.values() if l.selection})
+        return (f"FdLoraHandle({type(self.model).__name__}, layers={len(self.layers)}, "
+                f"slots={self.state.slots.capacity}, rank_capacity={self.max_rank}, backends={backends}, "
+                f"adapters={self.list_adapters()}, active={self.active_adapters()})")

@@ -1,0 +1,165 @@
+"""State shared by every fused layer of one model: slot names, the scale table, the mode.
+
+The scale table is what makes switching O(1). Host side it is two small fp32 matrices,
+`scaling[L, S]` (alpha/r of slot s in layer l, 0 where the adapter does not touch l) and the
+user's `weights[S]` (or `[L, S]` for block-wise weights). Device side it is one fp32 tensor per
+device, `table[2, L, S]`:
+
+    table[0, l] = weights * scaling[l] * multiplier    (blend mode: the layer's per-slot scale)
+    table[1, l] = scaling[l] * multiplier             (per-sample / per-row modes)
+
+Every layer holds views `table[0, l]` and `table[1, l]`, so `set_adapters` is one host
+multiply and one copy per device, whatever the number of layers or of loaded adapters.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import torch
+
+from ..errors import CapacityError, DuplicateAdapterError, UnknownAdapterError
+
+
+class Mode(enum.Enum):
+    OFF = "off"  # base only
+    BLEND = "blend"  # active slots as one rank-sum adapter
+    SAMPLES = "samples"  # per-sample weights [G, S], rows grouped contiguously
+    ROWS = "rows"  # per-row slot index (LLM mixed batches)
+
+
+class SlotTable:
+    """Adapter name <-> slot index."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.by_name: dict[str, int] = {}
+
+    def free(self) -> list[int]:
+        used = set(self.by_name.values())
+        return [s for s in range(self.capacity) if s not in used]
+
+    def check_new(self, name: str) -> int:
+        if name in self.by_name:
+            raise DuplicateAdapterError(
+                f"an adapter named {name!r} is already loaded; delete it first or pick another adapter_name."
+            )
+        free = self.free()
+        if not free:
+            raise CapacityError(
+                f"all {self.capacity} adapter slots are in use ({', '.join(self.by_name)}); delete an adapter, "
+                f"or raise max_slots (fdlora.inject(..., max_slots=N) or handle.grow(max_slots=N))."
+            )
+        return free[0]
+
+    def slot(self, name: str) -> int:
+        try:
+            return self.by_name[name]
+        except KeyError:
+            loaded = ", ".join(map(repr, self.by_name)) or "none"
+            raise UnknownAdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded}).") from None
+
+
+class ScaleTable:
+    def __init__(self, layers: int, slots: int) -> None:
+        self.scaling = torch.zeros(layers, slots)
+        self.weights = torch.zeros(slots)  # [S] or [L, S]
+        self.multiplier = 1.0
+        self._device: dict[torch.device, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.scaling.shape)  # type: ignore[return-value]
+
+    def host(self) -> torch.Tensor:
+        blend = self.scaling * self.weights * self.multiplier
+        return torch.stack([blend, self.scaling * self.multiplier])
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The [2, L, S] table on `device` (created on first use)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = self._device.get(device)
+        if t is None:
+            t = self._device[device] = self.host().to(device)
+        return t
+
+    def flush(self) -> None:
+        """Write the host state to every device table: one small copy per device."""
+        with self._lock:
+            host = self.host()
+            for t in self._device.values():
+                t.copy_(host, non_blocking=t.device.type == "cuda")
+
+    def resize(self, layers: int, slots: int) -> None:
+        L0, S0 = self.shape
+        scaling = torch.zeros(layers, slots)
+        scaling[:L0, :S0] = self.scaling
+        if self.weights.dim() == 1:
+            weights = torch.zeros(slots)
+            weights[:S0] = self.weights
+        else:
+            weights = torch.zeros(layers, slots)
+            weights[:L0, :S0] = self.weights
+        self.scaling, self.weights = scaling, weights
+        self._device = {d: self.host().to(d) for d in self._device}
+
+
+class ModelState:
+    """Everything the fused layers of one model share. Layers read it; the handle writes it."""
+
+    def __init__(self, layers: int, slots: int) -> None:
+        self.slots = SlotTable(slots)
+        self.table = ScaleTable(layers, slots)
+        self.mode = Mode.BLEND
+        self.enabled = True
+        self.active: dict[str, float] = {}
+        self.static = False  # True once frozen for torch.compile / CUDA graphs: no host-side shortcuts
+        self.layout_version = 0  # bumped when tables reallocate; layers re-point their views
+        self._group_weight: dict[torch.device, torch.Tensor] = {}
+        self._row_slot: dict[torch.device, torch.Tensor] = {}
+        self._ones: dict[torch.device, torch.Tensor] = {}
+
+    def any_active(self) -> bool:
+        return bool(self.active)
+
+    def ones(self, device: torch.device) -> torch.Tensor:
+        """[1, S] group weight for blend mode."""
+        t = self._ones.get(device)
+        if t is None or t.shape[1] != self.slots.capacity:
+            t = self._ones[device] = torch.ones(1, self.slots.capacity, device=device)
+        return t
+
+    def set_group_weight(self, gw: torch.Tensor) -> None:
+        """Per-sample weights [G, S] for the next calls (written in place when G is unchanged)."""
+        for d in list(self._group_weight) or [gw.device]:
+            t = self._group_weight.get(d)
+            if t is None or t.shape != gw.shape:
+                self._group_weight[d] = gw.to(d, torch.float32).clone()
+            else:
+                t.copy_(gw)
+
+    def group_weight(self, device: torch.device) -> torch.Tensor:
+        t = self._group_weight.get(device)
+        if t is None:
+            src = next(iter(self._group_weight.values()))
+            t = self._group_weight[device] = src.to(device)
+        return t
+
+    def set_row_slot(self, rs: torch.Tensor) -> None:
+        for d in list(self._row_slot) or [rs.device]:
+            t = self._row_slot.get(d)
+            if t is None or t.shape != rs.shape:
+                self._row_slot[d] = rs.to(d, torch.int32).clone()
+            else:
+                t.copy_(rs)
+
+    def row_slot(self, device: torch.device) -> torch.Tensor:
+        t = self._row_slot.get(device)
+        if t is None:
+            src = next(iter(self._row_slot.values()))
+            t = self._row_slot[device] = src.to(device)
+        return t

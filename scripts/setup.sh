@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install fd-lora and what its tests and quickstart need into the current Python.
+# Keeps an installed torch; on a machine with none, installs torch==2.13.0 (a local CPU wheel on our CI machines).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    echo "[setup] no torch found: installing torch==2.13.0"
+    "$PY" -m pip install -q "torch==2.13.0"
+fi
+extras="dev"
+[ "$(uname -s)" = "Linux" ] && extras="dev,triton"
+"$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
