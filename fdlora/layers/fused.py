@@ -106,6 +106,7 @@ class _FusedLora(nn.Module):
         t = self.state.table.on(self.bank.A.device)
         self.scale_blend = t[0, self.index]  # [S] weight * alpha / r
         self.scale_unit = t[1, self.index]  # [S] alpha / r
+        self.blend_weight = self.state.ones(self.bank.A.device)  # [1, S] group weight of blend mode
 
     def select_backend(self) -> None:
         A = self.bank.A
@@ -138,7 +139,7 @@ class _FusedLora(nn.Module):
     def _weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale [S], group_weight [G, S]) for the blend and per-sample modes."""
         if self.state.mode is Mode.BLEND:
-            return self.scale_blend, self.state.ones(device)
+            return self.scale_blend, self.blend_weight
         return self.scale_unit, self.state.group_weight(device)
 
     def _add_bias(self, y2: torch.Tensor, scale: torch.Tensor, gw: torch.Tensor, row_slot: torch.Tensor | None) -> None:
@@ -184,7 +185,7 @@ class FusedLoraLinear(_FusedLora):
                 raise FdLoraError(f"{self.path}: {row_slot.shape[0]} per-row adapters given for {M} rows.")
             self._ops.lora_delta_rows(y2, x2, A, B, self.scale_unit, row_slot, ranks)
             if self.bank.bias is not None:
-                self._add_bias(y2, self.scale_unit, st.ones(x.device), row_slot)
+                self._add_bias(y2, self.scale_unit, self.blend_weight, row_slot)
             return y
         scale, gw = self._weights(x.device)
         if M % gw.shape[0]:

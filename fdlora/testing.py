@@ -1,0 +1,43 @@
+"""Oracles and tolerances shared by tests, benchmarks and notebooks (no test framework needed).
+
+The oracle computes in float64 from the same (already rounded) inputs; a result passes when its
+error against the oracle is within a bound derived from eager PyTorch's own error in that dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = {torch.float32: 1.2e-7, torch.float16: 9.8e-4, torch.bfloat16: 7.9e-3, torch.float64: 2.3e-16}
+
+
+def oracle_delta(
+    x: torch.Tensor,  # [M, K]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    row_scale: torch.Tensor,  # [M, S] effective scale of every slot for every row
+) -> torch.Tensor:  # [M, N] float64
+    S, R, K = A.shape
+    N = B.shape[0]
+    h = x.double() @ A.double().reshape(S * R, K).t()
+    h = (h.view(-1, S, R) * row_scale.double()[:, :, None]).reshape(-1, S * R)
+    return h @ B.double().reshape(N, S * R).t()
+
+
+def eager_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """The PEFT-style computation in x's dtype: what eager users get today (for error bounds)."""
+    S, R, K = A.shape
+    N = B.shape[0]
+    h = x @ A.reshape(S * R, K).t()
+    h = (h.view(-1, S, R) * row_scale.to(x.dtype)[:, :, None]).reshape(-1, S * R)
+    return h @ B.reshape(N, S * R).t()
+
+
+def bound(eager_err: float, ref: torch.Tensor, dtype: torch.dtype, factor: float = 2.0) -> float:
+    """Allowed error: `factor` x eager's error, floored at a few ulps of the output's scale."""
+    return factor * eager_err + 4 * EPS[dtype] * float(ref.abs().max()) + 1e-12
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in result"
+    return float((a.double() - b.double()).abs().max())
