@@ -136,11 +136,18 @@ class _FusedLora(nn.Module):
             return False  # no host-side shortcuts: a switch must not change the traced graph
         return (st.mode is Mode.BLEND and not st.active) or not any(self.bank.used)
 
-    def _weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weights(self, x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale [S], group_weight [G, S]) for the blend and per-sample modes."""
         if self.state.mode is Mode.BLEND:
             return self.scale_blend, self.blend_weight
-        return self.scale_unit, self.state.group_weight(device)
+        gw = self.state.group_weight(x.shape[0], rows, x.device)
+        if gw is None or rows % gw.shape[0]:
+            given = sorted({b for (b, _) in self.state._group_weight})
+            raise FdLoraError(
+                f"{self.path}: per-sample adapters were given for batch sizes {given}, but this input has shape "
+                f"{tuple(x.shape)}; give one entry per sample of the batch."
+            )
+        return self.scale_unit, gw
 
     def _add_bias(self, y2: torch.Tensor, scale: torch.Tensor, gw: torch.Tensor, row_slot: torch.Tensor | None) -> None:
         bias = self.bank.bias.float()  # [S, N]
@@ -187,12 +194,7 @@ class FusedLoraLinear(_FusedLora):
             if self.bank.bias is not None:
                 self._add_bias(y2, self.scale_unit, self.blend_weight, row_slot)
             return y
-        scale, gw = self._weights(x.device)
-        if M % gw.shape[0]:
-            raise FdLoraError(
-                f"{self.path}: {gw.shape[0]} per-sample adapters given but the input has {M} rows "
-                f"(shape {tuple(x.shape)}); give one entry per sample of the batch."
-            )
+        scale, gw = self._weights(x, M)
         self._ops.lora_delta(y2, x2, A, B, scale, gw, ranks)
         if self.bank.bias is not None:
             self._add_bias(y2, scale, gw, None)
@@ -214,11 +216,11 @@ class FusedLoraConv2d(_FusedLora):
         if self._skip():
             return y
         if self.state.mode is Mode.ROWS:
-            raise FdLoraError(f"{self.path}: per-row adapters apply to linear layers; use per-sample adapters for convs.")
+            raise FdLoraError(
+                f"{self.path}: per-row adapters apply to linear layers; use per-sample adapters for convs."
+            )
         y = y.contiguous()
-        scale, gw = self._weights(x.device)
-        if x.shape[0] % gw.shape[0]:
-            raise FdLoraError(f"{self.path}: {gw.shape[0]} per-sample adapters for a batch of {x.shape[0]}.")
+        scale, gw = self._weights(x, x.shape[0])
         b = self.base
         self._ops.lora_conv_delta(y, x.to(self.bank.A.dtype), self.bank.A, self.bank.B, scale, gw,
                                   b.stride, b.padding, b.dilation)

@@ -7,7 +7,8 @@ as it was. `restore()` puts the original module objects back: the base model is 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,6 +20,17 @@ from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spe
 from .state import Mode, ModelState
 
 SampleSpec = str | None | Mapping[str, float]
+Weight = float | Callable[[str], float] | None
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A checked load: which slot, which modules still to wrap. Only `commit` acts on it."""
+
+    name: str
+    slot: int
+    adapter: LoraAdapter
+    to_wrap: list[str]
 
 
 class FdLoraHandle:
@@ -82,6 +94,10 @@ class FdLoraHandle:
         With `activate` (the default, as diffusers' `load_lora_weights`) it becomes the only active
         adapter. Modules it targets that are not wrapped yet are wrapped first.
         """
+        return self.commit(self.plan(adapter, name, validate=validate), activate=activate)
+
+    def plan(self, adapter: LoraAdapter, name: str | None = None, *, validate: bool = True) -> LoadPlan:
+        """Check everything about loading `adapter` and say how; raises on any problem, changes nothing."""
         self._alive()
         name = name or adapter.name or f"default_{len(self.state.slots.by_name)}"
         slot = self.state.slots.check_new(name)
@@ -115,24 +131,29 @@ class FdLoraHandle:
             adapter.check_finite()
         if to_wrap:
             self._reshapeable(f"wrap {len(to_wrap)} more modules for {what}")
-        wrapped = self.wrap(to_wrap)
+        return LoadPlan(name, slot, adapter, to_wrap)
+
+    def commit(self, plan: LoadPlan, *, activate: bool = True) -> int:
+        """Carry out a `plan` from `plan()`: wrap, write the banks, register the name."""
+        self.state.slots.check_new(plan.name)
+        wrapped = self.wrap(plan.to_wrap)
         scaling = self.state.table.scaling
         try:
-            for path, m in adapter.modules.items():
+            for path, m in plan.adapter.modules.items():
                 layer = self.layers[path]
-                layer.bank.write(slot, m)
-                scaling[layer.index, slot] = adapter.scaling(path)
+                layer.bank.write(plan.slot, m)
+                scaling[layer.index, plan.slot] = plan.adapter.scaling(path)
         except Exception:
-            self._clear_slot(slot)
+            self._clear_slot(plan.slot)
             for layer in wrapped:
                 self._unwrap(layer.path)
             raise
-        self.state.slots.by_name[name] = slot
+        self.state.slots.by_name[plan.name] = plan.slot
         if activate:
-            self.set_adapters([name])
+            self.set_adapters([plan.name])
         else:
             self.state.table.flush()
-        return slot
+        return plan.slot
 
     def _unmatched_hint(self, adapter: LoraAdapter) -> str:
         missing = [p for p in adapter.modules if p not in self.layers]
@@ -158,24 +179,35 @@ class FdLoraHandle:
             self.state.active.pop(name, None)
         self._write_weights()
 
-    def set_adapters(self, names: str | Sequence[str], weights: float | Sequence[float | None] | None = None) -> None:
-        """Activate `names` with `weights` (default 1.0 each); every other adapter goes inactive. O(1)."""
+    def set_adapters(self, names: str | Sequence[str], weights: Weight | Sequence[Weight] | None = None) -> None:
+        """Activate `names` with `weights` (default 1.0 each); every other adapter goes inactive.
+
+        A weight is a number, or a function of the layer path returning one (block-wise weights).
+        Numbers cost one small table write whatever the model size; functions are evaluated once per
+        layer here, never in forward.
+        """
         names = [names] if isinstance(names, str) else list(names)
-        if weights is None or isinstance(weights, (int, float)):
-            weights = [1.0 if weights is None else float(weights)] * len(names)
+        if weights is None or isinstance(weights, (int, float)) or callable(weights):
+            weights = [1.0 if weights is None else weights] * len(names)
         weights = list(weights)
         if len(weights) != len(names):
             raise FdLoraError(f"{len(names)} adapter names but {len(weights)} weights; give one weight per name.")
         for n in names:
             self.state.slots.slot(n)
-        self.state.active = {n: 1.0 if w is None else float(w) for n, w in zip(names, weights)}
+        self.state.active = {n: 1.0 if w is None else w if callable(w) else float(w)
+                             for n, w in zip(names, weights)}
         self._write_weights()
 
     def _write_weights(self) -> None:
         st = self.state
-        w = torch.zeros(st.slots.capacity)
+        per_layer = any(callable(x) for x in st.active.values())
+        w = torch.zeros(len(self.layers), st.slots.capacity) if per_layer else torch.zeros(st.slots.capacity)
         for n, x in st.active.items():
-            w[st.slots.by_name[n]] = x
+            slot = st.slots.by_name[n]
+            if callable(x):
+                w[:, slot] = torch.tensor([float(x(layer.path)) for layer in self.layers.values()])
+            else:
+                w[..., slot] = x
         st.table.weights = w
         st.table.flush()
 
@@ -208,12 +240,21 @@ class FdLoraHandle:
             row[self.state.slots.slot(n)] = float(w)
         return row
 
+    def sample_weights(self, adapters: Sequence[SampleSpec]) -> torch.Tensor:
+        """[G, S] weights for per-sample specs (a name, None / "__base__", or {name: weight} each)."""
+        return torch.stack([self._weight_row(a) for a in adapters])
+
     @contextlib.contextmanager
-    def per_sample(self, adapters: Sequence[SampleSpec]) -> Iterator[None]:
-        """Within the block, sample i of every batch uses `adapters[i]`: a name, None, or {name: weight}."""
-        gw = torch.stack([self._weight_row(a) for a in adapters])
+    def per_sample(self, adapters: Sequence[SampleSpec] | Mapping[int, Sequence[SampleSpec]]) -> Iterator[None]:
+        """Within the block, sample i of a batch uses `adapters[i]`: a name, None, or {name: weight}.
+
+        A mapping {batch size: specs} serves several batch sizes in one call (a pipeline's text
+        encoders see the prompts, its denoiser the CFG-doubled, per-image-repeated batch).
+        """
+        by_batch = adapters if isinstance(adapters, Mapping) else {len(adapters): adapters}
+        weights = {b: self.sample_weights(specs) for b, specs in by_batch.items()}
         with self._mode(Mode.SAMPLES):
-            self.state.set_group_weight(gw)
+            self.state.set_sample_weights(weights)
             yield
 
     @contextlib.contextmanager

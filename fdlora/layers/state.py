@@ -119,7 +119,7 @@ class ModelState:
         self.active: dict[str, float] = {}
         self.static = False  # True once frozen for torch.compile / CUDA graphs: no host-side shortcuts
         self.layout_version = 0  # bumped when tables reallocate; layers re-point their views
-        self._group_weight: dict[torch.device, torch.Tensor] = {}
+        self._group_weight: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._row_slot: dict[torch.device, torch.Tensor] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}
 
@@ -133,20 +133,36 @@ class ModelState:
             t = self._ones[device] = torch.ones(1, self.slots.capacity, device=device)
         return t
 
-    def set_group_weight(self, gw: torch.Tensor) -> None:
-        """Per-sample weights [G, S] for the next calls (written in place when G is unchanged)."""
-        for d in list(self._group_weight) or [gw.device]:
-            t = self._group_weight.get(d)
-            if t is None or t.shape != gw.shape:
-                self._group_weight[d] = gw.to(d, torch.float32).clone()
-            else:
-                t.copy_(gw)
+    def set_sample_weights(self, by_batch: dict[int, torch.Tensor]) -> None:
+        """Per-sample weights for the next calls: batch size -> [G, S] (G samples, rows of each contiguous).
 
-    def group_weight(self, device: torch.device) -> torch.Tensor:
-        t = self._group_weight.get(device)
+        A layer whose input has batch size B uses the entry for B; several entries let one call serve
+        the differently sized batches of one pipeline run (prompts, images per prompt, CFG halves).
+        Same-shaped entries are rewritten in place, so compiled graphs stay valid.
+        """
+        devices = {d for (_, d) in self._group_weight} or {next(iter(by_batch.values())).device}
+        fresh = {}
+        for b, gw in by_batch.items():
+            for d in devices:
+                t = self._group_weight.get((b, d))
+                if t is not None and t.shape == gw.shape:
+                    t.copy_(gw)
+                    fresh[(b, d)] = t
+                else:
+                    fresh[(b, d)] = gw.to(d, torch.float32).clone()
+        self._group_weight = fresh
+
+    def group_weight(self, batch: int, rows: int, device: torch.device) -> torch.Tensor | None:
+        """The [G, S] weights for an input of `batch` samples and `rows` flattened rows, or None."""
+        t = self._group_weight.get((batch, device))
         if t is None:
-            src = next(iter(self._group_weight.values()))
-            t = self._group_weight[device] = src.to(device)
+            keys = {b for (b, _) in self._group_weight}
+            if batch not in keys and len(keys) == 1 and rows % next(iter(keys)) == 0:
+                batch = next(iter(keys))  # flattened [M, K] input whose rows group by sample
+            elif batch not in keys:
+                return None
+            src = next(v for (b, _), v in self._group_weight.items() if b == batch)
+            t = self._group_weight[(batch, device)] = src.to(device)
         return t
 
     def set_row_slot(self, rs: torch.Tensor) -> None:

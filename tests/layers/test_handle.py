@@ -111,7 +111,7 @@ def test_lifecycle_has_no_growth(net):
         gc.collect()
         return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
-    for i in range(20):  # warm up every path once
+    for _ in range(20):  # warm up every path once
         fdlora.add_adapter(net, ad, "a")
         fdlora.set_adapters(net, ["a"], [0.5])
         net(x)
@@ -298,3 +298,28 @@ def test_set_backend_reselects_layers_and_env(net, monkeypatch):
     monkeypatch.setattr(reg, "_preference", None)
     with pytest.raises(errors.BackendUnavailableError, match="CUDA C\\+\\+ extension"):
         fdlora.inject(Net(), ["q_proj"])
+
+
+def test_block_wise_weights_and_batch_keyed_samples(net):
+    h = fdlora.inject(net, ["q_proj", "v_proj"])
+    fdlora.add_adapter(net, lora(QV, scale=0.1), "a")
+    x = torch.randn(2, 3, 16)  # batch 2, 3 tokens
+    h.set_adapters("a", lambda path: 0.0 if path.startswith("blocks.0") else 2.0)
+    assert float(net.blocks[0]["q_proj"].scale_blend[0]) == 0.0
+    assert float(net.blocks[1]["q_proj"].scale_blend[0]) == 2.0
+    per_layer = net(x)
+    h.set_adapters("a", 2.0)
+    assert not torch.allclose(per_layer, net(x))
+    fdlora.disable(net)
+    base = net(x)
+    fdlora.enable(net)
+    h.set_adapters("a", 1.0)
+    full = net(x)
+    # one call serving two batch sizes: 2 prompts, and the same prompts doubled (CFG-like)
+    with h.per_sample({2: ["a", None], 4: [None, None, "a", None]}):
+        two = net(x)
+        four = net(torch.cat([x, x]))
+    assert torch.allclose(two[0], full[0], atol=1e-6) and torch.allclose(two[1], base[1], atol=1e-6)
+    assert torch.allclose(four[2], full[0], atol=1e-6) and torch.allclose(four[0], base[0], atol=1e-6)
+    with pytest.raises(errors.FdLoraError, match="batch sizes"), h.per_sample({2: ["a", None]}):
+        net(torch.randn(3, 3, 16))
