@@ -17,6 +17,10 @@ from .errors import FdLoraError
 from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
 from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
+from .pipelines.attach import install as _install_diffusers_hook
+from .pipelines.scope import adapters
+
+_install_diffusers_hook()
 
 __version__ = "0.1.0"
 
@@ -29,6 +33,7 @@ __all__ = [
     "ModuleLora",
     "Provenance",
     "active_adapters",
+    "adapters",
     "add_adapter",
     "delete_adapter",
     "disable",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CapacityError, CompiledModelError, FdLoraError, TargetError
+from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, FdLoraError, TargetError
 from ..hub.adapter import LoraAdapter
 from .bank import padded_rank
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
@@ -178,6 +178,15 @@ class FdLoraHandle:
             del self.state.slots.by_name[name]
             self.state.active.pop(name, None)
         self._write_weights()
+
+    def rename(self, old: str, new: str) -> None:
+        slot = self.state.slots.slot(old)
+        if new in self.state.slots.by_name:
+            raise DuplicateAdapterError(f"an adapter named {new!r} is already loaded.")
+        del self.state.slots.by_name[old]
+        self.state.slots.by_name[new] = slot
+        if old in self.state.active:
+            self.state.active = {new if n == old else n: w for n, w in self.state.active.items()}
 
     def set_adapters(self, names: str | Sequence[str], weights: Weight | Sequence[Weight] | None = None) -> None:
         """Activate `names` with `weights` (default 1.0 each); every other adapter goes inactive.

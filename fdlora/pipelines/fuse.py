@@ -1,0 +1,44 @@
+"""Fuse the active adapters into base weights, and unfuse back to the exact original bits.
+
+Fusing computes each layer's delta in fp32 from the banks and adds it to the weight once; the
+original weight is kept (on the CPU) and copied back on unfuse, so a fuse/unfuse cycle is exact
+however often it runs (diffusers' unfuse subtracts a recomputed delta and drifts in fp16/bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import FdLoraError, NonFiniteError
+from ..layers.fused import FusedLoraConv2d, _FusedLora, _is_conv1d
+
+
+def delta_weight(layer: _FusedLora, slot_weights: torch.Tensor) -> torch.Tensor:
+    """sum_s w_s * B_s A_s in fp32, shaped like the base weight. `slot_weights` [S] holds w_s * alpha/r."""
+    A, B = layer.bank.A.float(), layer.bank.B.float()  # [S, R, ...], [N, S, R]
+    S, R = A.shape[:2]
+    Bw = (B * slot_weights.float().to(B.device)[None, :, None]).reshape(B.shape[0], S * R)
+    delta = Bw @ A.reshape(S * R, -1)  # [N, K] or [N, C*kh*kw]
+    if isinstance(layer, FusedLoraConv2d):
+        return delta.view(layer.base.weight.shape)
+    return delta.t() if _is_conv1d(layer.base) else delta
+
+
+def fuse_layer(layer: _FusedLora, slot_weights: torch.Tensor, safe: bool) -> torch.Tensor:
+    """Add the delta into the base weight in place; returns the original weight (CPU copy)."""
+    w = getattr(layer.base, "weight", None)
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise FdLoraError(f"{layer.path}: cannot fuse into a {type(layer.base).__name__} (quantized or opaque "
+                          "base); keep the adapter unfused, fd-lora applies it at nearly the same speed.")
+    fused = w.float() + delta_weight(layer, slot_weights)
+    if safe and not torch.isfinite(fused).all():
+        raise NonFiniteError(f"{layer.path}: fusing would put NaN/Inf into the weight; nothing was fused.")
+    original = w.detach().to("cpu", copy=True)
+    with torch.no_grad():
+        w.copy_(fused.to(w.dtype))
+    return original
+
+
+def unfuse_layer(layer: _FusedLora, original: torch.Tensor) -> None:
+    with torch.no_grad():
+        layer.base.weight.copy_(original)

@@ -1,0 +1,45 @@
+"""Request scope: adapters for one call, and calls that never see each other's adapters.
+
+fd-lora's adapter state lives in the model (banks and scale tables), like the weights. A pipeline
+therefore serialises the calls that touch it: every generation, `set_adapters` and
+`fdlora.adapters(...)` block holds the pipeline's re-entrant lock, so two threads generating with
+different adapters run one after the other, each with exactly its own adapters. (Generations on one
+GPU queue up anyway; what this buys is that they cannot bleed into each other.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+
+def pipe_lock(pipe: Any) -> threading.RLock:
+    lock = pipe.__dict__.get("_fdlora_lock")
+    if lock is None:
+        lock = pipe.__dict__.setdefault("_fdlora_lock", threading.RLock())
+    return lock
+
+
+@contextlib.contextmanager
+def adapters(pipe: Any, spec: str | Sequence[str] | Mapping[str, float]) -> Iterator[None]:
+    """Within the block (and this thread), `pipe` uses `spec`: a name, a list of names, or {name: weight}.
+
+    The previous active set and weights come back on exit, also on error.
+    """
+    if isinstance(spec, str):
+        spec = {spec: 1.0}
+    elif not isinstance(spec, Mapping):
+        spec = dict.fromkeys(spec, 1.0)
+    with pipe_lock(pipe):
+        handles = pipe.fd_lora_handles()
+        saved = {c: (dict(h.state.active), h.state.enabled) for c, h in handles.items()}
+        try:
+            pipe.set_adapters(list(spec), list(spec.values()))
+            yield
+        finally:
+            for c, h in handles.items():
+                active, enabled = saved[c]
+                h.set_adapters(list(active), list(active.values()))
+                h.enable() if enabled else h.disable()
