@@ -38,7 +38,7 @@ register(
     Backend(
         "triton",
         Capability(devices=frozenset({"cuda"} | ({"cpu"} if env.triton_interpret() else set())),
-                   dtypes=FLOATS, kinds=frozenset({"linear"}), max_rank=128, max_slots=64),
+                   dtypes=FLOATS, kinds=frozenset({"linear"}), max_rank=256, max_slots=64),
         module="fdlora.kernels.triton.ops",
         probe=_probe_triton,
     )

@@ -1,0 +1,172 @@
+"""Launch settings shared by the Triton kernels: interpreter mode, autotune configs, block checks.
+
+Configs are bounded sets, tuned per (bucketed M, K, N, rank tile). The CPU interpreter cannot
+autotune (it has no driver to time on), so it gets one small config; it also mis-computes bf16
+`tl.dot`, so kernels upcast dot operands to fp32 there (`UPCAST`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ... import env
+from ...errors import FdLoraError
+
+INTERPRET = env.triton_interpret()
+MIN_BLOCK = 16  # tl.dot needs >= 16 on the GPU; the interpreter accepts less, so we check here
+MAX_RANK_TILE = 64  # packed rank columns kept on chip per pass (h is [BM, RC] fp32 in registers)
+MAX_SLOTS = 64  # slots a kernel packs per row block (S is a tl.arange extent)
+MAX_RANK = 256  # bank rank capacity R the kernels accept (more works, in more passes; kept bounded)
+
+
+def cfg(warps: int, stages: int, **blocks: int) -> triton.Config:
+    return triton.Config(blocks, num_warps=warps, num_stages=stages)
+
+
+FEW_ROWS = 64  # M at or below which the few-rows config sets apply
+
+# Row-block kernels (fused delta, per-row delta, expand-add): BM rows x BN columns of y, BK of K.
+# Many rows: each program owns a row block, streams x once (K loop) and y once (N sweep).
+# Few rows (decode): one row tile; programs spread over N tiles (and slots, per-row mode).
+DELTA = {
+    "many": [
+        cfg(4, 3, BM=32, BN=128, BK=64),
+        cfg(4, 3, BM=64, BN=128, BK=64),
+        cfg(4, 3, BM=64, BN=64, BK=128),
+        cfg(8, 3, BM=32, BN=256, BK=64),
+        cfg(8, 3, BM=128, BN=128, BK=64),
+    ],
+    "few": [
+        cfg(4, 3, BM=16, BN=64, BK=128),
+        cfg(4, 3, BM=16, BN=128, BK=128),
+        cfg(4, 2, BM=16, BN=128, BK=256),
+        cfg(4, 3, BM=16, BN=256, BK=64),
+    ],
+    "interpret": [cfg(4, 1, BM=16, BN=32, BK=32)],
+}
+# Shrink alone (h = x A^T): BM rows x one rank chunk, K split across programs when rows are few.
+SHRINK = {
+    "many": [cfg(4, 3, BM=64, BK=64), cfg(4, 3, BM=128, BK=64), cfg(8, 3, BM=128, BK=128)],
+    "few": [cfg(4, 3, BM=16, BK=128), cfg(4, 3, BM=16, BK=256), cfg(4, 4, BM=32, BK=64)],
+    "interpret": [cfg(4, 1, BM=16, BK=32)],
+}
+
+
+AUTOTUNE = not INTERPRET  # tests turn it off (one config each: fewer compiles); the interpreter cannot tune
+# Integer arguments that only bound loops or mask rows: not specialized, so new M or S never recompile.
+# K, N and strides stay specialized (divisibility by 16 lets loads along them vectorize).
+NO_SPECIALIZE = ["M", "S", "R", "P", "rows_per_group", "M_BUCKET"]
+
+
+def configs(table: dict[str, list[triton.Config]], few: bool) -> list[triton.Config]:
+    return table["interpret"] if INTERPRET else table["few" if few else "many"]
+
+
+def kernels(fn, table: dict[str, list[triton.Config]], key: list[str], **autotune_args) -> dict:
+    """Autotuned wrappers of one jit function: (few rows?, tuned?) -> kernel (untuned: first config)."""
+    jitted = triton.jit(fn, do_not_specialize=[a for a in NO_SPECIALIZE if a in fn.__code__.co_varnames])
+    return {
+        (few, tune): triton.autotune(configs(table, few)[: None if tune else 1], key=key, **autotune_args)(jitted)
+        for few in (True, False)
+        for tune in (True, False)
+    }
+
+
+def pick(table: dict, M: int):
+    return table[(M <= FEW_ROWS, AUTOTUNE)]
+
+
+def check_blocks(configs: list[triton.Config], **extra: int) -> None:
+    """Every tl.dot extent must be >= 16 (the GPU compiler rejects less; the interpreter does not)."""
+    for c in configs:
+        for name in ("BM", "BN", "BK"):
+            if c.kwargs.get(name, MIN_BLOCK) < MIN_BLOCK:
+                raise FdLoraError(f"Triton config {c} has {name}={c.kwargs[name]} < {MIN_BLOCK}: tl.dot needs >= 16.")
+    for name, v in extra.items():
+        if v < MIN_BLOCK or v & (v - 1):
+            raise FdLoraError(f"Triton block {name}={v} must be a power of two >= {MIN_BLOCK}.")
+
+
+for _table in (DELTA, SHRINK):
+    for _set in _table.values():
+        check_blocks(_set)
+
+
+def dims(t: torch.Tensor) -> tuple[int, ...]:
+    """Shape as plain ints (specializes symbolic sizes: launch math and kernel choice stay static)."""
+    return tuple(int(v) for v in t.shape)
+
+
+def strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(v) for v in t.stride())
+
+
+def bucket(M: int) -> int:
+    """Autotune key for M: powers of two up to 16384, so a new sequence length rarely re-tunes."""
+    return min(triton.next_power_of_2(max(M, 1)), 16384)
+
+
+def rank_tile(width: int) -> int:
+    """Packed rank columns per pass for a rank axis of `width` columns (16..MAX_RANK_TILE)."""
+    return min(MAX_RANK_TILE, max(MIN_BLOCK, triton.next_power_of_2(width)))
+
+
+def slot_pad(S: int) -> int:
+    return max(2, triton.next_power_of_2(S))
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    if INTERPRET or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    return sm_count(t.device.index or 0) if t.device.type == "cuda" else sm_count(-1)
+
+
+def dot_flags(dtype: torch.dtype) -> dict[str, bool]:
+    """UPCAST under the interpreter; IEEE for fp32 operands (match eager fp32, no tf32)."""
+    return {"UPCAST": INTERPRET, "IEEE": dtype == torch.float32}
+
+
+def check_operands(op: str, y: torch.Tensor | None, x: torch.Tensor | None, A: torch.Tensor | None,
+                   B: torch.Tensor | None, **small: torch.Tensor) -> None:
+    """Shapes and dtypes the kernels rely on; the message says what to pass instead."""
+    def fail(why: str) -> None:
+        raise FdLoraError(f"fdlora triton {op}: {why}")
+
+    mats = {k: t for k, t in (("y", y), ("x", x), ("A", A), ("B", B)) if t is not None}
+    for k, t in mats.items():
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            fail(f"{k} is {t.dtype}; use float16, bfloat16 or float32.")
+    ops = [t for k, t in mats.items() if k in ("x", "A", "B")]
+    if len({t.dtype for t in ops}) > 1:
+        fail("x, A and B must share one dtype (got " + ", ".join(f"{t.dtype}" for t in ops) + "); cast x to A's dtype.")
+    if A is not None and A.dim() != 3:
+        fail(f"A must be [S, R, K], got {tuple(A.shape)}.")
+    if B is not None and B.dim() != 3:
+        fail(f"B must be [N, S, R], got {tuple(B.shape)}.")
+    if A is not None and B is not None and tuple(B.shape[1:]) != tuple(A.shape[:2]):
+        fail(f"A {tuple(A.shape)} and B {tuple(B.shape)} disagree on [S, R].")
+    if A is not None and A.shape[0] > MAX_SLOTS:
+        fail(f"{A.shape[0]} slots > {MAX_SLOTS}; use the torch backend or fewer slots.")
+    if A is not None and A.shape[1] > MAX_RANK:
+        fail(f"rank capacity {A.shape[1]} > {MAX_RANK}; use the torch backend.")
+    if x is not None and A is not None and x.shape[-1] != A.shape[2]:
+        fail(f"x has K={x.shape[-1]} but A has K={A.shape[2]}.")
+    if y is not None and x is not None and y.shape[0] != x.shape[0]:
+        fail(f"y has {y.shape[0]} rows but x has {x.shape[0]}.")
+    if y is not None and B is not None and y.shape[1] != B.shape[0]:
+        fail(f"y has N={y.shape[1]} but B has N={B.shape[0]}.")
+    for k, t in small.items():
+        want = torch.int32 if k in ("ranks", "row_slot") else torch.float32
+        if t.dtype != want:
+            fail(f"{k} is {t.dtype}; it must be {want}.")
+    devices = {t.device for t in (*mats.values(), *small.values())}
+    if len(devices) > 1:
+        fail(f"tensors on several devices {sorted(map(str, devices))}; move them to one.")

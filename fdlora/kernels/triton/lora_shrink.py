@@ -1,0 +1,103 @@
+"""lora_shrink: h = x A^T for every slot at once, fp32, as the first half of the split path.
+
+    h[m, s*R + r] = sum_k x[m, k] A[s, r, k]                (A viewed as one [S*R, K] matrix)
+
+One program per (row block, slot, rank chunk of RC, K split). With few rows the K axis is split
+over P programs that write P partial sums (h is [P, M, S*R]; the expand sums them), so that the
+whole GPU streams A once instead of one program per slot: no atomics, deterministic, no memset.
+The internal caller passes scale/ranks so that inactive slots and rank padding are skipped
+(those columns are left unwritten; the expand never reads them). Idea: split-K GEMM, Punica's
+shrink kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from . import config as C
+from .tiles import shrink_tile
+
+
+def lora_shrink_kernel(
+    h_ptr,  # [P, M, S*R] fp32
+    x_ptr,  # [M, K]
+    a_ptr,  # [S, R, K]
+    scale_ptr,  # [S] fp32 (HAS_SKIP)
+    ranks_ptr,  # [S] int32 (HAS_SKIP)
+    M, K, R, M_BUCKET,
+    shp, shm, shc, sxm, sxk, sas, sar, sak, ssc,
+    RC: tl.constexpr, HAS_SKIP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    chunks = tl.cdiv(R, RC)
+    slot = tl.program_id(1) // chunks
+    r0 = (tl.program_id(1) % chunks) * RC
+    if HAS_SKIP:
+        live = tl.where(tl.load(scale_ptr + slot * ssc) != 0, tl.load(ranks_ptr + slot), 0)
+    else:
+        live = R
+    if r0 < live:
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        row_in = rows < M
+        rows = rows.to(tl.int64)
+        r = r0 + tl.arange(0, RC)
+        k_per = tl.cdiv(tl.cdiv(K, tl.num_programs(2)), BK) * BK
+        k_lo = tl.program_id(2) * k_per
+        k_hi = tl.minimum(K, k_lo + k_per)
+        acc = shrink_tile(x_ptr, a_ptr, rows, row_in, slot + 0 * r, r, r < live, k_lo, k_hi,
+                          sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE)
+        hp = h_ptr + tl.program_id(2) * shp + rows[:, None] * shm + (slot * R + r)[None, :] * shc
+        tl.store(hp, acc, mask=row_in[:, None] & (r < R)[None, :])
+
+
+_KERNELS = C.kernels(lora_shrink_kernel, C.SHRINK, key=["M_BUCKET", "K", "RC"])
+
+
+def k_splits(M: int, K: int, S: int, R: int, sms: int) -> int:
+    """Partial sums P: enough programs to cover the GPU when rows are few, each K slice >= 256."""
+    if C.INTERPRET:
+        return 2 if K > 64 else 1  # exercise the partial-sum path in CPU tests
+    progs = triton.cdiv(M, 16 if M <= C.FEW_ROWS else 64) * S * triton.cdiv(R, C.rank_tile(R))
+    return max(1, min(triton.cdiv(K, 256), sms // progs))
+
+
+def launch_shrink(
+    x: torch.Tensor,  # [M, K]
+    A: torch.Tensor,  # [S, R, K]
+    scale: torch.Tensor | None = None,  # [S] fp32: skip slots at 0 (their columns stay unwritten)
+    ranks: torch.Tensor | None = None,  # [S] int32: skip rank padding
+) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums
+    M, K = C.dims(x)
+    S, R, _ = C.dims(A)
+    RC = C.rank_tile(R)
+    C.check_blocks([], RC=RC)
+    P = k_splits(M, K, S, R, C.device_sms(x))
+    h = torch.empty(P, M, S * R, device=x.device, dtype=torch.float32)
+    skip = scale is not None and ranks is not None
+    if skip:
+        ranks = ranks.contiguous()
+    dummy = h  # never read when not skipping
+    wrap_triton(C.pick(_KERNELS, M))[lambda meta: (triton.cdiv(M, meta["BM"]), S * triton.cdiv(R, RC), P)](
+        h, x, A, scale if skip else dummy, ranks if skip else dummy,
+        M, K, R, C.bucket(M),
+        *C.strides(h), *C.strides(x), *C.strides(A), C.strides(scale)[0] if skip else 0,
+        RC=RC, HAS_SKIP=skip, **C.dot_flags(A.dtype),
+    )
+    return h
+
+
+@triton_op("fdlora::lora_shrink", mutates_args={})
+def lora_shrink(
+    x: torch.Tensor,  # [M, K]
+    A: torch.Tensor,  # [S, R, K]
+) -> torch.Tensor:  # [M, S*R] fp32
+    C.check_operands("lora_shrink", None, x, A, None)
+    M, K = C.dims(x)
+    S, R, _ = C.dims(A)
+    if M == 0 or K == 0:
+        return torch.zeros(M, S * R, device=x.device, dtype=torch.float32)
+    h = launch_shrink(x, A)
+    return h[0] if h.shape[0] == 1 else h.sum(0)

@@ -1,0 +1,116 @@
+"""Tile helpers shared by the LoRA kernels: fp32 dot, packed rank columns, shrink, expand-add.
+
+Packed rank axis (the "rank-sum adapter" of DESIGN.md): for one block of rows, the slots that
+are live there (scale != 0, some row weight != 0, rank > 0) are laid side by side on one rank
+axis, each taking its live rank rounded up to 16 columns. A pass covers RC packed columns, so a
+block's h = x A^T is [BM, RC] in registers, whatever slots are active and wherever they sit in
+the bank; inactive slots and rank padding are never loaded (the masks skip their memory).
+Idea: Punica/S-LoRA's SGMV gathers weights by slot index; here the gather is per rank column so
+that several slots share one tensor-core tile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b in fp32. UPCAST: the CPU interpreter mis-computes bf16 dots; IEEE: fp32 without tf32."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def pack_block(
+    scale_ptr, gw_ptr, ranks_ptr,
+    rows, row_in,  # [BM] int64 row index, row < M
+    S, R, rows_per_group, ssc, sgg, sgs,
+    HAS_RANKS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    """Which rows and slots are live in this row block, and the packed rank axis they make.
+
+    Row m has weight scale[s] * group_weight[m // rows_per_group, s] for slot s. Returns
+    (row_on [BM], end [S_PAD], width [S_PAD], rk [S_PAD], sc [S_PAD], total packed columns).
+    """
+    s = tl.arange(0, S_PAD)
+    s_in = s < S
+    sc = tl.load(scale_ptr + s * ssc, mask=s_in, other=0.0)
+    if HAS_RANKS:
+        rk = tl.load(ranks_ptr + s, mask=s_in, other=0)
+    else:
+        rk = tl.where(s_in, R, 0)
+    grp = rows // rows_per_group
+    w = tl.load(gw_ptr + grp[:, None] * sgg + s[None, :] * sgs, mask=row_in[:, None] & s_in[None, :], other=0.0)
+    w = tl.where((rk > 0)[None, :], tl.abs(w * sc[None, :]), 0.0)  # [BM, S_PAD]
+    row_on = tl.max(w, axis=1) > 0
+    width = tl.where(tl.max(w, axis=0) > 0, (rk + 15) // 16 * 16, 0)
+    end = tl.cumsum(width, axis=0)
+    return row_on, end, width, rk, sc, tl.sum(width, axis=0)
+
+
+@triton.jit
+def packed_columns(c0, end, width, rk, sc, S_PAD: tl.constexpr, RC: tl.constexpr):
+    """Packed columns c0..c0+RC -> (slot [RC], rank row [RC], valid [RC], slot scale [RC]).
+
+    end/width/rk/sc are [S_PAD]: cumulative end, width (0 = not live), live rank and scale per slot.
+    """
+    j = c0 + tl.arange(0, RC)
+    slot = tl.sum((end[None, :] <= j[:, None]).to(tl.int32), axis=1)  # first slot ending after j
+    hit = tl.arange(0, S_PAD)[None, :] == slot[:, None]  # [RC, S_PAD]
+    start = tl.sum(tl.where(hit, (end - width)[None, :], 0), axis=1)
+    live = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
+    scj = tl.sum(tl.where(hit, sc[None, :], 0.0), axis=1)
+    r = tl.max_contiguous(tl.multiple_of(j - start, 16), 16)  # slots start on 16-column boundaries
+    ok = r < live  # past the last slot nothing hits: live = 0
+    return tl.where(ok, slot, 0), r, ok, scj
+
+
+@triton.jit
+def shrink_tile(
+    x_ptr, a_ptr,
+    rows, row_on,  # [BM] int64 row index, rows to compute
+    slot, r, ok,  # [RC] slot, rank row, valid column
+    k_lo, k_hi, sxm, sxk, sas, sar, sak,
+    BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """h [BM, RC] fp32 = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi]^T."""
+    acc = tl.zeros((BM, RC), dtype=tl.float32)
+    x_row = x_ptr + rows * sxm  # [BM]
+    a_col = a_ptr + slot.to(tl.int64) * sas + r * sar  # [RC]
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < k_hi
+        xt = tl.load(x_row[:, None] + kk[None, :] * sxk, mask=row_on[:, None] & k_in[None, :], other=0.0)
+        at = tl.load(a_col[None, :] + kk[:, None] * sak, mask=ok[None, :] & k_in[:, None], other=0.0)
+        acc = mma(xt, at, acc, UPCAST, IEEE)
+    return acc
+
+
+@triton.jit
+def expand_add_tiles(
+    y_ptr, b_ptr,
+    h,  # [BM, RC] scaled h, in the dot dtype
+    rows, row_on,  # [BM] int64 row index, rows to update
+    slot, r, ok,  # [RC]
+    N, n_first, n_step, sym, syn, sbn, sbs, sbr,
+    BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """y[rows, n] += h @ B[n, slot, r]^T for the N tiles n_first, n_first + n_step, ... (fp32 add, one cast)."""
+    y_row = y_ptr + rows * sym  # [BM]
+    b_col = b_ptr + slot.to(tl.int64) * sbs + r * sbr  # [RC]
+    for n0 in range(n_first, N, n_step):
+        nn = n0 + tl.arange(0, BN)
+        n_in = nn < N
+        bt = tl.load(b_col[:, None] + nn[None, :].to(tl.int64) * sbn, mask=ok[:, None] & n_in[None, :], other=0.0)
+        m = row_on[:, None] & n_in[None, :]
+        yp = y_row[:, None] + nn[None, :] * syn
+        acc = tl.load(yp, mask=m, other=0.0).to(tl.float32)
+        acc = mma(h, bt, acc, UPCAST, IEEE)
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m)

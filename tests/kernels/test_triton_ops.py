@@ -1,0 +1,311 @@
+"""Triton LoRA ops against a float64 oracle, on CPU (interpreter) and on CUDA.
+
+CPU cases run only in a process started with TRITON_INTERPRET=1 (test_triton_interpret.py starts
+one); elsewhere they skip. CUDA cases are marked `gpu` and skip without a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from triton_cases import CASES, REALISTIC, Case, eager_peft, make_inputs, tolerance, with_dtype
+
+from fdlora import env
+from fdlora.kernels import registry
+from fdlora.kernels.reference import lora as ref
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="interp"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+GPU_ONLY = [
+    *[with_dtype(c, "bf16") for c in CASES if c.dtype == "fp16"],
+    *REALISTIC,
+]
+
+
+def _skip_unless(device: str) -> None:
+    if device == "cpu" and not env.triton_interpret():
+        pytest.skip("CPU Triton cases need TRITON_INTERPRET=1 at start (test_triton_interpret.py runs them)")
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("no CUDA device")
+
+
+@pytest.fixture
+def tops(request, monkeypatch):
+    """The Triton op namespace, with one config per kernel (tests check numbers, not speed; fewer compiles)."""
+    params = getattr(request.node, "callspec", None)
+    _skip_unless(params.params.get("device", "cuda") if params else "cuda")
+    from fdlora.kernels.triton import config
+
+    monkeypatch.setattr(config, "AUTOTUNE", False)
+    return registry.ops("triton")
+
+
+@contextlib.contextmanager
+def _forced_split(enabled: bool):
+    from fdlora.kernels.triton import lora_delta as mod
+
+    if not enabled:
+        yield
+        return
+    original = mod.delta_plan
+    mod.delta_plan = lambda *a: "split"
+    try:
+        yield
+    finally:
+        mod.delta_plan = original
+
+
+def _run(tops, case: Case, d: dict) -> None:
+    if case.mode == "rows":
+        tops.lora_delta_rows(d["y"], d["x"], d["A"], d["B"], d["scale"], d["row_slot"], d["ranks"])
+    else:
+        with _forced_split(case.split):
+            tops.lora_delta(d["y"], d["x"], d["A"], d["B"], d["scale"], d["group_weight"], d["ranks"])
+
+
+def _check(case: Case, d: dict, y_before: torch.Tensor) -> None:
+    out = d["y"].cpu()
+    assert not out.isnan().any(), "NaN in the output: a kernel read a poisoned (skipped) element"
+    eager = eager_peft(d["clean"], case)
+    tol = tolerance(case, eager, d["oracle"])
+    err = (out.double() - d["oracle"]).abs().max().item()
+    assert err <= tol, f"{case.id}: max error {err:.3e} > {tol:.3e} (eager's own error x2 + 1 ulp)"
+    untouched = d["untouched"]
+    assert torch.equal(out[untouched], y_before[untouched]), "rows without an adapter changed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_delta_matches_oracle(tops, case: Case, device: str) -> None:
+    _skip_unless(device)
+    d = make_inputs(case, device)
+    y_before = d["y"].cpu().clone()
+    _run(tops, case, d)
+    _check(case, d, y_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_ONLY, ids=lambda c: c.id)
+def test_delta_matches_oracle_gpu_only(tops, case: Case) -> None:
+    _skip_unless("cuda")
+    d = make_inputs(case, "cuda")
+    y_before = d["y"].cpu().clone()
+    _run(tops, case, d)
+    _check(case, d, y_before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_shrink_and_expand_add_match_reference(tops, device: str, dtype: str) -> None:
+    _skip_unless(device)
+    case = Case(f"split-{dtype}", "groups", 26, 72, 34, 32, (32, 7, 16), (1.0, 0.0, 0.5), G=2, dtype=dtype)
+    d = make_inputs(case, device)
+    clean = d["clean"]
+    x, A, B = clean["x"].to(device), clean["A"].to(device), clean["B"].to(device)
+    prev = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty -> NaN: unwritten h fails
+    try:
+        h = tops.lora_shrink(x, A)
+    finally:
+        torch.use_deterministic_algorithms(prev[0])
+        torch.utils.deterministic.fill_uninitialized_memory = prev[1]
+    h_ref = ref.lora_shrink(x.double(), A.double())
+    assert h.dtype == torch.float32 and h.shape == h_ref.shape and not h.isnan().any()
+    eps = torch.finfo(x.dtype).eps
+    assert (h.double() - h_ref).abs().max().item() <= 4 * eps * h_ref.abs().max().item()
+
+    y = clean["y"].to(device)
+    y_ref = y.double().clone()
+    tops.lora_expand_add(y, h_ref.float(), B, d["scale"], d["group_weight"])
+    ref.lora_expand_add(y_ref, h_ref, B.double(), d["scale"].double(), d["group_weight"].double())
+    err = (y.double() - y_ref).abs().max().item()
+    assert err <= 2 * eps * y_ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_switching_scale_in_place_needs_no_new_shapes(tops, device: str) -> None:
+    """One set of buffers, several active sets and weights written in place (what CUDA graphs replay)."""
+    _skip_unless(device)
+    case = Case("switch", "blend", 24, 40, 32, 32, (16, 32, 8), (1.0, 1.0, 1.0))
+    d = make_inputs(case, device)
+    x, A, B = (d["clean"][k].to(device) for k in ("x", "A", "B"))
+    y0 = d["clean"]["y"].to(device)
+    gw = torch.ones(1, 3, device=device)
+    scale = torch.zeros(3, device=device)
+    for weights in ([1.0, 0.0, 0.0], [0.0, 0.5, 0.0], [0.3, 0.3, 0.4], [0.0, 0.0, 0.0]):
+        scale.copy_(torch.tensor(weights))
+        y, y_ref = y0.clone(), y0.clone()
+        tops.lora_delta(y, x, A, B, scale, gw, d["ranks"])
+        ref.lora_delta(y_ref, x, A, B, scale, gw, d["ranks"])
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_operands_raise_with_the_fix(tops, device: str) -> None:
+    _skip_unless(device)
+    from fdlora.errors import FdLoraError
+
+    y = torch.zeros(4, 8, device=device)
+    x = torch.zeros(4, 16, device=device, dtype=torch.float16)
+    A = torch.zeros(2, 16, 16, device=device)
+    B = torch.zeros(8, 2, 16, device=device)
+    with pytest.raises(FdLoraError, match="cast x to A's dtype"):
+        tops.lora_delta(y, x, A, B, torch.ones(2, device=device), torch.ones(1, 2, device=device),
+                        torch.full((2,), 16, dtype=torch.int32, device=device))
+    with pytest.raises(FdLoraError, match="G dividing M"):
+        tops.lora_delta(y, x.float(), A, B, torch.ones(2, device=device), torch.ones(3, 2, device=device),
+                        torch.full((2,), 16, dtype=torch.int32, device=device))
+
+
+def test_ops_mirror_the_reference_signatures() -> None:
+    import inspect
+
+    try:
+        from fdlora.kernels.triton import ops
+    except ImportError as e:  # triton missing
+        pytest.skip(f"triton not importable: {e}")
+    for name in ("lora_shrink", "lora_expand_add", "lora_delta", "lora_delta_rows"):
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(ref, name)), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_linear_selects_triton_and_matches_torch(device: str) -> None:
+    """A tiny model injected with fd-lora: auto picks triton on this device and agrees with torch."""
+    _skip_unless(device)
+    import fdlora
+    from fdlora import LoraAdapter, ModuleLora
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 24)).to(device)
+    fdlora.inject(model, ["0", "2"], max_slots=3, max_rank=32)
+    for name, r in (("a", 8), ("b", 32)):
+        mods = {p: ModuleLora(torch.randn(r, k) * 0.1, torch.randn(n, r) * 0.1, alpha=2.0 * r)
+                for p, k, n in (("0", 32, 48), ("2", 48, 24))}
+        fdlora.add_adapter(model, LoraAdapter(mods, name=name).to(device=device))
+    layers = fdlora.handle(model).layers
+    assert all(layer.selection.name == "triton" for layer in layers.values()), [str(l.selection) for l in
+                                                                                 layers.values()]
+    x = torch.randn(2, 7, 32, device=device)
+    fdlora.set_adapters(model, ["a", "b"], [0.6, 0.4])
+    with torch.no_grad():
+        out = model(x)
+        with fdlora.use_backend("torch"):
+            expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    with fdlora.per_row(model, ["a", None, "b", "a", None, "b", "b"] * 2), torch.no_grad():
+        out = model(x)
+        with fdlora.use_backend("torch"):
+            expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def _clean_cuda(case: Case) -> dict:
+    d = make_inputs(case, "cuda")
+    c = {k: v.cuda() for k, v in d["clean"].items() if k != "w"}
+    c.update({k: d[k] for k in ("scale", "ranks", "group_weight", "row_slot") if k in d})
+    return c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_opcheck_every_op(tops, split: bool) -> None:
+    _skip_unless("cuda")
+    c = _clean_cuda(Case("opcheck", "groups", 48, 64, 40, 32, (32, 8, 16), (1.0, 0.0, 0.5), G=2, dtype="fp16"))
+    r = _clean_cuda(Case("opcheck-rows", "rows", 33, 64, 40, 32, (32, 8, 16), (1.0, 0.5, 0.5), dtype="fp16"))
+    h = ref.lora_shrink(c["x"], c["A"])
+    with _forced_split(split):
+        torch.library.opcheck(torch.ops.fdlora.lora_delta.default,
+                              (c["y"], c["x"], c["A"], c["B"], c["scale"], c["group_weight"], c["ranks"]))
+    if split:
+        return
+    torch.library.opcheck(torch.ops.fdlora.lora_delta_rows.default,
+                          (r["y"], r["x"], r["A"], r["B"], r["scale"], r["row_slot"], r["ranks"]))
+    torch.library.opcheck(torch.ops.fdlora.lora_shrink.default, (c["x"], c["A"]))
+    torch.library.opcheck(torch.ops.fdlora.lora_expand_add.default, (c["y"], h, c["B"], c["scale"], c["group_weight"]))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_in_place_switches(tops) -> None:
+    """Capture once; switch adapters and weights by writing scale / row_slot in place; replay; compare."""
+    _skip_unless("cuda")
+    c = _clean_cuda(Case("graph", "blend", 256, 320, 192, 64, (64, 16, 8), (1.0, 1.0, 1.0), dtype="fp16"))
+    x, A, B, ranks, gw = c["x"], c["A"], c["B"], c["ranks"], c["group_weight"]
+    y0, y = c["y"], c["y"].clone()
+    scale = torch.tensor([1.0, 0.0, 0.0], device="cuda")
+    row_slot = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    y_rows = y0.clone()
+
+    def step():
+        y.copy_(y0)
+        tops.lora_delta(y, x, A, B, scale, gw, ranks)
+        y_rows.copy_(y0)
+        tops.lora_delta_rows(y_rows, x, A, B, scale, row_slot, ranks)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for weights in ([1.0, 0.0, 0.0], [0.0, 0.7, 0.0], [0.2, 0.5, 1.5], [0.0, 0.0, 0.0]):
+        scale.copy_(torch.tensor(weights, device="cuda"))
+        row_slot.copy_(torch.randint(-1, 3, (256,), device="cuda", generator=gen, dtype=torch.int32))
+        graph.replay()
+        expected, expected_rows = y0.clone(), y0.clone()
+        ref.lora_delta(expected, x, A, B, scale, gw, ranks)
+        ref.lora_delta_rows(expected_rows, x, A, B, scale, row_slot, ranks)
+        torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(y_rows, expected_rows, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_compiled_model_switches_adapters_without_recompiling() -> None:
+    """fullgraph torch.compile of an injected model; set_adapters (names and weights) never recompiles."""
+    _skip_unless("cuda")
+    import fdlora
+    from fdlora import LoraAdapter, ModuleLora
+
+    torch.manual_seed(0)
+    dims = {"0": (64, 96), "2": (96, 64)}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)).cuda().half()
+    fdlora.inject(model, list(dims), max_slots=4, max_rank=32)
+    adapters = {}
+    for name, r in (("a", 8), ("b", 32), ("c", 16)):
+        mods = {p: ModuleLora(torch.randn(r, k) * 0.2, torch.randn(n, r) * 0.2, alpha=float(r))
+                for p, (k, n) in dims.items()}
+        adapters[name] = mods
+        fdlora.add_adapter(model, LoraAdapter(mods, name=name).to(dtype=torch.float16, device="cuda"))
+    layers = fdlora.handle(model).layers
+    assert all(layer.selection.name == "triton" for layer in layers.values())
+    fdlora.handle(model).freeze()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4, 10, 64, device="cuda", dtype=torch.float16)
+
+    def expected(active: dict[str, float]) -> torch.Tensor:
+        h = x.float()
+        for i, p in enumerate(dims):
+            lin = model[int(p)].base
+            out = h @ lin.weight.float().t() + lin.bias.float()
+            for n, w in active.items():
+                m = adapters[n][p]
+                out = out + w * (h @ m.A.cuda().float().t()) @ m.B.cuda().float().t()
+            h = torch.nn.functional.gelu(out) if i == 0 else out
+        return h
+
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+            for active in ({"a": 1.0}, {"b": 0.5}, {"a": 0.3, "c": 0.7}, {"c": 0.0}, {"a": 1.0, "b": 1.0, "c": 1.0}):
+                fdlora.set_adapters(model, list(active), list(active.values()))
+                out = compiled(x)
+                torch.testing.assert_close(out.float(), expected(active), rtol=2e-2, atol=2e-2)
+    finally:
+        torch._dynamo.reset()
