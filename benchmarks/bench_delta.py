@@ -3,10 +3,12 @@
 Shapes from real models (SDXL fp16, Flux bf16, LLM bf16), cases: one adapter r16 / r64, a blend of
 4 x r16, 4 x r16 by sample segments (one adapter per sample), 8 x r16 mixed by row (LLM). Every
 case is first checked against the torch reference (same tolerance rule as the tests), then timed
-with triton.testing.do_bench (median, L2 flushed before every run); decode shapes are also timed
-as CUDA graphs (no host overhead: what a captured decode step pays). GB/s is the delta's minimal
-traffic (x read once, y read and written once, live A and B once) over its time, next to a
-measured device-to-device copy.
+as GPU time: each path captured in a CUDA graph, L2 flushed before every replay, median of the
+replays (CUDA events), so host overhead is out and every column pays cold caches alike. The eager
+fd-lora call is also timed with triton.testing.do_bench (median; host overhead included).
+Decode shapes add "base + delta" graphs: what the delta adds to the layer. GB/s is the delta's
+minimal traffic (x read once, y read and written once, live A and B once) over its time, next to
+a measured device-to-device copy.
 
     python benchmarks/bench_delta.py --out benchmarks/results/<gpu>/delta.json [--quick]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -144,6 +147,44 @@ def count_kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+_FLUSH: list[torch.Tensor] = []
+
+
+def gpu_us(fn, reps: int = 30) -> float:
+    """Median GPU time of fn as a CUDA graph replay, L2 flushed before each replay."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        _FLUSH[0].zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+
+
+def tuned(kernels: dict, M: int) -> dict:
+    """The config the autotuner picked for this M (and its timings of every config, if kept)."""
+    from fdlora.kernels.triton import config as C
+
+    k = C.pick(kernels, M)
+    out = {"best": str(getattr(k, "best_config", None))}
+    timings = getattr(k, "configs_timings", None)
+    if timings:
+        out["timings_ms"] = {str(c): t for c, t in timings.items()}
+    return out
+
+
 def copy_bandwidth(do_bench) -> float:
     """GB/s of a 1 GiB device-to-device copy, bytes read + written."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
@@ -153,9 +194,9 @@ def copy_bandwidth(do_bench) -> float:
 
 
 def run_case(family, M, K, N, dtype, c: Case, gen, ops, copy_gbps: float, sms: int) -> dict:
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench
 
-    from fdlora.kernels.triton import dispatch, lora_delta, lora_expand_add, lora_shrink
+    from fdlora.kernels.triton import dispatch, lora_delta, lora_delta_rows, lora_expand_add, lora_shrink
 
     x, W, A, B, scale, gw, ranks, row_slot = build(M, K, N, dtype, c, gen)
     y = F.linear(x, W)
@@ -171,9 +212,10 @@ def run_case(family, M, K, N, dtype, c: Case, gen, ops, copy_gbps: float, sms: i
     ok = bool(err <= tol) and not got.isnan().any().item()
     # time
     yt = y.clone()
-    t_base = do_bench(lambda: F.linear(x, W), return_mode="median") * 1e3
-    t_peft = do_bench(lambda: peft(y), return_mode="median") * 1e3
-    t_fd = do_bench(lambda: fd(yt), return_mode="median") * 1e3
+    t_base = gpu_us(lambda: F.linear(x, W))
+    t_peft = gpu_us(lambda: peft(y))
+    t_fd = gpu_us(lambda: fd(yt))
+    t_eager = do_bench(lambda: fd(yt), return_mode="median") * 1e3
     T = sum(r for r, w in zip(c.ranks, c.weights) if w != 0)
     e = x.element_size()
     nbytes = e * (M * K + 2 * M * N + T * (K + N))
@@ -181,13 +223,19 @@ def run_case(family, M, K, N, dtype, c: Case, gen, ops, copy_gbps: float, sms: i
     row = {
         "family": family, "M": M, "K": K, "N": N, "dtype": str(dtype).split(".")[-1], **asdict(c),
         "verified": ok, "max_err": err, "tol": tol,
-        "base_us": t_base, "peft_us": t_peft, "fd_us": t_fd,
+        "base_us": t_base, "peft_us": t_peft, "fd_us": t_fd, "fd_eager_us": t_eager,
         "fd_GBps": gbps, "fd_frac_copy": gbps / copy_gbps,
         "fd_over_peft": t_fd / t_peft, "base_plus_fd_over_base": (t_base + t_fd) / t_base,
         "base_plus_peft_over_base": (t_base + t_peft) / t_base,
     }
-    if c.mode != "rows":
+    if c.mode == "rows":
+        row["config"] = tuned(lora_delta_rows._KERNELS, M)
+    else:
         row["plan"] = dispatch.delta_plan(M, K, N, c.S, c.R, e, sms)
+        if row["plan"] == "fused":
+            row["config"] = tuned(lora_delta._KERNELS, M)
+        else:
+            row["config"] = {"shrink": tuned(lora_shrink._KERNELS, M), "expand": tuned(lora_expand_add._KERNELS, M)}
     if family != "llm":
         return row
     row["fd_kernels"] = count_kernels(lambda: fd(yt))
@@ -197,9 +245,9 @@ def run_case(family, M, K, N, dtype, c: Case, gen, ops, copy_gbps: float, sms: i
             fn(F.linear(x, W))
         return g
 
-    t_gb = do_bench_cudagraph(lambda: F.linear(x, W), return_mode="median") * 1e3
-    t_gfd = do_bench_cudagraph(base_then(fd), return_mode="median") * 1e3
-    t_gpeft = do_bench_cudagraph(lambda: peft(F.linear(x, W)), return_mode="median") * 1e3
+    t_gb = gpu_us(lambda: F.linear(x, W))
+    t_gfd = gpu_us(base_then(fd))
+    t_gpeft = gpu_us(lambda: peft(F.linear(x, W)))
     row.update({"graph_base_us": t_gb, "graph_base_fd_us": t_gfd, "graph_base_peft_us": t_gpeft,
                 "graph_fd_added_us": t_gfd - t_gb, "graph_peft_added_us": t_gpeft - t_gb})
     if c.mode == "blend":  # both paths, to check dispatch.py's rule
@@ -215,7 +263,7 @@ def run_case(family, M, K, N, dtype, c: Case, gen, ops, copy_gbps: float, sms: i
             chk = y.clone()
             fn(chk)
             row[f"{nm}_ok"] = bool((chk.double() - expected).abs().max().item() <= tol)
-            row[f"{nm}_graph_added_us"] = do_bench_cudagraph(base_then(fn), return_mode="median") * 1e3 - t_gb
+            row[f"{nm}_graph_added_us"] = gpu_us(base_then(fn)) - t_gb
     return row
 
 
@@ -251,22 +299,31 @@ def main() -> None:
         for c in cases_for(family):
             row = run_case(family, M, K, N, dtype, c, gen, ops, copy_gbps, props.multi_processor_count)
             rows.append(row)
+            write(a.out, props, sha, copy_gbps, t_start, rows)  # partial results survive a timeout
             print(f"{family:5s} {M:6d}x{K:5d}->{N:5d} {c.name:17s} ok={row['verified']!s:5s} "
                   f"base {row['base_us']:7.1f} peft {row['peft_us']:7.1f} fd {row['fd_us']:7.1f} us "
+                  f"(eager {row['fd_eager_us']:6.1f}) "
                   f"{row['fd_GBps']:5.0f} GB/s ({row['fd_frac_copy']:4.0%}) fd/peft {row['fd_over_peft']:5.2f} "
                   f"(b+fd)/b {row['base_plus_fd_over_base']:5.3f}"
                   + (f"  graph +fd {row['graph_fd_added_us']:.1f} us, +peft {row['graph_peft_added_us']:.1f} us, "
                      f"{row['fd_kernels']} kernel(s)" if family == "llm" else ""), flush=True)
 
+    summarize(write(a.out, props, sha, copy_gbps, t_start, rows))
+
+
+def write(out: Path, props, sha: str, copy_gbps: float, t_start: float, rows: list[dict]) -> dict:
+    import triton
+
     result = {
         "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(), "git_sha": sha,
-        "copy_GBps": copy_gbps, "timing": "triton.testing.do_bench median (L2 flushed); graph_*: do_bench_cudagraph",
+        "copy_GBps": copy_gbps,
+        "timing": "*_us: CUDA-graph replay, L2 flushed, median; fd_eager_us: triton do_bench median",
         "seconds": time.time() - t_start, "rows": rows,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    summarize(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
 
 
 def summarize(res: dict) -> None:

@@ -33,24 +33,25 @@ FEW_ROWS = 64  # M at or below which the few-rows config sets apply
 # Few rows (decode): one row tile; programs spread over N tiles (and slots, per-row mode).
 DELTA = {
     "many": [
-        cfg(4, 3, BM=32, BN=128, BK=64),
-        cfg(4, 3, BM=64, BN=128, BK=64),
-        cfg(4, 3, BM=64, BN=64, BK=128),
-        cfg(8, 3, BM=32, BN=256, BK=64),
-        cfg(8, 3, BM=128, BN=128, BK=64),
+        cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=False),
+        cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=True),
+        cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=False),
+        cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=True),
+        cfg(8, 3, BM=64, BN=256, BK=64, PREFETCH=True),
+        cfg(8, 3, BM=128, BN=128, BK=64, PREFETCH=True),
     ],
     "few": [
-        cfg(4, 3, BM=16, BN=64, BK=128),
-        cfg(4, 3, BM=16, BN=128, BK=128),
-        cfg(4, 2, BM=16, BN=128, BK=256),
-        cfg(4, 3, BM=16, BN=256, BK=64),
+        cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False),
+        cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False),
+        cfg(8, 3, BM=16, BN=256, BK=512, PREFETCH=False),
+        cfg(4, 2, BM=16, BN=128, BK=512, PREFETCH=False),
     ],
-    "interpret": [cfg(4, 1, BM=16, BN=32, BK=32)],
+    "interpret": [cfg(4, 1, BM=16, BN=32, BK=32, PREFETCH=True)],
 }
 # Shrink alone (h = x A^T): BM rows x one rank chunk, K split across programs when rows are few.
 SHRINK = {
     "many": [cfg(4, 3, BM=64, BK=64), cfg(4, 3, BM=128, BK=64), cfg(8, 3, BM=128, BK=128)],
-    "few": [cfg(4, 3, BM=16, BK=128), cfg(4, 3, BM=16, BK=256), cfg(4, 4, BM=32, BK=64)],
+    "few": [cfg(4, 3, BM=16, BK=128), cfg(4, 3, BM=16, BK=256), cfg(8, 3, BM=16, BK=512)],
     "interpret": [cfg(4, 1, BM=16, BK=32)],
 }
 

@@ -32,7 +32,7 @@ def _pass(
     rows, row_on, end, width, rk, sc, c0,
     K, N, rows_per_group, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs,
     S_PAD: tl.constexpr, RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
     h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE)
@@ -40,7 +40,7 @@ def _pass(
     w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=row_on[:, None] & ok[None, :], other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
     expand_add_tiles(y_ptr, b_ptr, h, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
-                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE)
+                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
 
 
 def lora_delta_kernel(
@@ -54,7 +54,7 @@ def lora_delta_kernel(
     M, K, N, S, R, rows_per_group, M_BUCKET,
     sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, ssc, sgg, sgs,
     S_PAD: tl.constexpr, RMAX: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_in = rows < M
@@ -65,19 +65,24 @@ def lora_delta_kernel(
         rest = total - c0  # tiers: a narrow live rank runs narrow tiles (no recompile, all compiled once)
         if RMAX == 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK, UPCAST, IEEE)
+                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK,
+                  UPCAST, IEEE, PREFETCH)
         elif rest <= 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK, UPCAST, IEEE)
+                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK,
+                  UPCAST, IEEE, PREFETCH)
         elif RMAX == 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK, UPCAST, IEEE)
+                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK,
+                  UPCAST, IEEE, PREFETCH)
         elif rest <= 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK, UPCAST, IEEE)
+                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK,
+                  UPCAST, IEEE, PREFETCH)
         else:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, BK, UPCAST, IEEE)
+                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, BK,
+                  UPCAST, IEEE, PREFETCH)
 
 
 _KERNELS = C.kernels(lora_delta_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX"], restore_value=["y_ptr"])
@@ -112,7 +117,6 @@ def launch_fused(
     )
 
 
-@triton_op("fdlora::lora_delta", mutates_args={"y"})
 def lora_delta(
     y: torch.Tensor,  # [M, N], updated in place
     x: torch.Tensor,  # [M, K]
@@ -138,3 +142,6 @@ def lora_delta(
         launch_expand_add(y, h, B, scale, group_weight, ranks)
     else:
         launch_fused(y, x, A, B, scale, group_weight, ranks)
+
+
+lora_delta_op = triton_op("fdlora::lora_delta", lora_delta, mutates_args={"y"})

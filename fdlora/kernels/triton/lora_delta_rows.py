@@ -28,7 +28,7 @@ def _pass(
     rows, row_on, s, live, c0, sc,
     K, N, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr,
     RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     r = c0 + tl.arange(0, RC)
     ok = r < live
@@ -36,7 +36,7 @@ def _pass(
     h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE)
     h = (h * sc).to(b_ptr.dtype.element_ty)
     expand_add_tiles(y_ptr, b_ptr, h, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
-                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE)
+                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
 
 
 def lora_delta_rows_kernel(
@@ -50,7 +50,7 @@ def lora_delta_rows_kernel(
     M, K, N, M_BUCKET,
     sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, ssc, srs,
     RMAX: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     s = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -63,25 +63,24 @@ def lora_delta_rows_kernel(
         rest = live - c0
         if RMAX == 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE)
+                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH)
         elif rest <= 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE)
+                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH)
         elif RMAX == 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE)
+                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH)
         elif rest <= 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE)
+                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH)
         else:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, RMAX, BM, BN, BK, UPCAST, IEEE)
+                  sas, sar, sak, sbn, sbs, sbr, RMAX, BM, BN, BK, UPCAST, IEEE, PREFETCH)
 
 
 _KERNELS = C.kernels(lora_delta_rows_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX"], restore_value=["y_ptr"])
 
 
-@triton_op("fdlora::lora_delta_rows", mutates_args={"y"})
 def lora_delta_rows(
     y: torch.Tensor,  # [M, N], updated in place
     x: torch.Tensor,  # [M, K]
@@ -117,3 +116,6 @@ def lora_delta_rows(
         *C.strides(y), *C.strides(x), *C.strides(A), *C.strides(B), *C.strides(scale), *C.strides(row_slot),
         RMAX=RMAX, **C.dot_flags(A.dtype),
     )
+
+
+lora_delta_rows_op = triton_op("fdlora::lora_delta_rows", lora_delta_rows, mutates_args={"y"})

@@ -27,7 +27,7 @@ def _pass(
     rows, row_on, end, width, rk, sc, c0,
     N, P, R, rows_per_group, sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs,
     S_PAD: tl.constexpr, RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
     hp = h_ptr + rows[:, None] * shm + (slot * R + r).to(tl.int64)[None, :] * shc
@@ -39,7 +39,7 @@ def _pass(
     w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=m, other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
     expand_add_tiles(y_ptr, b_ptr, h, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
-                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE)
+                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
 
 
 def lora_expand_add_kernel(
@@ -52,7 +52,7 @@ def lora_expand_add_kernel(
     M, N, S, R, P, rows_per_group, M_BUCKET,
     sym, syn, shp, shm, shc, sbn, sbs, sbr, ssc, sgg, sgs,
     S_PAD: tl.constexpr, RMAX: tl.constexpr, HAS_RANKS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_in = rows < M
@@ -63,19 +63,19 @@ def lora_expand_add_kernel(
         rest = total - c0
         if RMAX == 16:
             _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, R, rows_per_group,
-                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, UPCAST, IEEE)
+                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, UPCAST, IEEE, PREFETCH)
         elif rest <= 16:
             _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, R, rows_per_group,
-                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, UPCAST, IEEE)
+                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, UPCAST, IEEE, PREFETCH)
         elif RMAX == 32:
             _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, R, rows_per_group,
-                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, UPCAST, IEEE)
+                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, UPCAST, IEEE, PREFETCH)
         elif rest <= 32:
             _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, R, rows_per_group,
-                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, UPCAST, IEEE)
+                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, UPCAST, IEEE, PREFETCH)
         else:
             _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, R, rows_per_group,
-                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, UPCAST, IEEE)
+                  sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, UPCAST, IEEE, PREFETCH)
 
 
 _KERNELS = C.kernels(lora_expand_add_kernel, C.DELTA, key=["M_BUCKET", "N", "RMAX"], restore_value=["y_ptr"])
@@ -111,7 +111,6 @@ def launch_expand_add(
     )
 
 
-@triton_op("fdlora::lora_expand_add", mutates_args={"y"})
 def lora_expand_add(
     y: torch.Tensor,  # [M, N], updated in place
     h: torch.Tensor,  # [M, S*R] fp32
@@ -131,3 +130,6 @@ def lora_expand_add(
     if M == 0 or N == 0:
         return
     launch_expand_add(y, h, B, scale, group_weight)
+
+
+lora_expand_add_op = triton_op("fdlora::lora_expand_add", lora_expand_add, mutates_args={"y"})

@@ -89,7 +89,6 @@ def launch_shrink(
     return h
 
 
-@triton_op("fdlora::lora_shrink", mutates_args={})
 def lora_shrink(
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
@@ -101,3 +100,6 @@ def lora_shrink(
         return torch.zeros(M, S * R, device=x.device, dtype=torch.float32)
     h = launch_shrink(x, A)
     return h[0] if h.shape[0] == 1 else h.sum(0)
+
+
+lora_shrink_op = triton_op("fdlora::lora_shrink", lora_shrink, mutates_args={})

@@ -7,29 +7,46 @@ device tensors inside the kernels.
 
 Which kernel runs:
 - lora_delta: fused (one launch, lora_delta.py) or split (lora_shrink + lora_expand_add) by the
-  static rule in dispatch.py: split only for few rows (M <= 256) with a large bank (S*R*K bytes
-  above 256 KiB), where the fused kernel's re-reads of A would dominate. Cached per shape.
+  static rule in dispatch.py: split for decode-sized M (<= 64), and up to 256 rows when the bank's
+  A is large (S*R*K bytes above 256 KiB), where the fused kernel's re-reads of A would dominate.
 - lora_delta_rows: always one launch (lora_delta_rows.py).
 - lora_shrink / lora_expand_add: the two halves, also usable on their own.
 Conv LoRA stays on the torch backend (the registry says so: kinds={"linear"}).
+
+Plain eager calls (no compile, no tracing mode, plain tensors, no autograd) skip the dispatcher
+and launch directly: a custom op's Python dispatch costs more host time than a decode-sized
+kernel runs. Everything else goes through torch.ops.fdlora.*, which compile and export trace.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._library.triton import set_wrap_triton_enabled
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import lora_delta as _delta  # noqa: F401  (registers fdlora::lora_delta)
-from . import lora_delta_rows as _rows  # noqa: F401  (registers fdlora::lora_delta_rows)
-from . import lora_expand_add as _expand  # noqa: F401  (registers fdlora::lora_expand_add)
-from . import lora_shrink as _shrink  # noqa: F401  (registers fdlora::lora_shrink)
+from . import lora_delta as _delta  # registers fdlora::lora_delta
+from . import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
+from . import lora_expand_add as _expand  # registers fdlora::lora_expand_add
+from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_shrink"]
+
+
+def _direct(*tensors: torch.Tensor) -> bool:
+    """True when launching the kernel directly is indistinguishable from going through the op."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    return all(type(t) is torch.Tensor and not (grad and t.requires_grad) for t in tensors)
 
 
 def lora_shrink(
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
 ) -> torch.Tensor:  # [M, S*R] fp32
+    if _direct(x, A):
+        with set_wrap_triton_enabled(False):
+            return _shrink.lora_shrink(x, A)
     return torch.ops.fdlora.lora_shrink(x, A)
 
 
@@ -40,6 +57,9 @@ def lora_expand_add(
     scale: torch.Tensor,  # [S] fp32
     group_weight: torch.Tensor,  # [G, S] fp32
 ) -> None:
+    if _direct(y, h, B, scale, group_weight):
+        with set_wrap_triton_enabled(False):
+            return _expand.lora_expand_add(y, h, B, scale, group_weight)
     torch.ops.fdlora.lora_expand_add(y, h, B, scale, group_weight)
 
 
@@ -53,6 +73,9 @@ def lora_delta(
     ranks: torch.Tensor,  # [S] int32
 ) -> None:
     """Blend / per-sample-segment mode: y += ((x A^T) * w) B^T over all slots as one rank-S*R adapter."""
+    if _direct(y, x, A, B, scale, group_weight, ranks):
+        with set_wrap_triton_enabled(False):
+            return _delta.lora_delta(y, x, A, B, scale, group_weight, ranks)
     torch.ops.fdlora.lora_delta(y, x, A, B, scale, group_weight, ranks)
 
 
@@ -66,4 +89,7 @@ def lora_delta_rows(
     ranks: torch.Tensor,  # [S] int32
 ) -> None:
     """Per-row mode (SGMV): row m gets slot row_slot[m] at scale[row_slot[m]], or nothing for -1."""
+    if _direct(y, x, A, B, scale, row_slot, ranks):
+        with set_wrap_triton_enabled(False):
+            return _rows.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)

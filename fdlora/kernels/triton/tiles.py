@@ -100,17 +100,30 @@ def expand_add_tiles(
     rows, row_on,  # [BM] int64 row index, rows to update
     slot, r, ok,  # [RC]
     N, n_first, n_step, sym, syn, sbn, sbs, sbr,
-    BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """y[rows, n] += h @ B[n, slot, r]^T for the N tiles n_first, n_first + n_step, ... (fp32 add, one cast)."""
+    """y[rows, n] += h @ B[n, slot, r]^T for the N tiles n_first, n_first + n_step, ... (fp32 add, one cast).
+
+    PREFETCH loads the next y tile before adding into the current one: the y stream is what bounds
+    this loop, and the compiler's pipeliner only prefetches dot operands, not the accumulator.
+    """
     y_row = y_ptr + rows * sym  # [BM]
     b_col = b_ptr + slot.to(tl.int64) * sbs + r * sbr  # [RC]
+    nn = n_first + tl.arange(0, BN)
+    y_next = tl.zeros((h.shape[0], BN), dtype=y_ptr.dtype.element_ty)
+    if PREFETCH:
+        y_next = tl.load(y_row[:, None] + nn[None, :] * syn, mask=row_on[:, None] & (nn < N)[None, :], other=0.0)
     for n0 in range(n_first, N, n_step):
         nn = n0 + tl.arange(0, BN)
         n_in = nn < N
-        bt = tl.load(b_col[:, None] + nn[None, :].to(tl.int64) * sbn, mask=ok[:, None] & n_in[None, :], other=0.0)
         m = row_on[:, None] & n_in[None, :]
         yp = y_row[:, None] + nn[None, :] * syn
-        acc = tl.load(yp, mask=m, other=0.0).to(tl.float32)
-        acc = mma(h, bt, acc, UPCAST, IEEE)
+        if PREFETCH:
+            y_cur = y_next
+            nx = nn + n_step
+            y_next = tl.load(y_row[:, None] + nx[None, :] * syn, mask=row_on[:, None] & (nx < N)[None, :], other=0.0)
+        else:
+            y_cur = tl.load(yp, mask=m, other=0.0)
+        bt = tl.load(b_col[:, None] + nn[None, :].to(tl.int64) * sbn, mask=ok[:, None] & n_in[None, :], other=0.0)
+        acc = mma(h, bt, y_cur.to(tl.float32), UPCAST, IEEE)
         tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m)
