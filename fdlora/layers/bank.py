@@ -42,6 +42,7 @@ class AdapterBank(nn.Module):
         self.register_buffer("ranks", torch.zeros(slots, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("bias", None, persistent=False)  # [S, N], allocated on first use
         self.used: list[bool] = [False] * slots  # host mirror of ranks > 0
+        self.host_ranks: list[int] = [0] * slots
 
     @property
     def slots(self) -> int:
@@ -50,6 +51,11 @@ class AdapterBank(nn.Module):
     @property
     def rank_capacity(self) -> int:
         return self.A.shape[1]
+
+    def extent(self) -> tuple[int, int]:
+        """(slots up to the last used one, padded max live rank): the part of the bank that is not zero."""
+        S = max((s + 1 for s, u in enumerate(self.used) if u), default=0)
+        return S, padded_rank(max(self.host_ranks, default=1))
 
     def write(self, slot: int, m: ModuleLora) -> None:
         r = m.rank
@@ -65,6 +71,7 @@ class AdapterBank(nn.Module):
         elif self.bias is not None:
             self.bias[slot].zero_()
         self.used[slot] = True
+        self.host_ranks[slot] = r
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
@@ -73,6 +80,7 @@ class AdapterBank(nn.Module):
         if self.bias is not None:
             self.bias[slot].zero_()
         self.used[slot] = False
+        self.host_ranks[slot] = 0
 
     def resize(self, slots: int, rank: int) -> None:
         """Reallocate to a larger capacity, keeping every loaded slot (not while compiled or captured)."""
@@ -89,3 +97,4 @@ class AdapterBank(nn.Module):
             bias[:S0] = self.bias
             self.bias = bias
         self.used = self.used + [False] * (slots - S0)
+        self.host_ranks = self.host_ranks + [0] * (slots - S0)

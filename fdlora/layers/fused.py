@@ -136,6 +136,16 @@ class _FusedLora(nn.Module):
             return False  # no host-side shortcuts: a switch must not change the traced graph
         return (st.mode is Mode.BLEND and not st.active) or not any(self.bank.used)
 
+    def _bank(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(A, B, ranks, S): in eager mode the torch backend only computes over the live slots and rank;
+        compiled or frozen models, and kernels that skip the padding themselves, get the whole bank."""
+        b = self.bank
+        if self._ops.__name__.startswith("fdlora.kernels.reference") and not (
+                self.state.static or torch.compiler.is_compiling()):
+            S, R = b.extent()
+            return b.A[:S, :R], b.B[:, :S, :R], b.ranks[:S], S
+        return b.A, b.B, b.ranks, b.slots
+
     def _weights(self, x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale [S], group_weight [G, S]) for the blend and per-sample modes."""
         if self.state.mode is Mode.BLEND:
@@ -182,7 +192,7 @@ class FusedLoraLinear(_FusedLora):
         if self._skip():
             return y
         y = y.contiguous()
-        A, B, ranks = self.bank.A, self.bank.B, self.bank.ranks
+        A, B, ranks, S = self._bank()
         x2 = x.reshape(-1, self.in_features).to(A.dtype)
         y2 = y.view(-1, self.out_features)
         M, st = x2.shape[0], self.state
@@ -190,12 +200,12 @@ class FusedLoraLinear(_FusedLora):
             row_slot = st.row_slot(x.device)
             if row_slot.shape[0] != M:
                 raise FdLoraError(f"{self.path}: {row_slot.shape[0]} per-row adapters given for {M} rows.")
-            self._ops.lora_delta_rows(y2, x2, A, B, self.scale_unit, row_slot, ranks)
+            self._ops.lora_delta_rows(y2, x2, A, B, self.scale_unit[:S], row_slot, ranks)
             if self.bank.bias is not None:
                 self._add_bias(y2, self.scale_unit, self.blend_weight, row_slot)
             return y
         scale, gw = self._weights(x, M)
-        self._ops.lora_delta(y2, x2, A, B, scale, gw, ranks)
+        self._ops.lora_delta(y2, x2, A, B, scale[:S], gw[:, :S], ranks)
         if self.bank.bias is not None:
             self._add_bias(y2, scale, gw, None)
         return y
@@ -221,9 +231,9 @@ class FusedLoraConv2d(_FusedLora):
             )
         y = y.contiguous()
         scale, gw = self._weights(x, x.shape[0])
+        A, B, _, S = self._bank()
         b = self.base
-        self._ops.lora_conv_delta(y, x.to(self.bank.A.dtype), self.bank.A, self.bank.B, scale, gw,
-                                  b.stride, b.padding, b.dilation)
+        self._ops.lora_conv_delta(y, x.to(A.dtype), A, B, scale[:S], gw[:, :S], b.stride, b.padding, b.dilation)
         if self.bank.bias is not None:
             y2 = y.permute(0, 2, 3, 1)  # bias per output channel
             d = ((gw * scale) @ self.bank.bias.float()).repeat_interleave(y.shape[0] // gw.shape[0], dim=0)
