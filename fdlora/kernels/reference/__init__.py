@@ -1,5 +1,6 @@
 """Plain-torch LoRA ops: the oracle in tests, the baseline in benchmarks, the fallback on any device."""
 
 from .lora import lora_conv_delta, lora_delta, lora_delta_rows, lora_expand_add, lora_shrink
+from .lora_linear import lora_linear
 
-__all__ = ["lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_shrink"]
+__all__ = ["lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_shrink"]

@@ -1,0 +1,150 @@
+"""Which path computes y = x W^T (+ bias) + LoRA delta for one layer shape, decided once and cached.
+
+Paths (all give y within the numerics contract's tolerance; tests/kernels/test_lora_linear.py):
+- "merged":       lora_merge writes W'_g = W + sum_s w_gs B_s A_s (fp32 sum, one rounding), then one
+                  cuBLAS GEMM (a batched one for G groups): ~4*G*N*K extra bytes, independent of M,
+                  plus a rank-proportional term;
+- "cublas_delta": cuBLAS base GEMM, then the lora_delta kernel (re-reads x, read-modify-writes y):
+                  ~2MK + 4MN extra bytes, the cheapest for few rows;
+- "fused":        one Triton launch, base GEMM with the shrink in its K loop, expand in the epilogue;
+- "fused_pre":    lora_shrink, then the Triton GEMM with the expand in its epilogue;
+- "reference":    cuBLAS base GEMM, then the torch delta (fallback only).
+
+Measured on an H100 (benchmarks/results/nvidia-h100-80gb-hbm3/fused.json): the Triton GEMM under the fused forms
+runs at 0.65-0.8 of cuBLAS at these shapes (Triton 3.6 on Hopper, pointer loads, no TMA or warp
+specialisation), which no saving on the LoRA side makes up, so on Hopper the choice is between
+"merged" (many rows) and "cublas_delta" (few rows); the fused forms stay for GPUs and shapes where
+the model says otherwise, and are tested like the rest.
+
+The choice depends on static shapes only (M, K, N, bank [S, R], groups G, dtype, SM count), never
+on which adapters are active, so compiled graphs and CUDA graphs never change with a switch. It
+comes from the cost model `estimate` (microseconds, constants fitted to H100 measurements of
+every path at the SDXL / Flux / decode shapes); benchmarks/bench_fused.py re-measures every path
+and checks that the modelled choice is within 3% of the measured best. `record` lets a caller
+that measured override the model for one shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+PATHS = ("fused", "fused_pre", "cublas_delta", "merged", "reference")
+
+# Cost model constants, fitted to an H100 SXM (bf16) run of benchmarks/bench_fused.py
+# (benchmarks/results/nvidia-h100-80gb-hbm3/fused.json).
+PEAK_TFLOPS = 790.0  # dense bf16 tensor-core rate cuBLAS approaches at large K
+K_HALF = 400.0  # cuBLAS efficiency ~ K / (K + K_HALF): prologue/epilogue weigh more at small K
+HBM_GBS = 2500.0  # what streaming kernels achieve (x, y, W reads and writes)
+L2_BYTES = 50e6  # a merged weight larger than L2 is re-read from HBM by the GEMM that follows
+MERGE_US_PER_MEL = 2.1  # lora_merge: microseconds per million weight elements (read W, write W')
+MERGE_US_PER_MEL_RANK = 0.062  # ... plus this per million elements per packed rank column above 16
+DELTA_GBS = 2600.0  # lora_delta on x + y read-modify-write, when its programs fill the GPU
+DELTA_TFLOPS = 250.0  # lora_delta's shrink + expand rate per rank column above 16
+LAUNCH_US = 3.0  # one extra launch in a graph / stream
+TRITON_GEMM_SLOWDOWN = 1.5  # Triton 3.6 GEMM time / cuBLAS time at these shapes (measured 1.3-1.5)
+FUSED_BN = 256  # N tile of the fused kernel: the in-loop shrink costs RC/BN of its GEMM
+
+
+@dataclass(frozen=True)
+class Problem:
+    M: int
+    K: int
+    N: int
+    S: int
+    R: int
+    dtype: torch.dtype
+    device: str
+    sms: int
+    G: int = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str
+    reasons: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.path} [{'; '.join(self.reasons)}]"
+
+
+_PLANS: dict[Problem, Plan] = {}
+
+
+def delta_available() -> bool:
+    """The Triton lora_delta op (cuBLAS + delta path) is importable and registered."""
+    try:
+        importlib.import_module("fdlora.kernels.triton.lora_delta")
+    except Exception:
+        return False
+    return hasattr(torch.ops.fdlora, "lora_delta")
+
+
+def _gemm_us(M: int, K: int, N: int, itemsize: int) -> float:
+    """cuBLAS GEMM time: compute at a K-dependent share of peak, or the bytes, whichever is longer."""
+    compute = 2.0 * M * N * K / (PEAK_TFLOPS * 1e6 * K / (K + K_HALF))
+    bytes_ = (M * K + N * K + M * N) * itemsize / (HBM_GBS * 1e3)
+    return max(compute, bytes_) + LAUNCH_US
+
+
+def estimate(p: Problem) -> dict[str, float]:
+    """Modelled microseconds of every path that can run problem `p` (rank = bank capacity S*R)."""
+    b = torch.tensor([], dtype=p.dtype).element_size()
+    base = _gemm_us(p.M, p.K, p.N, b)
+    width = p.S * p.R
+    over16 = max(0, width - 16)
+    x_bytes, y_bytes, w_bytes = p.M * p.K * b, p.M * p.N * b, p.N * p.K * b
+    rows = max(1, p.M // p.G)
+    mel = p.N * p.K / 1e6
+    merge = max(LAUNCH_US + 1.0, MERGE_US_PER_MEL * mel + 1.0) + MERGE_US_PER_MEL_RANK * mel * over16
+    spill = w_bytes / (HBM_GBS * 1e3) if w_bytes > L2_BYTES else 0.0
+    out = {
+        "merged": p.G * (_gemm_us(rows, p.K, p.N, b) + merge + spill),
+        "reference": base + 3 * (x_bytes + 2 * y_bytes) / (HBM_GBS * 1e3) + 6 * LAUNCH_US,
+    }
+    if p.dtype != torch.float32:  # fp32 Triton dots run IEEE on CUDA cores: never the fast path
+        rc = min(64, max(16, width))
+        more = max(0, width - 64) / 64  # extra shrink passes of the in-loop form
+        triton_gemm = base * TRITON_GEMM_SLOWDOWN
+        out["fused"] = triton_gemm * (1 + (rc + more * 64) / FUSED_BN)
+        out["fused_pre"] = triton_gemm + x_bytes / (HBM_GBS * 1e3) + LAUNCH_US
+    if delta_available():
+        # lora_delta runs one program per 64-row block (16 when few), spreading over N only when
+        # row blocks are fewer than SMs: below a full GPU its bandwidth falls with the program count.
+        blocks = -(-p.M // (16 if p.M <= 64 else 64))
+        programs = blocks * max(1, min(-(-p.N // 128), p.sms // blocks))
+        bw = DELTA_GBS * 1e3 * min(1.0, programs / p.sms)
+        flops = 2.0 * p.M * (p.K + p.N) * over16 / (DELTA_TFLOPS * 1e6)
+        out["cublas_delta"] = base + (x_bytes + 2 * y_bytes) / bw + flops + 2 * LAUNCH_US
+    return out
+
+
+def _fastest(how: str, us: dict[str, float]) -> tuple[str, tuple[str, ...]]:
+    order = sorted(us, key=us.get)
+    return order[0], (f"{how}: " + ", ".join(f"{k} {us[k]:.1f}us" for k in order),)
+
+
+def plan(p: Problem) -> Plan:
+    """The path for `p`: a recorded measurement if there is one, else the cost model. Cached per shape."""
+    got = _PLANS.get(p)
+    if got is not None:
+        return got
+    if p.device != "cuda":  # CPU: the Triton interpreter (tests); the fused kernel is what they test
+        got = Plan("fused", (f"device {p.device}: Triton interpreter, fused kernel",))
+    else:
+        got = Plan(*_fastest("cost model", estimate(p)))
+    _PLANS[p] = got
+    return got
+
+
+def record(p: Problem, timings_us: dict[str, float]) -> Plan:
+    """Make measured timings the plan for `p` (the fastest path wins)."""
+    got = Plan(*_fastest("measured", timings_us))
+    _PLANS[p] = got
+    return got
+
+
+def clear() -> None:
+    _PLANS.clear()
