@@ -357,7 +357,6 @@ def run_path(
     return y
 
 
-@triton_op("fdlora::lora_linear", mutates_args={})
 def lora_linear(
     x: torch.Tensor,  # [M, K]
     W: torch.Tensor,  # [N, K] base weight, untouched
@@ -377,3 +376,8 @@ def lora_linear(
     G = C.dims(group_weight)[0]
     plan = D.plan(D.Problem(M, K, N, S, R, x.dtype, x.device.type, C.device_sms(x), G))
     return run_path(plan.path, x, W, bias, A, B, scale, group_weight, ranks)
+
+
+# The registered op (torch.compile / CUDA graphs / opcheck). Eager callers with plain tensors may call
+# `lora_linear` itself inside set_wrap_triton_enabled(False), as ops.py does for the delta ops.
+lora_linear_op = triton_op("fdlora::lora_linear", lora_linear, mutates_args={})
