@@ -15,3 +15,21 @@ def backend_preference() -> str:
 def triton_interpret() -> bool:
     """`TRITON_INTERPRET=1` runs Triton kernels on CPU (tests); it must be set before triton imports."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+CACHE_BYTES_VAR = "FDLORA_CACHE_BYTES"
+
+
+def adapter_cache_bytes(default: int = 4 << 30) -> int:
+    """`FDLORA_CACHE_BYTES`: byte budget of the in-RAM cache of converted adapters (default 4 GiB; 0 disables it)."""
+    raw = os.environ.get(CACHE_BYTES_VAR, "").strip()
+    if not raw:
+        return default
+    try:
+        return max(0, int(float(raw)))
+    except ValueError:
+        from .errors import FdLoraError
+
+        raise FdLoraError(
+            f"{CACHE_BYTES_VAR}={raw!r} is not a byte count; set e.g. 2e9, 0 to disable, or unset it."
+        ) from None

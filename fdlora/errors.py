@@ -48,3 +48,15 @@ class FormatError(FdLoraError, ValueError):
 
 class UnsupportedFeatureError(FdLoraError, NotImplementedError):
     """A LoRA variant fd-lora does not implement yet (for example DoRA)."""
+
+
+class ResolveError(FdLoraError, OSError):
+    """A source that cannot be found or fetched: Hub repo, revision, file, local path, or an offline cache miss."""
+
+
+class UnsafeFileError(FormatError):
+    """A file fd-lora will not open as given: pickle without allow_pickle=True, or a corrupt/truncated safetensors."""
+
+
+class UnusedKeysError(FormatError):
+    """strict=True and the source has keys that were not used or were dropped; the message lists them and why."""

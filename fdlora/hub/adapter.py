@@ -31,6 +31,7 @@ class Provenance:
     revision: str | None = None  # commit sha when resolved through the Hub
     file: str | None = None
     format: str = "canonical"
+    component: str | None = None  # pipeline component the module paths are relative to (unet, text_encoder, ...)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class ModuleLora:
     B: torch.Tensor
     alpha: float | None = None
     bias: torch.Tensor | None = None  # lora_B bias [N] (PEFT lora_bias=True); scaled like the delta
+    # set by LoraAdapter.check_finite once these tensors passed: cached adapters are checked once, not per load
+    finite: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.A.dim() not in (2, 4) or self.B.dim() not in (2, 4) or self.A.dim() != self.B.dim():
@@ -103,7 +106,11 @@ class LoraAdapter:
         return sum(m.nbytes() for m in self.modules.values())
 
     def check_finite(self) -> None:
+        """Raise NonFiniteError on NaN/Inf. Modules that passed before are skipped (tensors are treated as
+        read-only once loaded; an in-place edit must reset `ModuleLora.finite`)."""
         for path, m in self.modules.items():
+            if m.finite:
+                continue
             for what, t in (("A", m.A), ("B", m.B), ("bias", m.bias)):
                 if t is not None and not torch.isfinite(t).all():
                     raise NonFiniteError(
@@ -111,6 +118,7 @@ class LoraAdapter:
                         "the file is corrupt or was saved from a diverged run. Load another revision, "
                         "or pass validate=False to skip this check."
                     )
+            m.finite = True
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> LoraAdapter:
         def cv(t: torch.Tensor | None) -> torch.Tensor | None:

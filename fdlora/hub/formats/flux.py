@@ -1,0 +1,134 @@
+"""Flux LoRAs in the layouts diffusers converts, with diffusers' own converters.
+
+- kohya / sd-scripts: ``lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`` (+ ``lora_te1_``),
+  with ComfyUI's ``diffusion_model.`` / ``text_encoders.clip_l.transformer.`` prefixes and the
+  ``lora_transformer_`` "mixture" layout: `_convert_kohya_flux_lora_to_diffusers`. Alphas are
+  folded into the weights there (scale 1). Fused qkv / linear1 LoRAs become to_q/to_k/to_v(/proj_mlp).
+- XLabs: ``double_blocks.0.processor.qkv_lora1.down.weight``: `_convert_xlabs_flux_lora_to_diffusers`.
+- fal Kontext: ``base_model.model.double_blocks.0.img_attn.qkv.lora_A.weight`` (full Flux only):
+  `_convert_fal_kontext_lora_to_diffusers`.
+- ai-toolkit and other diffusers-layout files (``transformer.<path>.lora_A.weight``) are the
+  diffusers format. BFL Control LoRAs (which widen ``x_embedder``) raise UnsupportedFeatureError.
+
+diffusers' kohya converter drops unknown ``lora_unet_`` modules silently, so fd-lora feeds it one
+module at a time and reports every module it returns nothing for; T5, ``position_embedding``,
+``diff``/``diff_b`` and ``text_projection`` keys are dropped (as diffusers does) with that reason.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ...errors import FormatError, UnsupportedFeatureError
+from .base import Converted, Options, Raw
+from .diffusers import convert_component
+
+KOHYA = re.compile(r"(lora_unet_(double_blocks|single_blocks|final_layer)_|lora_transformer_|diffusion_model\.|"
+                   r"text_encoders\.clip_l\.)")
+XLABS = re.compile(r"(diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.(qkv|proj)_lora\d?\.(down|up)\.weight")
+MODULE_SUFFIX = re.compile(r"\.(lora_down\.weight|lora_up\.weight|alpha|dora_scale|diff_b|diff)$")
+DROPS = (
+    (re.compile(r"text_encoders\.t5xxl\."), "a T5 text-encoder LoRA: diffusers does not load these for Flux"),
+    (re.compile(r"position_embedding"), "a position_embedding LoRA: not a Linear layer"),
+    (re.compile(r"\.diff(_b)?$"), "a full weight/bias difference (diff/diff_b): fd-lora applies low-rank deltas"),
+    (re.compile(r"text_projection"), "a text_projection LoRA: diffusers does not load it for Flux"),
+)
+
+
+def detect_kohya(raw: Raw) -> str | None:
+    keys = list(raw.tensors)
+    if not any(k.endswith(".lora_down.weight") for k in keys):
+        return None
+    hit = next((k for k in keys if KOHYA.match(k)), None)
+    return f"kohya lora_down/lora_up keys with Flux names (e.g. {hit!r})" if hit else None
+
+
+def detect_xlabs(raw: Raw) -> str | None:
+    hit = next((k for k in raw.tensors if XLABS.fullmatch(k)), None)
+    return f"XLabs processor keys (e.g. {hit!r})" if hit else None
+
+
+def detect_fal_kontext(raw: Raw) -> str | None:
+    hit = next((k for k in raw.tensors if k.startswith("base_model.model.double_blocks.")), None)
+    return f"Flux (BFL) block names under base_model.model. (e.g. {hit!r}): fal Kontext layout" if hit else None
+
+
+def detect_bfl_control(raw: Raw) -> str | None:
+    return "query_norm.scale keys: a BFL Flux Control LoRA" if any("query_norm.scale" in k for k in raw.tensors) \
+        else None
+
+
+def convert_kohya(raw: Raw, opts: Options) -> Converted:
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    out = Converted()
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in raw.tensors.items():
+        if k.endswith(".dora_scale"):
+            raise UnsupportedFeatureError(f"{k}: this Flux LoRA is a DoRA (dora_scale); fd-lora does not implement "
+                                          "DoRA yet. Use a plain LoRA.")
+        why = next((w for pat, w in DROPS if pat.search(k)), None)
+        if why:
+            out.dropped[k] = why
+        elif MODULE_SUFFIX.search(k):
+            groups.setdefault(MODULE_SUFFIX.sub("", k), {})[k] = v
+        else:
+            out.unused[k] = "not a kohya key (lora_down / lora_up / alpha)"
+    converted: dict[str, torch.Tensor] = {}
+    matched = 0
+    for name, group in groups.items():
+        try:
+            got = _convert_kohya_flux_lora_to_diffusers(dict(group))
+        except Exception as e:  # diffusers' converter raises assorted types on keys it does not expect
+            out.dropped.update(dict.fromkeys(group, f"{name}: diffusers' Flux converter rejects it ({e})"))
+            continue
+        if not got:
+            out.dropped.update(dict.fromkeys(group, f"{name}: diffusers' Flux converter has no mapping for it"))
+        matched += len(group) if got else 0
+        converted.update(got)
+    out.merge(_components(converted, "alphas folded into the weights by diffusers' converter (scale 1)"))
+    out.matched = matched  # count input keys, not the (split) converted ones
+    return out
+
+
+def convert_xlabs(raw: Raw, opts: Options) -> Converted:
+    from diffusers.loaders.lora_conversion_utils import _convert_xlabs_flux_lora_to_diffusers
+
+    return _whole(_convert_xlabs_flux_lora_to_diffusers, raw, "XLabs LoRAs carry no alpha (scale 1, as diffusers)")
+
+
+def convert_fal_kontext(raw: Raw, opts: Options) -> Converted:
+    from diffusers.loaders.lora_conversion_utils import _convert_fal_kontext_lora_to_diffusers
+
+    return _whole(_convert_fal_kontext_lora_to_diffusers, raw, "fal Kontext LoRAs carry no alpha (scale 1)")
+
+
+def convert_bfl_control(raw: Raw, opts: Options) -> Converted:
+    raise UnsupportedFeatureError("BFL Flux Control LoRAs widen the transformer's x_embedder and replace norm "
+                                  "weights; fd-lora only adds low-rank deltas. Load it with diffusers instead.")
+
+
+def _whole(fn, raw: Raw, note: str) -> Converted:
+    try:
+        converted = fn(dict(raw.tensors))
+    except Exception as e:  # diffusers' converters raise assorted types on keys they do not expect
+        raise FormatError(f"{raw.name}: diffusers' converter rejects this file ({type(e).__name__}: {e}).") from None
+    out = _components(converted, note)
+    out.matched = len(raw.tensors) - len(out.unused) - len(out.dropped)
+    return out
+
+
+def _components(converted: dict[str, torch.Tensor], note: str) -> Converted:
+    out = Converted(notes=[note])
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in converted.items():
+        comp, _, rest = k.partition(".")
+        if comp in ("transformer", "text_encoder") and rest:
+            parts.setdefault(comp, {})[rest] = v
+        else:
+            out.unused[k] = "diffusers' converter left it without a transformer/text_encoder prefix"
+    for comp, sd in parts.items():
+        out.merge(convert_component(comp, sd))
+    return out

@@ -1,0 +1,179 @@
+"""`load_adapters`: any source to canonical adapters, one per pipeline component, plus a load report.
+
+    adapters, report = fdlora.hub.load_adapters("user/pixel-style", revision="v1")
+    print(report)                                   # format and why, modules, ranks/alphas, keys
+    adapters["unet"]                                # LoraAdapter, paths relative to the UNet
+
+Steps: `resolve` (pin the revision to a commit, choose the weight file; no download), the RAM
+cache (a hit skips everything below), `fetch` (download on a cache miss), read (safetensors
+checked first; pickle only with allow_pickle=True), detect the format, convert, cast, cache.
+Nothing here touches a model: loading into one goes through `FdLoraHandle.add_adapter` (or an
+`AdapterPool`), which validates every shape before writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import FormatError
+from . import formats
+from .adapter import LoraAdapter, Provenance
+from .cache import AdapterCache, CacheKey, default_cache
+from .report import LoadReport, group_stats
+from .resolve import Resolved, fetch, resolve
+from .safefile import read_weights
+
+DEFAULT = "default"  # sentinel: use the process-wide RAM cache
+
+
+def load_adapters(
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    *,
+    weight_name: str | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+    allow_pickle: bool = False,
+    dtype: torch.dtype | None = None,
+    strict: bool = False,
+    check_finite: bool = False,
+    component: str | None = None,
+    layers_per_block: int = 2,
+    config: Mapping[str, Any] | Any | None = None,
+    metadata: Mapping[str, str] | None = None,
+    name: str | None = None,
+    cache: AdapterCache | str | None = DEFAULT,
+) -> tuple[dict[str, LoraAdapter], LoadReport]:
+    """Load a LoRA from a Hub repo id, a directory, a file or a state dict; returns ({component: adapter}, report).
+
+    Hub / file keywords are diffusers' (`weight_name`, `subfolder`, `revision`, `token`, `cache_dir`,
+    `local_files_only`, `force_download`); without `weight_name` the file is chosen by
+    `fdlora.hub.resolve.WEIGHT_RULE` and the report says which and why. `dtype` casts the weights;
+    `strict` raises `UnusedKeysError` if any key is unused or dropped; `check_finite` rejects NaN/Inf.
+    `component` forces the component of single-model formats (PEFT); `layers_per_block` maps kohya
+    SDXL block numbers. `config` (a LoraConfig or its dict) and `metadata` (safetensors header
+    entries) go with an in-memory state dict. `cache` is the RAM cache to use (None: no caching).
+    """
+    t0 = time.perf_counter()
+    hub_kw = dict(token=token, cache_dir=cache_dir, local_files_only=local_files_only)
+    r = resolve(source, weight_name=weight_name, subfolder=subfolder, revision=revision,
+                allow_pickle=allow_pickle, **hub_kw)
+    ram = default_cache() if cache == DEFAULT else cache
+    key = None
+    if isinstance(ram, AdapterCache) and r.kind != "memory":
+        key = CacheKey(r.source, r.fingerprint or "", r.file, str(dtype) if dtype else None,
+                       (component, layers_per_block))
+        hit = None if force_download else ram.get(key)
+        if hit is not None:
+            adapters, report = hit
+            report.seconds = {"resolve": time.perf_counter() - t0}
+            return _finish(adapters, report, name, strict, check_finite)
+    t1 = time.perf_counter()
+    r = fetch(r, force_download=force_download, **hub_kw)
+    t2 = time.perf_counter()
+    raw = _read(r, allow_pickle, config, metadata)
+    t3 = time.perf_counter()
+    fmt, why, others = formats.detect(raw)
+    conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
+    adapters = {}
+    for comp, mods in conv.components.items():
+        if mods:
+            prov = Provenance(source=r.source, revision=r.sha, file=r.file, format=fmt.name, component=comp)
+            adapter = LoraAdapter(mods, use_rslora=conv.rslora.get(comp, False), name=name, provenance=prov)
+            adapters[comp] = adapter.to(dtype=dtype) if dtype else adapter
+    report = LoadReport(
+        source=r.source, kind=r.kind, revision=r.revision, sha=r.sha, file=r.file, file_choice=r.choice,
+        format=fmt.name, format_reason=why, also_matched=others,
+        components={c: len(a.modules) for c, a in adapters.items()},
+        groups=[g for c, a in adapters.items() for g in group_stats(c, a.modules)],
+        rslora={c: a.use_rslora for c, a in adapters.items()}, configs=conv.configs,
+        keys_total=len(raw.tensors), keys_matched=conv.matched, keys_unused=conv.unused,
+        keys_dropped=conv.dropped, notes=conv.notes, dtype=str(dtype).removeprefix("torch.") if dtype else None,
+        nbytes=sum(a.nbytes() for a in adapters.values()),
+    )
+    if not adapters:
+        reasons = {**conv.unused, **conv.dropped}
+        raise FormatError(f"{raw.name}: detected as {fmt.name} ({why}) but no LoRA module could be built from its "
+                          f"{len(raw.tensors)} keys: {dict(list(reasons.items())[:8])}.")
+    if key is not None:
+        adapters = ram.put(key, adapters, report)
+    report.seconds = {"resolve": t1 - t0, "fetch": t2 - t1, "read": t3 - t2, "convert": time.perf_counter() - t3}
+    return _finish(adapters, report, name, strict, check_finite)
+
+
+def load_many(sources: Mapping[str, Any] | Sequence[Any], *, progress: bool = True,
+              **kwargs) -> dict[str, tuple[dict[str, LoraAdapter], LoadReport]]:
+    """`load_adapters` over many sources with a progress bar; returns {name: (adapters, report)}.
+
+    `sources` is {adapter name: source} or a list of sources (named by their repo id / path).
+    Each value may also be a dict of per-source keywords with the source under "source".
+    """
+    from huggingface_hub.utils import tqdm
+
+    items = list(sources.items()) if isinstance(sources, Mapping) else [(str(s), s) for s in sources]
+    out = {}
+    with tqdm(total=len(items), desc="fd-lora adapters", unit="adapter", disable=not progress) as bar:
+        for adapter_name, src in items:
+            kw = dict(kwargs)
+            if isinstance(src, Mapping) and "source" in src:
+                kw.update({k: v for k, v in src.items() if k != "source"})
+                src = src["source"]
+            out[adapter_name] = load_adapters(src, name=adapter_name, **kw)
+            bar.update(1)
+    return out
+
+
+def _read(r: Resolved, allow_pickle: bool, config, metadata) -> formats.Raw:
+    if r.kind == "memory":
+        sd = r.state_dict or {}
+        bad = [k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise FormatError(f"a state dict source must map str keys to tensors; these entries do not: {bad[:5]}.")
+        return formats.Raw(dict(sd), dict(metadata or {}), _config_dict(config), "<memory>")
+    tensors, meta = read_weights(r.path, allow_pickle=allow_pickle)
+    cfg = _config_dict(config) if config is not None else _read_config(r.config_path)
+    return formats.Raw(tensors, meta, cfg, r.file or r.source)
+
+
+def _config_dict(config) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise FormatError(f"config must be a peft LoraConfig or a dict, got {type(config).__name__}.")
+
+
+def _read_config(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: not a readable JSON adapter config ({e}).") from None
+    if not isinstance(cfg, dict):
+        raise FormatError(f"{path}: an adapter config must be a JSON object.")
+    return cfg
+
+
+def _finish(adapters, report, name, strict, check_finite):
+    if name is not None:
+        for a in adapters.values():
+            a.name = name
+    if check_finite:
+        for a in adapters.values():
+            a.check_finite()
+    if strict:
+        report.check_strict()
+    return adapters, report

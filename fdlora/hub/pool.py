@@ -1,0 +1,203 @@
+"""A GPU slot pool per model: more adapters than slots, least recently used out, back on demand from RAM.
+
+`AdapterPool` wraps an `FdLoraHandle` and uses only its public methods (plan / commit, which are
+add_adapter in two steps, delete_adapter, set_adapters, list_adapters, active_adapters, state.slots).
+It keeps a host copy of every adapter it was given (pinned when the model is on CUDA), so an adapter
+evicted from the GPU comes back without touching the disk. Eviction takes the least recently used
+resident adapter that the current request does not need and that is not active; `set_adapters` may
+evict the adapters it is about to deactivate. Loads go through `handle.plan`, which validates every
+shape against the target modules before `commit` writes anything, so a failed load leaves the model
+unchanged (an eviction made room first: invisible in outputs, undone on demand).
+
+`add_to_pools` loads the per-component adapters of one source into a pipeline's pools: it plans
+every component before committing any, so a bad text-encoder part leaves the UNet untouched too.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
+from .adapter import LoraAdapter
+from .cache import pack_adapters
+
+_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class AdapterPool:
+    def __init__(self, handle, *, pin: bool | None = None) -> None:
+        self.handle = handle
+        self._host: dict[str, LoraAdapter] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()  # resident names, least recently used first
+        self._names: frozenset[str] | None = None  # module paths of the model, for path alignment
+        self._lock = threading.RLock()
+        self.pin = _on_cuda(handle.model) if pin is None else pin
+        self.loads = self.reloads = self.evictions = 0
+
+    @classmethod
+    def of(cls, handle) -> AdapterPool:
+        """The pool of `handle` (created on first use; one per handle)."""
+        pool = _pools.get(handle)
+        if pool is None:
+            pool = _pools[handle] = cls(handle)
+        return pool
+
+    @property
+    def capacity(self) -> int:
+        return self.handle.state.slots.capacity
+
+    def known(self) -> list[str]:
+        return list(self._host)
+
+    def resident(self) -> list[str]:
+        self._sync()
+        return list(self._recent)
+
+    # --- loading -------------------------------------------------------------------------------
+    def add(self, name: str, adapter: LoraAdapter, *, activate: bool = False, validate: bool = True) -> None:
+        """Register `adapter` under `name` and load it into a GPU slot (evicting the LRU one when full)."""
+        with self._lock:
+            self.commit(self.plan(name, adapter, validate=validate), activate=activate)
+
+    def plan(self, name: str, adapter: LoraAdapter, *, validate: bool = True):
+        """Make room and check everything about loading `adapter`; writes nothing. `commit` carries it out."""
+        with self._lock:
+            if name in self._host:
+                raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
+                                            "pick another adapter_name.")
+            adapter = self.align(adapter)
+            if self.pin and not _is_pinned(adapter):
+                adapter = pack_adapters({"": adapter})[""]
+            self._make_room({name}, evict_active=False)
+            return self.handle.plan(adapter, name, validate=validate)
+
+    def commit(self, plan, *, activate: bool = False) -> None:
+        with self._lock:
+            self.handle.commit(plan, activate=activate)
+            self._host[plan.name] = plan.adapter
+            self._recent[plan.name] = None
+            self.loads += 1
+
+    def ensure(self, names: Sequence[str], *, evict_active: bool = False) -> None:
+        """Make every adapter in `names` resident (reloading evicted ones from RAM), most recent last."""
+        with self._lock:
+            names = list(dict.fromkeys(names))
+            for n in names:
+                if n not in self._host:
+                    raise UnknownAdapterError(f"no adapter named {n!r} in this pool (known: {self.known()}).")
+            if len(names) > self.capacity:
+                raise CapacityError(f"{len(names)} adapters requested at once but the model has {self.capacity} "
+                                    "slots; raise max_slots (fdlora.inject(..., max_slots=N) or handle.grow).")
+            self._sync()
+            for n in names:
+                if n not in self._recent:
+                    self._make_room(set(names), evict_active=evict_active)
+                    self.handle.add_adapter(self._host[n], n, activate=False, validate=False)
+                    self.reloads += 1
+                self._recent[n] = None
+                self._recent.move_to_end(n)
+
+    def set_adapters(self, names: str | Sequence[str], weights=None) -> None:
+        """`handle.set_adapters` after making `names` resident; adapters it deactivates may be evicted."""
+        names = [names] if isinstance(names, str) else list(names)
+        with self._lock:
+            self.ensure(names, evict_active=True)
+            self.handle.set_adapters(names, weights)
+
+    def delete(self, names: str | Sequence[str]) -> None:
+        """Forget adapters: out of their slots and out of RAM."""
+        names = [names] if isinstance(names, str) else list(names)
+        with self._lock:
+            for n in names:
+                if n not in self._host:
+                    raise UnknownAdapterError(f"no adapter named {n!r} in this pool (known: {self.known()}).")
+            self._sync()
+            resident = [n for n in names if n in self._recent]
+            if resident:
+                self.handle.delete_adapter(resident)
+            for n in names:
+                self._host.pop(n)
+                self._recent.pop(n, None)
+
+    # --- internals -----------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Follow changes made on the handle directly (an adapter deleted there is no longer resident)."""
+        loaded = set(self.handle.list_adapters())
+        for n in [n for n in self._recent if n not in loaded]:
+            del self._recent[n]
+
+    def _make_room(self, keep: set[str], *, evict_active: bool) -> None:
+        self._sync()
+        used = len(self.handle.state.slots.by_name)
+        if used < self.capacity:
+            return
+        active = set() if evict_active else set(self.handle.active_adapters())
+        for n in self._recent:
+            if n not in keep and n not in active:
+                self.handle.delete_adapter(n)
+                del self._recent[n]
+                self.evictions += 1
+                return
+        foreign = sorted(set(self.handle.list_adapters()) - set(self._recent))
+        unmanaged = f"; not managed by this pool: {foreign}" if foreign else ""
+        raise CapacityError(
+            f"all {self.capacity} slots hold adapters this request needs or that are active "
+            f"({', '.join(self.handle.list_adapters())}){unmanaged}. Deactivate some (set_adapters), or raise "
+            "max_slots (handle.grow(max_slots=N))."
+        )
+
+    def align(self, adapter: LoraAdapter) -> LoraAdapter:
+        """`adapter` with module paths fitted to this model (see `align_paths`)."""
+        if self._names is None or any(p not in self._names for p in adapter.modules):
+            self._names = frozenset(n for n, _ in self.handle.model.named_modules())
+        return align_paths(adapter, self._names)
+
+    def __repr__(self) -> str:
+        return (f"AdapterPool(slots={self.capacity}, resident={self.resident()}, known={len(self._host)}, "
+                f"loads={self.loads}, reloads={self.reloads}, evictions={self.evictions})")
+
+
+def align_paths(adapter: LoraAdapter, names: frozenset[str] | set[str]) -> LoraAdapter:
+    """Fit CLIP text-encoder paths to the model: with or without the ``text_model.`` level.
+
+    transformers 5 flattens `CLIPTextModel` (no ``text_model.``) but not `CLIPTextModelWithProjection`,
+    while LoRA files spell it either way; diffusers strips it the same way. Other paths are kept.
+    """
+    if all(p in names for p in adapter.modules):
+        return adapter
+    mods = {}
+    for path, m in adapter.modules.items():
+        if path not in names:
+            alt = path.removeprefix("text_model.") if path.startswith("text_model.") else "text_model." + path
+            path = alt if alt in names else path
+        mods[path] = m
+    if len(mods) != len(adapter.modules):
+        raise TargetError("two module paths of the adapter map to the same module once text_model. is fitted.")
+    return LoraAdapter(mods, adapter.use_rslora, adapter.name, adapter.provenance)
+
+
+def add_to_pools(pools: Mapping[str, AdapterPool], adapters: Mapping[str, LoraAdapter], name: str, *,
+                 activate: bool = False, validate: bool = True) -> None:
+    """Load one source's per-component adapters into the matching pools; all or nothing."""
+    missing = [c for c in adapters if c not in pools]
+    if missing:
+        raise TargetError(f"the adapter has weights for {missing} but there is no pool (model) for "
+                          f"{'them' if len(missing) > 1 else 'it'}; pools: {sorted(pools)}.")
+    plans = [(pools[c], pools[c].plan(name, a, validate=validate)) for c, a in adapters.items()]
+    for pool, plan in plans:
+        pool.commit(plan, activate=activate)
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.device.type == "cuda"
+
+
+def _is_pinned(adapter: LoraAdapter) -> bool:
+    m = next(iter(adapter.modules.values()))
+    return m.A.is_pinned()

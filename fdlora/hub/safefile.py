@@ -1,0 +1,103 @@
+"""Read a weight file without trusting it: safetensors checked before parsing, pickle only on request.
+
+A safetensors file is 8 bytes of header length, a JSON header, then the tensor bytes. Before
+handing it to `safetensors` we check that the header length is sane, the JSON parses, and every
+tensor's byte range lies inside the file and matches its dtype and shape, so a truncated download
+or a hostile header fails with a message that says which, instead of a bare parser error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from math import prod
+
+import torch
+
+from ..errors import UnsafeFileError
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; real LoRA headers are well under 1 MiB
+PICKLE_EXTENSIONS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def is_pickle_name(name: str) -> bool:
+    return name.lower().endswith(PICKLE_EXTENSIONS)
+
+
+def read_weights(path: str, *, allow_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors on CPU, safetensors `__metadata__` without its "format" entry) of the file at `path`."""
+    if is_pickle_name(path):
+        return _read_pickle(path, allow_pickle), {}
+    _check_header(path)
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise UnsafeFileError(f"{path}: safetensors could not read it ({e}); download it again.") from None
+    meta.pop("format", None)
+    return tensors, meta
+
+
+def _check_header(path: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise UnsafeFileError(f"{path}: {size} bytes is too short for a safetensors file; it is truncated "
+                                  "or not safetensors. Download it again.")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES:
+            raise UnsafeFileError(f"{path}: header claims {n} bytes (limit {MAX_HEADER_BYTES}); this is not a valid "
+                                  "safetensors file. If it is a pickle checkpoint, rename it .bin/.ckpt and pass "
+                                  "allow_pickle=True only if you trust its source.")
+        if 8 + n > size:
+            raise UnsafeFileError(f"{path}: header claims {n} bytes but the file has {size}; the file is truncated. "
+                                  "Download it again (force_download=True).")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise UnsafeFileError(f"{path}: the safetensors header is not valid JSON; the file is corrupt or not "
+                              "safetensors. Download it again.") from None
+    if not isinstance(header, dict):
+        raise UnsafeFileError(f"{path}: the safetensors header is not a JSON object; the file is corrupt.")
+    data = size - 8 - n
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in info["data_offsets"])
+            nbytes = prod(int(d) for d in info["shape"]) * DTYPE_BYTES[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise UnsafeFileError(f"{path}: header entry {name!r} is malformed ({str(info)[:120]}); "
+                                  "the file is corrupt.") from None
+        if not 0 <= begin <= stop or stop - begin != nbytes:
+            raise UnsafeFileError(f"{path}: tensor {name!r} spans bytes {begin}..{stop} but its dtype and shape "
+                                  f"need {nbytes}; the file is corrupt.")
+        end = max(end, stop)
+    if end > data:
+        raise UnsafeFileError(f"{path}: tensors need {end} data bytes but the file has {data}; it is truncated. "
+                              "Download it again (force_download=True).")
+
+
+def _read_pickle(path: str, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    if not allow_pickle:
+        raise UnsafeFileError(
+            f"{path} is a pickle checkpoint, and unpickling can run arbitrary code. Use a .safetensors file, or "
+            "pass allow_pickle=True if you trust its source (it is then read with torch.load(weights_only=True))."
+        )
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for bad pickles
+        raise UnsafeFileError(f"{path}: torch.load(weights_only=True) refused it ({type(e).__name__}: {e}).") from None
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise UnsafeFileError(f"{path}: expected a dict of tensors, got {type(sd).__name__}.")
+    return sd

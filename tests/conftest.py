@@ -1,0 +1,36 @@
+"""Shared by every test module, so it stays import-cheap (stdlib only, no torch).
+
+huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE when it is imported, so the loopback Hub
+server starts here, before any test module can import it: all Hub traffic of the suite goes to
+127.0.0.1, and the client cache is a fresh temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from support.fakehub import FakeHub
+
+_ROOT = tempfile.mkdtemp(prefix="fdlora-tests-")
+HUB_STORE = os.path.join(_ROOT, "hub-store")  # what the server serves (HF cache layout)
+os.makedirs(HUB_STORE)
+_HUB = FakeHub(HUB_STORE).__enter__()
+os.environ["HF_ENDPOINT"] = _HUB.url
+os.environ["HF_HOME"] = os.path.join(_ROOT, "hf-home")
+os.environ.pop("HF_HUB_CACHE", None)
+os.environ.pop("HF_HUB_OFFLINE", None)
+os.environ.pop("TRANSFORMERS_OFFLINE", None)
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+def pytest_configure(config):
+    config.fakehub = _HUB
+
+
+def pytest_unconfigure(config):
+    _HUB.__exit__(None, None, None)
+    shutil.rmtree(_ROOT, ignore_errors=True)

@@ -1,0 +1,301 @@
+"""A minimal Hugging Face Hub-compatible HTTP server (stdlib only) for tests without internet.
+
+It serves repos stored in the HF cache layout that `hubcache.populate` writes:
+
+    <root>/models--org--name/{refs/<rev>, snapshots/<commit>/<path>}
+
+Endpoints (enough for huggingface_hub 1.x and 2.x `hf_hub_download`, `snapshot_download`,
+`model_info`, `list_repo_files` / `list_repo_tree`, `file_exists`, `repo_exists`, `list_repo_refs`,
+`get_paths_info`):
+
+    HEAD|GET /{repo_id}/resolve/{rev}/{path}
+    GET      /api/models/{repo_id}[/revision/{rev}]
+    GET      /api/models/{repo_id}/tree/{rev}[/{path}]?recursive=...
+    POST     /api/models/{repo_id}/paths-info/{rev}
+    GET      /api/models/{repo_id}/refs
+
+No xet headers are ever sent, so clients use plain HTTP downloads. It binds 127.0.0.1 on an
+ephemeral port; use it as a context manager. `log` records (method, path, status) of every request,
+which is how tests assert that a cached, sha-pinned load makes no request at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from .hubcache import LFS_EXT, git_blob_sha1
+
+API = re.compile(r"/api/(models|datasets)/([^/]+/[^/]+)(?:/(revision|tree|paths-info|refs)(?:/([^/]+)(/.*)?)?)?")
+RESOLVE = re.compile(r"/(?:(datasets)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)")
+
+
+class Store:
+    """Read-only view of the cache-layout folder; repos added while serving are seen at once."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._meta: dict[tuple, tuple[str, int, bool, str]] = {}
+        self._lock = threading.Lock()
+
+    def repo_dir(self, repo_type: str, repo_id: str) -> Path | None:
+        d = self.root / f"{repo_type}s--{repo_id.replace('/', '--')}"
+        return d if d.is_dir() else None
+
+    def resolve(self, rdir: Path, rev: str) -> str | None:
+        if re.fullmatch(r"[0-9a-f]{40}", rev) and (rdir / "snapshots" / rev).is_dir():
+            return rev
+        ref = rdir / "refs" / rev
+        if ref.is_file():
+            return ref.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{7,39}", rev):
+            hits = [p.name for p in (rdir / "snapshots").iterdir() if p.name.startswith(rev)]
+            if len(hits) == 1:
+                return hits[0]
+        return None
+
+    def files(self, rdir: Path, commit: str) -> list[str]:
+        snap = rdir / "snapshots" / commit
+        return sorted(str(p.relative_to(snap)).replace(os.sep, "/") for p in snap.rglob("*") if p.is_file())
+
+    def meta(self, path: Path) -> tuple[str, int, bool, str]:
+        """(etag, size, is_lfs, git_oid) of a file, cached by (path, mtime, size)."""
+        st = path.stat()
+        key = (str(path), st.st_mtime_ns, st.st_size)
+        with self._lock:
+            if key not in self._meta:
+                data = path.read_bytes()
+                oid = git_blob_sha1(data)
+                lfs = path.name.endswith(LFS_EXT) or st.st_size > 10_000_000
+                etag = hashlib.sha256(data).hexdigest() if lfs else oid
+                self._meta[key] = (etag, st.st_size, lfs, oid)
+            return self._meta[key]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes: avoid 40 ms Nagle/delayed-ACK stalls
+    server_version = "fakehub/0.1"
+    _status: int | None = None
+    _body = b""
+
+    def log_message(self, fmt, *args):  # a structured log instead of stderr noise
+        self.server.log.append((self.command, self.path, self._status))
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _send(self, status, body=b"", ctype="application/json", headers=None, head=False):
+        self._status = status
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head and body:
+            self.wfile.write(body)
+
+    def _err(self, status, code, msg, extra=None, head=False):
+        headers = {"X-Error-Code": code, "X-Error-Message": msg, **(extra or {})}
+        self._send(status, {"error": msg}, headers=headers, head=head)
+
+    def _repo(self, repo_type, repo_id, head=False):
+        rdir = self.server.store.repo_dir(repo_type, repo_id)
+        if rdir is None:
+            self._err(404, "RepoNotFound", "Repository not found", head=head)
+        return rdir
+
+    # --- routing -----------------------------------------------------------------------------
+    def do_HEAD(self):
+        self._route(head=True)
+
+    def do_GET(self):
+        self._route(head=False)
+
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        self._body = self.rfile.read(n) if n else b""
+        self._route(head=False)
+
+    def _route(self, head):
+        url = urllib.parse.urlsplit(self.path)
+        q = urllib.parse.parse_qs(url.query)
+        m = API.fullmatch(url.path)
+        if m:
+            rtype, repo_id, kind, rev, sub = m.groups()
+            rev = urllib.parse.unquote(rev) if rev else "main"
+            return self._api(rtype[:-1], repo_id, kind, rev, urllib.parse.unquote(sub or "").lstrip("/"), q, head)
+        m = RESOLVE.fullmatch(url.path)
+        if m:
+            rtype = "dataset" if m.group(1) else "model"
+            rev, filename = urllib.parse.unquote(m.group(3)), urllib.parse.unquote(m.group(4))
+            return self._resolve(rtype, m.group(2), rev, filename, head)
+        self._err(404, "NotFound", f"no route for {url.path}", head=head)
+
+    # --- /resolve ----------------------------------------------------------------------------
+    def _resolve(self, rtype, repo_id, rev, filename, head):
+        st = self.server.store
+        rdir = self._repo(rtype, repo_id, head)
+        if rdir is None:
+            return
+        commit = st.resolve(rdir, rev)
+        if commit is None:
+            return self._err(404, "RevisionNotFound", f"Invalid rev id: {rev}", head=head)
+        f = rdir / "snapshots" / commit / filename
+        if not f.is_file():
+            return self._err(404, "EntryNotFound", f"{filename} does not exist on {rev}",
+                             {"X-Repo-Commit": commit}, head=head)
+        etag, size, lfs, _ = st.meta(f)
+        h = {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        if lfs:
+            h["X-Linked-Etag"] = f'"{etag}"'
+            h["X-Linked-Size"] = str(size)
+        rng = self.headers.get("Range")
+        if rng and not head:
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
+            if m:
+                start, end = int(m.group(1)), int(m.group(2) or size - 1)
+                with open(f, "rb") as fh:
+                    fh.seek(start)
+                    body = fh.read(end - start + 1)
+                h["Content-Range"] = f"bytes {start}-{end}/{size}"
+                return self._send(206, body, "application/octet-stream", h)
+        if head:
+            self._status = 200
+            self.send_response(200)
+            for k, v in h.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(size))
+            self.send_header("Content-Type", "application/octet-stream")
+            self.end_headers()
+            return
+        self._send(200, f.read_bytes(), "application/octet-stream", h)
+
+    # --- /api --------------------------------------------------------------------------------
+    def _entry(self, rdir, commit, p):
+        etag, size, lfs, oid = self.server.store.meta(rdir / "snapshots" / commit / p)
+        e = {"type": "file", "oid": oid, "size": size, "path": p}
+        if lfs:
+            e["lfs"] = {"oid": etag, "size": size, "pointerSize": 134}
+        return e
+
+    def _refs(self, rdir):
+        refs = {"branches": [], "tags": [], "converts": []}
+        for r in sorted((rdir / "refs").rglob("*")):
+            if r.is_file():
+                name = str(r.relative_to(rdir / "refs"))
+                tag = name != "main" and name.startswith("v")  # fixture convention: v* refs are tags
+                refs["tags" if tag else "branches"].append(
+                    {"name": name, "ref": f"refs/{'tags' if tag else 'heads'}/{name}",
+                     "targetCommit": r.read_text().strip()})
+        return refs
+
+    def _info(self, rtype, repo_id, rdir, commit, files, blobs):
+        siblings = []
+        for p in files:
+            s = {"rfilename": p}
+            if blobs:
+                e = self._entry(rdir, commit, p)
+                s.update(size=e["size"], blobId=e["oid"])
+                if "lfs" in e:
+                    s["lfs"] = {"sha256": e["lfs"]["oid"], "size": e["size"], "pointerSize": 134}
+            siblings.append(s)
+        info = {"_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": commit, "private": False,
+                "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
+                "lastModified": "2026-01-01T00:00:00.000Z", "createdAt": "2026-01-01T00:00:00.000Z",
+                "siblings": siblings}
+        if rtype == "model":
+            info["library_name"] = "diffusers"
+        return info
+
+    def _tree(self, rdir, commit, files, sub, recursive):
+        prefix = (sub + "/") if sub else ""
+        out, dirs = [], set()
+        for p in files:
+            if not p.startswith(prefix):
+                continue
+            rest = p[len(prefix):]
+            if "/" in rest and not recursive:
+                dirs.add(prefix + rest.split("/")[0])
+                continue
+            parts = rest.split("/")[:-1]
+            for i in range(len(parts)):
+                dirs.add(prefix + "/".join(parts[: i + 1]))
+            out.append(self._entry(rdir, commit, p))
+        return [{"type": "directory", "oid": "0" * 40, "size": 0, "path": d} for d in sorted(dirs)] + out
+
+    def _api(self, rtype, repo_id, kind, rev, sub, q, head):
+        st = self.server.store
+        rdir = self._repo(rtype, repo_id, head)
+        if rdir is None:
+            return
+        if kind == "refs":
+            return self._send(200, self._refs(rdir), head=head)
+        commit = st.resolve(rdir, rev)
+        if commit is None:
+            return self._err(404, "RevisionNotFound", f"Invalid rev id: {rev}", head=head)
+        files = st.files(rdir, commit)
+        if kind in (None, "revision"):
+            blobs = q.get("blobs", ["false"])[0].lower() == "true"
+            return self._send(200, self._info(rtype, repo_id, rdir, commit, files, blobs), head=head)
+        if kind == "tree":
+            out = self._tree(rdir, commit, files, sub, q.get("recursive", ["false"])[0].lower() == "true")
+            if sub and not out:
+                return self._err(404, "EntryNotFound", f"{sub} does not exist", {"X-Repo-Commit": commit}, head=head)
+            return self._send(200, out, head=head)
+        if kind == "paths-info":
+            try:
+                body = json.loads(self._body or b"{}")
+            except ValueError:
+                body = urllib.parse.parse_qs(self._body.decode())  # the hub client sends form data: paths=a&paths=b
+            paths = body.get("paths", [])
+            paths = [paths] if isinstance(paths, str) else paths
+            return self._send(200, [self._entry(rdir, commit, p) for p in paths if p in files], head=head)
+        self._err(404, "NotFound", "unknown api", head=head)
+
+
+class FakeHub:
+    """`with FakeHub(root) as hub: os.environ["HF_ENDPOINT"] = hub.url` (before importing huggingface_hub)."""
+
+    def __init__(self, root: str | os.PathLike, port: int = 0) -> None:
+        self.root = Path(root)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.store = Store(root)
+        self.httpd.log = []
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+
+    @property
+    def log(self) -> list[tuple[str, str, int | None]]:
+        return self.httpd.log
+
+    def __enter__(self) -> FakeHub:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+if __name__ == "__main__":
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description="serve an HF-cache-layout folder over the Hub protocol on 127.0.0.1")
+    ap.add_argument("root")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--seconds", type=float, default=600, help="bounded lifetime")
+    a = ap.parse_args()
+    with FakeHub(a.root, a.port) as hub:
+        print(hub.url, flush=True)
+        time.sleep(a.seconds)

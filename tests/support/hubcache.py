@@ -1,0 +1,66 @@
+"""Write files into a Hugging Face Hub cache folder exactly as huggingface_hub lays it out.
+
+    <cache>/models--{org}--{name}/
+        blobs/<etag>                    sha256 for LFS-style files, git blob sha1 for small text files
+        snapshots/<commit>/<path>       -> symlink ../../blobs/<etag> (or a plain copy with symlinks=False)
+        refs/<branch-or-tag>            the 40-hex commit, no newline
+
+One layout feeds both the offline tests (HF_HUB_OFFLINE=1 with HF_HUB_CACHE pointing here) and
+FakeHub, which serves the same folders over the Hub protocol. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+LFS_EXT = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def fake_commit(repo_id: str, files: dict[str, bytes], salt: str = "") -> str:
+    h = hashlib.sha1(repo_id.encode() + salt.encode())
+    for k in sorted(files):
+        h.update(k.encode())
+        h.update(hashlib.sha256(files[k]).digest())
+    return h.hexdigest()
+
+
+def populate(cache_dir: str | os.PathLike, repo_id: str, files: dict[str, bytes], refs: tuple[str, ...] = ("main",),
+             commit: str | None = None, symlinks: bool = True) -> tuple[str, str]:
+    """Write `files` ({path_in_repo: bytes}) as one commit of `repo_id`; point `refs` at it.
+
+    Returns (commit, snapshot_dir).
+    """
+    commit = commit or fake_commit(repo_id, files)
+    storage = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
+    snap = storage / "snapshots" / commit
+    for rel, data in files.items():
+        lfs = rel.endswith(LFS_EXT) or len(data) > 10_000_000
+        etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
+        blob = storage / "blobs" / etag
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            blob.write_bytes(data)
+        dst = snap / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.exists() or dst.is_symlink():
+            dst.unlink()
+        if symlinks:
+            os.symlink(os.path.relpath(blob, dst.parent), dst)
+        else:
+            shutil.copyfile(blob, dst)
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (storage / "refs" / ref).write_text(commit)
+    return commit, str(snap)
+
+
+def files_from_dir(d: str | os.PathLike) -> dict[str, bytes]:
+    d = Path(d)
+    return {str(p.relative_to(d)).replace(os.sep, "/"): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
