@@ -182,10 +182,11 @@ def eager_peft(clean: dict, case: Case) -> torch.Tensor:
 
 
 def tolerance(case: Case, eager: torch.Tensor, oracle: torch.Tensor) -> float:
-    """Twice eager's own max error in this dtype, plus two ulps at the output's magnitude.
+    """Twice eager's own max error in this dtype, plus a few ulps at the output's magnitude.
 
     The ulps cover a wide live rank that takes two passes (y rounded once per pass) and fp32's
     tiny eager error on short K, where "twice eager" alone would ask for better than one rounding.
     """
     eps = torch.finfo(DTYPES[case.dtype]).eps
-    return 2.0 * (eager.double() - oracle).abs().max().item() + 2 * eps * oracle.abs().max().item()
+    ulps = 4 if case.dtype == "fp32" else 2  # fp32: eager's K-sum error is tiny; allow a few roundings
+    return 2.0 * (eager.double() - oracle).abs().max().item() + ulps * eps * oracle.abs().max().item()

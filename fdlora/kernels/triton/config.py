@@ -29,24 +29,27 @@ def cfg(warps: int, stages: int, **blocks: int) -> triton.Config:
 FEW_ROWS = 64  # M at or below which the few-rows config sets apply
 
 # Row-block kernels (fused delta, per-row delta, expand-add): BM rows x BN columns of y, BK of K.
+# NSPLIT caps how many programs share one row block's N sweep (see n_split); it only shapes the grid.
 # Many rows: each program owns a row block, streams x once (K loop) and y once (N sweep).
 # Few rows (decode): one row tile; programs spread over N tiles (and slots, per-row mode).
 DELTA = {
     "many": [
-        cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=False),
-        cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=True),
-        cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=False),
-        cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=True),
-        cfg(8, 3, BM=64, BN=256, BK=64, PREFETCH=True),
-        cfg(8, 3, BM=128, BN=128, BK=64, PREFETCH=True),
+        cfg(4, 3, BM=16, BN=64, BK=128, PREFETCH=True, NSPLIT=64),
+        cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
+        cfg(4, 3, BM=32, BN=64, BK=128, PREFETCH=True, NSPLIT=64),
+        cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=True, NSPLIT=64),
+        cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=False, NSPLIT=64),
+        cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=True, NSPLIT=64),
+        cfg(8, 3, BM=64, BN=256, BK=64, PREFETCH=True, NSPLIT=64),
     ],
     "few": [
-        cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False),
-        cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False),
-        cfg(8, 3, BM=16, BN=256, BK=512, PREFETCH=False),
-        cfg(4, 2, BM=16, BN=128, BK=512, PREFETCH=False),
+        cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False, NSPLIT=32),
+        cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=16),
+        cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=4),
+        cfg(4, 2, BM=16, BN=128, BK=512, PREFETCH=False, NSPLIT=8),
+        cfg(8, 3, BM=16, BN=256, BK=512, PREFETCH=False, NSPLIT=4),
     ],
-    "interpret": [cfg(4, 1, BM=16, BN=32, BK=32, PREFETCH=True)],
+    "interpret": [cfg(4, 1, BM=16, BN=32, BK=32, PREFETCH=True, NSPLIT=2)],
 }
 # Shrink alone (h = x A^T): BM rows x one rank chunk, K split across programs when rows are few.
 SHRINK = {
@@ -115,6 +118,15 @@ def rank_tile(width: int) -> int:
     return min(MAX_RANK_TILE, max(MIN_BLOCK, triton.next_power_of_2(width)))
 
 
+def n_split(meta: dict, M: int, N: int, sms: int, per_block: int = 1) -> int:
+    """Programs sharing one row block's N sweep (each recomputes its h): enough programs for about
+    64 rows per SM overall (small BM runs several programs per SM), at most NSPLIT, at most the
+    N tiles. per_block: programs a row block already has on another grid axis (per-row slots)."""
+    m_blocks = triton.cdiv(M, meta["BM"])
+    want = round(sms * 64 / meta["BM"] / (m_blocks * per_block))
+    return max(1, min(want, meta["NSPLIT"], triton.cdiv(N, meta["BN"])))
+
+
 def slot_pad(S: int) -> int:
     return max(2, triton.next_power_of_2(S))
 
@@ -154,6 +166,9 @@ def check_operands(op: str, y: torch.Tensor | None, x: torch.Tensor | None, A: t
         fail(f"B must be [N, S, R], got {tuple(B.shape)}.")
     if A is not None and B is not None and tuple(B.shape[1:]) != tuple(A.shape[:2]):
         fail(f"A {tuple(A.shape)} and B {tuple(B.shape)} disagree on [S, R].")
+    R = A.shape[1] if A is not None else (B.shape[2] if B is not None else 16)
+    if R % 16:
+        fail(f"rank capacity R={R} must be a multiple of 16 (AdapterBank pads it); pad A and B with zeros.")
     if A is not None and A.shape[0] > MAX_SLOTS:
         fail(f"{A.shape[0]} slots > {MAX_SLOTS}; use the torch backend or fewer slots.")
     if A is not None and A.shape[1] > MAX_RANK:

@@ -54,7 +54,7 @@ def lora_delta_kernel(
     M, K, N, S, R, rows_per_group, M_BUCKET,
     sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, ssc, sgg, sgs,
     S_PAD: tl.constexpr, RMAX: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_in = rows < M
@@ -106,8 +106,7 @@ def launch_fused(
     ranks = ranks.contiguous()
 
     def grid(meta):
-        m_blocks = triton.cdiv(M, meta["BM"])
-        return (m_blocks, max(1, min(triton.cdiv(N, meta["BN"]), sms // m_blocks)), 1)
+        return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms), 1)
 
     wrap_triton(C.pick(_KERNELS, M))[grid](
         y, x, A, B, scale, group_weight, ranks,

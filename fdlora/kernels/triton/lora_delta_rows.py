@@ -30,8 +30,8 @@ def _pass(
     RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    r = c0 + tl.arange(0, RC)
-    ok = r < live
+    r = tl.multiple_of(c0, 16) + tl.arange(0, RC)
+    ok = tl.max_constancy(r < live, 16)  # live is a whole number of 16-row granules (bank zero padding)
     slot = s + 0 * r
     h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE)
     h = (h * sc).to(b_ptr.dtype.element_ty)
@@ -50,7 +50,7 @@ def lora_delta_rows_kernel(
     M, K, N, M_BUCKET,
     sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, ssc, srs,
     RMAX: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     s = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -58,7 +58,7 @@ def lora_delta_rows_kernel(
     row_on = (tl.load(slot_ptr + rows * srs, mask=row_in, other=-1) == s) & row_in
     rows = rows.to(tl.int64)
     sc = tl.load(scale_ptr + s * ssc)
-    live = tl.where((sc != 0) & (tl.max(row_on.to(tl.int32), axis=0) > 0), tl.load(ranks_ptr + s), 0)
+    live = tl.where((sc != 0) & (tl.max(row_on.to(tl.int32), axis=0) > 0), (tl.load(ranks_ptr + s) + 15) // 16 * 16, 0)
     for c0 in range(0, live, RMAX):
         rest = live - c0
         if RMAX == 16:
@@ -107,8 +107,7 @@ def lora_delta_rows(
     slots_used = min(S, M)
 
     def grid(meta):
-        m_blocks = triton.cdiv(M, meta["BM"])
-        return (m_blocks, max(1, min(triton.cdiv(N, meta["BN"]), 2 * sms // (m_blocks * slots_used))), S)
+        return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms, per_block=slots_used), S)
 
     wrap_triton(C.pick(_KERNELS, M))[grid](
         y, x, A, B, scale, row_slot, ranks,

@@ -36,7 +36,7 @@ def lora_shrink_kernel(
     slot = tl.program_id(1) // chunks
     r0 = (tl.program_id(1) % chunks) * RC
     if HAS_SKIP:
-        live = tl.where(tl.load(scale_ptr + slot * ssc) != 0, tl.load(ranks_ptr + slot), 0)
+        live = tl.where(tl.load(scale_ptr + slot * ssc) != 0, (tl.load(ranks_ptr + slot) + 15) // 16 * 16, 0)
     else:
         live = R
     if r0 < live:

@@ -59,17 +59,22 @@ def pack_block(
 def packed_columns(c0, end, width, rk, sc, S_PAD: tl.constexpr, RC: tl.constexpr):
     """Packed columns c0..c0+RC -> (slot [RC], rank row [RC], valid [RC], slot scale [RC]).
 
+    Valid columns are the live rank rounded up to 16 (the bank zero-pads each slot to R).
+
     end/width/rk/sc are [S_PAD]: cumulative end, width (0 = not live), live rank and scale per slot.
     """
     j = c0 + tl.arange(0, RC)
     slot = tl.sum((end[None, :] <= j[:, None]).to(tl.int32), axis=1)  # first slot ending after j
     hit = tl.arange(0, S_PAD)[None, :] == slot[:, None]  # [RC, S_PAD]
     start = tl.sum(tl.where(hit, (end - width)[None, :], 0), axis=1)
-    live = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
+    live = tl.sum(tl.where(hit, ((rk + 15) // 16 * 16)[None, :], 0), axis=1)  # live rank, whole granules
     scj = tl.sum(tl.where(hit, sc[None, :], 0.0), axis=1)
-    r = tl.max_contiguous(tl.multiple_of(j - start, 16), 16)  # slots start on 16-column boundaries
-    ok = r < live  # past the last slot nothing hits: live = 0
-    return tl.where(ok, slot, 0), r, ok, scj
+    # Slots start on 16-column boundaries and cover whole 16-column granules (the bank's zero padding
+    # fills the last one), so slot and validity are constant, and r contiguous, over groups of 16:
+    # the hints let loads of B (contiguous along r) vectorize.
+    r = tl.max_contiguous(tl.multiple_of(j - start, 16), 16)
+    ok = tl.max_constancy(r < live, 16)  # past the last slot nothing hits: live = 0
+    return tl.max_constancy(tl.where(ok, slot, 0), 16), r, ok, scj
 
 
 @triton.jit
