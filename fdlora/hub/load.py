@@ -69,7 +69,7 @@ def load_adapters(
                 allow_pickle=allow_pickle, **hub_kw)
     ram = default_cache() if cache == DEFAULT else cache
     key = None
-    if isinstance(ram, AdapterCache) and r.kind != "memory":
+    if isinstance(ram, AdapterCache) and r.kind != "memory" and config is None and metadata is None:
         key = CacheKey(r.source, r.fingerprint or "", r.file, str(dtype) if dtype else None,
                        (component, layers_per_block))
         hit = None if force_download else ram.get(key)

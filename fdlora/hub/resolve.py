@@ -103,12 +103,7 @@ def fetch(r: Resolved, *, token: str | bool | None = None, cache_dir: str | os.P
     offline = local_files_only or constants.is_offline_mode()
     kw = dict(revision=r.sha, cache_dir=cache_dir, token=token, local_files_only=offline)
     path = _download(r, r.file, force_download=force_download, **kw)
-    config_path = None
-    if r.config_file:
-        try:
-            config_path = _download(r, r.config_file, force_download=force_download, **kw)
-        except ResolveError:
-            config_path = None  # a bare adapter_model.safetensors: the PEFT format reports the missing config
+    config_path = _optional_download(r, r.config_file, force_download, **kw) if r.config_file else None
     return replace(r, path=path, config_path=config_path)
 
 
@@ -118,9 +113,9 @@ def _local_file(path: str, choice: str) -> Resolved:
     d, name = os.path.split(path)
     config = os.path.join(d, PEFT_CONFIG) if name.startswith("adapter_model.") else None
     config = config if config and os.path.isfile(config) else None
-    st = os.stat(path)
+    stamp = ";".join(f"{st.st_size}-{st.st_mtime_ns}" for st in map(os.stat, filter(None, (path, config))))
     return Resolved("file", path, file=name, choice=choice, path=path, config_file=config and PEFT_CONFIG,
-                    config_path=config, fingerprint=f"{st.st_size}-{st.st_mtime_ns}")
+                    config_path=config, fingerprint=stamp)
 
 
 def _local_dir(d: str, weight_name: str | None, subfolder: str | None, allow_pickle: bool) -> Resolved:
@@ -253,16 +248,38 @@ def _cached_listing(repo: str, sha: str, cache_dir, subfolder: str | None) -> li
 
 
 def _download(r: Resolved, file: str, **kw) -> str:
+    from huggingface_hub import errors as he
     from huggingface_hub import hf_hub_download
 
     try:
         return hf_hub_download(r.source, file, **kw)
     except Exception as e:
-        if not kw.get("local_files_only"):
+        if isinstance(e, he.RemoteEntryNotFoundError):
             try:  # name the files that do exist in the error
                 _listing(r.source, r.sha, kw.get("token"), kw.get("cache_dir"), offline=False)
             except Exception:
-                pass
+                pass  # the error below is still right, only less helpful
+        raise hub_error(e, r.source, r.revision or r.sha, file, r.sha) from None
+
+
+def _optional_download(r: Resolved, file: str, force_download: bool, **kw) -> str | None:
+    """A file that may not exist (a PEFT config): None when the Hub says it does not, an error when unsure.
+
+    A known absence is remembered by huggingface_hub (`.no_exist`), so it costs one request once.
+    """
+    from huggingface_hub import errors as he
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(r.source, file, cache_dir=kw["cache_dir"], revision=r.sha)
+    if cached is not None and not force_download:
+        return cached if isinstance(cached, str) else None  # a path, or huggingface_hub's "known absent" marker
+    try:
+        return hf_hub_download(r.source, file, force_download=force_download, **kw)
+    except he.EntryNotFoundError as e:
+        if isinstance(e, he.LocalEntryNotFoundError):  # offline and not cached: present or not, we cannot tell
+            raise hub_error(e, r.source, r.revision or r.sha, file, r.sha) from None
+        return None
+    except Exception as e:
         raise hub_error(e, r.source, r.revision or r.sha, file, r.sha) from None
 
 

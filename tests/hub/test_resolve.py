@@ -60,6 +60,37 @@ def test_weight_rule_errors_list_candidates(files, allow_pickle, needle):
 
 
 # --- Hub sources: revisions, pinning and requests ----------------------------------------------
+UNET_PATH = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
+TE_PATH = "text_model.encoder.layers.0.self_attn.q_proj"
+
+
+def fixture_repo(fmt: str) -> tuple[dict[str, bytes], str, dict[str, int]]:
+    """(files, the file the rule must choose, modules per component) of a one-format fixture repo."""
+    u, t = loras.make_lora({UNET_PATH: (8, 8)}, seed=13), loras.make_lora({TE_PATH: (8, 8)}, seed=14)
+    flux = loras.make_lora({"transformer_blocks.0.attn.to_out.0": (8, 8)}, seed=15)
+    qkv = (torch.randn(3, 8), torch.randn(24, 3))
+    cases = {
+        "peft": (loras.peft_files(u), "adapter_model.safetensors", {"unet": 1}),
+        "diffusers": (loras.diffusers_files({"unet": u, "text_encoder": t}, metadata={"unet": {"r": 4}}),
+                      "pytorch_lora_weights.safetensors", {"unet": 1, "text_encoder": 1}),
+        "kohya": (loras.kohya_file({"unet": u, "text_encoder": t}, kind="sdxl", sgm=True, name="style.safetensors"),
+                  "style.safetensors", {"unet": 1, "text_encoder": 1}),
+        "flux-kohya": (loras.flux_kohya_file(flux, qkv=qkv, alpha=1.0), "flux_lora.safetensors", {"transformer": 4}),
+        "flux-xlabs": (loras.xlabs_file(flux.weights["transformer_blocks.0.attn.to_out.0"], qkv), "lora.safetensors",
+                       {"transformer": 4}),
+    }
+    files, chosen, components = cases[fmt]
+    return {**files, "README.md": b"# a fixture"}, chosen, components
+
+
+@pytest.mark.parametrize("fmt", ["peft", "diffusers", "kohya", "flux-kohya", "flux-xlabs"])
+def test_every_format_through_the_hub(hub, fmt):
+    files, chosen, components = fixture_repo(fmt)
+    repo, commit = hub.publish(files, refs=("main", "v1"))
+    adapters, report = load_adapters(repo, revision="v1", cache=None)
+    assert (report.format, report.file, report.sha, report.components) == (fmt, chosen, commit, components)
+    assert all(a.provenance.revision == commit and a.provenance.file == chosen for a in adapters.values())
+
 def test_revisions_tags_and_pinning(hub):
     repo, c1 = hub.publish(lora_files(1), refs=("main", "v1"))
     _, c2 = hub.publish(lora_files(2), repo=repo, refs=("main",))
@@ -106,6 +137,16 @@ def test_only_the_chosen_files_are_fetched(hub):
     fetched = sorted({p.rsplit("/", 1)[-1] for m, p, _ in hub.since(mark) if "/resolve/" in p})
     assert fetched == ["adapter_config.json", "adapter_model.safetensors"]
     assert report.format == "peft" and report.file == "adapter_model.safetensors"
+
+
+def test_peft_weights_without_config(hub):
+    sd = loras.peft_state(loras.make_lora(SHAPES, rank=2, seed=12), "base_model.model.")
+    repo, commit = hub.publish({"adapter_model.safetensors": save(sd)})
+    _, report = load_adapters(repo, revision=commit, cache=None)
+    assert report.format == "peft" and any("no adapter_config.json" in n for n in report.notes)
+    mark = hub.mark()
+    load_adapters(repo, revision=commit, cache=None)  # the config's absence is remembered too
+    assert hub.since(mark) == []
 
 
 def test_subfolder_and_weight_name(hub):
