@@ -18,7 +18,10 @@ from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
 from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
 from .pipelines.attach import install as _install_diffusers_hook
+from .pipelines.peft_convert import from_diffusers, from_peft
+from .pipelines.save import merge_and_unload, save_peft
 from .pipelines.scope import adapters
+from .pipelines.transformers import FdLoraModel, load_fd_lora
 
 _install_diffusers_hook()
 
@@ -27,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FdLoraError",
     "FdLoraHandle",
+    "FdLoraModel",
     "FusedLoraConv2d",
     "FusedLoraLinear",
     "LoraAdapter",
@@ -38,11 +42,16 @@ __all__ = [
     "delete_adapter",
     "disable",
     "enable",
+    "from_diffusers",
+    "from_peft",
     "handle",
     "inject",
+    "load_fd_lora",
+    "merge_and_unload",
     "per_row",
     "per_sample",
     "restore",
+    "save_peft",
     "set_adapters",
     "set_backend",
     "use_backend",

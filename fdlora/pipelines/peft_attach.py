@@ -1,0 +1,56 @@
+"""Put converted PEFT adapters into a model: fused layers for the LoRA, SavedModules for full module copies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..layers import FdLoraHandle, padded_rank, registry_of_models
+from . import saved_modules
+from .compat import expose_base_params
+from .peft_state import PeftLoad
+from .session import session_of
+
+DEFAULT_SLOTS, DEFAULT_RANK = 4, 64
+
+
+def ensure_handle(model: nn.Module, loads: Sequence[PeftLoad]) -> tuple[FdLoraHandle, bool]:
+    """The model's handle, created or grown so that `loads` fit; (handle, created)."""
+    need_rank = max(padded_rank(m.rank) for ld in loads for m in ld.adapter.modules.values())
+    h = registry_of_models.get(model)
+    if h is None:
+        h = FdLoraHandle(model, max_slots=max(DEFAULT_SLOTS, len(loads)), max_rank=max(DEFAULT_RANK, need_rank))
+        registry_of_models[model] = h
+        return h, True
+    free = len(h.state.slots.free())
+    if (need_rank > h.max_rank or free < len(loads)) and not h.state.static:  # a frozen model raises on add instead
+        slots = h.state.slots.capacity + max(0, len(loads) - free)
+        h.grow(max_slots=slots, max_rank=max(h.max_rank, need_rank))
+    return h, False
+
+
+def attach(model: nn.Module, named: Sequence[tuple[str, PeftLoad]], activate: str | None = None) -> FdLoraHandle:
+    """Load every (name, load) into `model` (all or nothing); activate `activate` if given."""
+    h, created = ensure_handle(model, [ld for _, ld in named])
+    done: list[str] = []
+    try:
+        for name, ld in named:
+            h.add_adapter(ld.adapter, name, activate=False)
+            done.append(name)
+    except Exception:
+        if created:
+            h.restore()
+        elif done:
+            h.delete_adapter(done)
+        raise
+    expose_base_params(h)
+    session = session_of(model)
+    for name, ld in named:
+        session.configs[name] = ld.config
+        saved_modules.drop(model, session, name)  # a reused name must not keep an old copy
+        for path, copy in ld.saved.items():
+            saved_modules.install(model, session, path, name, copy)
+    if activate is not None:
+        h.set_adapters([activate])
+    return h
