@@ -7,6 +7,10 @@
 Steps: `resolve` (pin the revision to a commit, choose the weight file; no download), the RAM
 cache (a hit skips everything below), `fetch` (download on a cache miss), read (safetensors
 checked first; pickle only with allow_pickle=True), detect the format, convert, cast, cache.
+
+Requests: a 40-hex `revision` whose files are cached makes none (the commit's listing, needed
+without `weight_name`, is remembered per process); a branch or tag costs one (resolving it), then
+the RAM cache or the local HF cache answers. Offline (`HF_HUB_OFFLINE=1`) uses the cache only.
 Nothing here touches a model: loading into one goes through `FdLoraHandle.add_adapter` (or an
 `AdapterPool`), which validates every shape before writing.
 """

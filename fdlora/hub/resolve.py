@@ -162,9 +162,9 @@ def choose_weight_file(files: list[str], allow_pickle: bool, where: str) -> tupl
 def _rule(cands: list[str], names: tuple[str, str], kind: str) -> tuple[str, str] | None:
     for name, what in zip(names, ("PEFT adapter", "diffusers LoRA")):
         if name in cands:
-            return name, f"{name}: the {what} file name (rule: {WEIGHT_RULE})"
+            return name, f"{name}: the {what} file name (weight-file rule, fdlora.hub.WEIGHT_RULE)"
     if len(cands) == 1:
-        return cands[0], f"{cands[0]}: the only {kind} file (rule: {WEIGHT_RULE})"
+        return cands[0], f"{cands[0]}: the only {kind} file (weight-file rule, fdlora.hub.WEIGHT_RULE)"
     return None
 
 

@@ -32,7 +32,7 @@ def detect(raw: Raw) -> str | None:
 
 
 def detect_bare(raw: Raw) -> str | None:
-    n = sum(PEFT_KEY.fullmatch(k) is not None for k in raw.tensors)
+    n = sum(PEFT_KEY.fullmatch(k) is not None and not k.startswith(PREFIX) for k in raw.tensors)
     if n and not any(k.split(".")[0] in COMPONENTS for k in raw.tensors):
         return f"{n} keys are <module>.lora_A/lora_B without a component prefix (a model-level PEFT state dict)"
     return None
