@@ -18,6 +18,7 @@ _LAZY = {
     "load_adapters": "load", "load_many": "load",
     "LoadReport": "report", "GroupStats": "report",
     "AdapterCache": "cache", "CacheKey": "cache", "default_cache": "cache", "pack_adapters": "cache",
+    "to_device": "cache",
     "AdapterPool": "pool", "add_to_pools": "pool", "align_paths": "pool",
     "WEIGHT_RULE": "resolve",  # the submodule fdlora.hub.resolve has resolve() and fetch()
 }

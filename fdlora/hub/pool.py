@@ -19,12 +19,14 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
 from .adapter import LoraAdapter
-from .cache import pack_adapters
+from .cache import pack_adapters, to_device
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -36,7 +38,8 @@ class AdapterPool:
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident names, least recently used first
         self._names: frozenset[str] | None = None  # module paths of the model, for path alignment
         self._lock = threading.RLock()
-        self.pin = _on_cuda(handle.model) if pin is None else pin
+        self.device = _device_of(handle.model)
+        self.pin = self.device.type == "cuda" if pin is None else pin
         self.loads = self.reloads = self.evictions = 0
 
     @classmethod
@@ -64,22 +67,23 @@ class AdapterPool:
         with self._lock:
             self.commit(self.plan(name, adapter, validate=validate), activate=activate)
 
-    def plan(self, name: str, adapter: LoraAdapter, *, validate: bool = True):
+    def plan(self, name: str, adapter: LoraAdapter, *, validate: bool = True) -> tuple[Any, LoraAdapter]:
         """Make room and check everything about loading `adapter`; writes nothing. `commit` carries it out."""
         with self._lock:
             if name in self._host:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
                                             "pick another adapter_name.")
-            adapter = self.align(adapter)
-            if self.pin and not _is_pinned(adapter):
-                adapter = pack_adapters({"": adapter})[""]
+            host = self.align(adapter)
+            if self.pin and not _is_pinned(host):
+                host = pack_adapters({"": host})[""]
             self._make_room({name}, evict_active=False)
-            return self.handle.plan(adapter, name, validate=validate)
+            return self.handle.plan(self._staged(host, validate), name, validate=validate), host
 
-    def commit(self, plan, *, activate: bool = False) -> None:
+    def commit(self, planned: tuple[Any, LoraAdapter], *, activate: bool = False) -> None:
+        plan, host = planned
         with self._lock:
             self.handle.commit(plan, activate=activate)
-            self._host[plan.name] = plan.adapter
+            self._host[plan.name] = host
             self._recent[plan.name] = None
             self.loads += 1
 
@@ -97,7 +101,7 @@ class AdapterPool:
             for n in names:
                 if n not in self._recent:
                     self._make_room(set(names), evict_active=evict_active)
-                    self.handle.add_adapter(self._host[n], n, activate=False, validate=False)
+                    self.handle.add_adapter(self._staged(self._host[n], False), n, activate=False, validate=False)
                     self.reloads += 1
                 self._recent[n] = None
                 self._recent.move_to_end(n)
@@ -151,6 +155,11 @@ class AdapterPool:
             "max_slots (handle.grow(max_slots=N))."
         )
 
+    def _staged(self, host: LoraAdapter, check_finite: bool) -> LoraAdapter:
+        """On CUDA: the host copy moved to the device in one transfer (and NaN-checked there), so the banks
+        fill with device-to-device copies instead of one PCIe transfer per tensor."""
+        return to_device(host, self.device, check_finite=check_finite) if self.device.type == "cuda" else host
+
     def align(self, adapter: LoraAdapter) -> LoraAdapter:
         """`adapter` with module paths fitted to this model (see `align_paths`)."""
         if self._names is None or any(p not in self._names for p in adapter.modules):
@@ -193,9 +202,9 @@ def add_to_pools(pools: Mapping[str, AdapterPool], adapters: Mapping[str, LoraAd
         pool.commit(plan, activate=activate)
 
 
-def _on_cuda(model: nn.Module) -> bool:
+def _device_of(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
-    return p is not None and p.device.type == "cuda"
+    return p.device if p is not None else torch.device("cpu")
 
 
 def _is_pinned(adapter: LoraAdapter) -> bool:

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from support import loras, tiny
 
 import fdlora
-from fdlora.errors import AdapterShapeError, CapacityError, UnknownAdapterError
+from fdlora.errors import AdapterShapeError, CapacityError, NonFiniteError, UnknownAdapterError
 from fdlora.hub import (
     AdapterCache,
     AdapterPool,
@@ -19,6 +19,7 @@ from fdlora.hub import (
     load_adapters,
     load_many,
     pack_adapters,
+    to_device,
 )
 from fdlora.hub import load as load_module
 from fdlora.layers import FdLoraHandle
@@ -100,6 +101,26 @@ def test_pack_adapters_is_one_buffer_with_equal_values(tmp_path):
     ptrs = {t.untyped_storage().data_ptr() for m in mods.values() for t in (m.A, m.B)}
     assert len(ptrs) == 1 and all(torch.equal(mods[p].A, orig[p].A) and torch.equal(mods[p].B, orig[p].B)
                                   for p in orig)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_to_device_checks_finite_in_one_pass(packed):
+    g = torch.Generator().manual_seed(0)
+    a = LoraAdapter({"a": ModuleLora(torch.randn(3, 5, generator=g), torch.randn(7, 3, generator=g)),
+                     "b": ModuleLora(torch.randn(2, 5, generator=g), torch.randn(7, 2, generator=g))}, name="x")
+    host = pack_adapters({"": a}, pin=False)[""] if packed else a
+    if packed:  # NaN bytes in the alignment padding after a.A (60 of 64 bytes used) must not count
+        flat = torch.empty(0, dtype=torch.uint8).set_(host.modules["a"].A.untyped_storage())
+        flat[60:64] = torch.tensor([float("nan")]).view(torch.uint8)
+    moved = to_device(host, "cpu", check_finite=True)
+    assert all(m.finite for m in moved.modules.values()) and all(m.finite for m in host.modules.values())
+    assert all(torch.equal(moved.modules[p].A, a.modules[p].A) and torch.equal(moved.modules[p].B, a.modules[p].B)
+               for p in a.modules)
+    bad = pack_adapters({"": a}, pin=False)[""] if packed else LoraAdapter(
+        {p: ModuleLora(m.A.clone(), m.B.clone()) for p, m in a.modules.items()}, name="x")
+    bad.modules["b"].B[1, 1] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"b\.B"):
+        to_device(bad, "cpu", check_finite=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
