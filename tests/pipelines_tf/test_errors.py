@@ -76,7 +76,7 @@ def test_unknown_names_and_duplicates():
         fdlora.set_adapters(model, "three")
     with pytest.raises(errors.DuplicateAdapterError, match="pick another adapter_name"):
         fdlora.load_fd_lora(model, b.dirs["two"], "one")
-    with pytest.raises(errors.FormatError, match="no adapter_config.json"):
+    with pytest.raises(errors.ResolveError, match="cannot choose a weight file"):
         fdlora.load_fd_lora(model, tempfile.mkdtemp(), "x")
     assert fdlora.handle(model).list_adapters() == ["one"]
 

@@ -32,5 +32,5 @@ def test_load_from_hub_repo_with_revision_and_subfolder(pytestconfig):
     x = ids(2)
     with torch.no_grad():
         assert torch.equal(model(x).logits, local(x).logits)
-    with pytest.raises(fdlora.FdLoraError, match="Hub repo id that exists"):
+    with pytest.raises(fdlora.errors.ResolveError, match="does-not-exist"):
         fdlora.load_fd_lora(copy.deepcopy(b.base), "test/does-not-exist", "x")
