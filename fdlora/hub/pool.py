@@ -68,7 +68,8 @@ class AdapterPool:
             self.commit(self.plan(name, adapter, validate=validate), activate=activate)
 
     def plan(self, name: str, adapter: LoraAdapter, *, validate: bool = True) -> tuple[Any, LoraAdapter]:
-        """Make room and check everything about loading `adapter`; writes nothing. `commit` carries it out."""
+        """Make room (an inactive LRU adapter may leave its slot) and check everything about loading `adapter`;
+        no adapter weight is written until `commit`."""
         with self._lock:
             if name in self._host:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
