@@ -46,14 +46,16 @@ def tops(request, monkeypatch):
 
 
 @contextlib.contextmanager
-def _forced_split(enabled: bool):
+def _forced_split(enabled: bool | None):
+    """Run lora_delta on the split path (shrink + expand-add) or the fused kernel, whatever the shape
+    (None: the path dispatch.py picks)."""
     from fdlora.kernels.triton import lora_delta as mod
 
-    if not enabled:
+    if enabled is None:
         yield
         return
     original = mod.delta_plan
-    mod.delta_plan = lambda *a: "split"
+    mod.delta_plan = lambda *a: "split" if enabled else "fused"
     try:
         yield
     finally:

@@ -28,7 +28,7 @@ class Case:
     G: int = 1
     dtype: str = "fp32"
     strided: bool = False  # x is a column slice of a wider tensor, y a slice too
-    split: bool = False  # force the two-launch shrink + expand path (blend / groups)
+    split: bool | None = False  # True: two-launch shrink + expand path; False: fused kernel; None: dispatch.py
 
     @property
     def S(self) -> int:
@@ -74,7 +74,9 @@ REALISTIC = [
        dtype="bf16"),
     _c("llm-16x4096-r16-S8-rows-bf16", "rows", 16, 4096, 4096, 16, [16] * 8, [1.0] * 8, dtype="bf16"),
     _c("llm-16x4096-r64-S4-blend-bf16", "blend", 16, 4096, 4096, 64, [64, 64, 16, 0], [0.5, 0.5, 1.0, 1.0],
-       dtype="bf16"),
+       dtype="bf16", split=None),
+    _c("llm-256x4096-r16-S2-G2-bf16", "groups", 256, 4096, 4096, 16, [16, 16], [1.0, 0.5], G=2, dtype="bf16",
+       split=None),
     _c("llm-256x4096-r32-S8-rows-fp16", "rows", 256, 4096, 4096, 32, [32, 16, 8, 32, 32, 1, 16, 32], [1.0] * 8,
        dtype="fp16"),
 ]

@@ -34,6 +34,8 @@ FEW_ROWS = 64  # M at or below which the few-rows config sets apply
 # Few rows (decode): one row tile; programs spread over N tiles (and slots, per-row mode).
 DELTA = {
     "many": [
+        cfg(4, 2, BM=16, BN=64, BK=64, PREFETCH=False, NSPLIT=64),
+        cfg(4, 2, BM=16, BN=64, BK=64, PREFETCH=True, NSPLIT=64),
         cfg(4, 3, BM=16, BN=64, BK=128, PREFETCH=True, NSPLIT=64),
         cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
         cfg(4, 3, BM=32, BN=64, BK=128, PREFETCH=True, NSPLIT=64),

@@ -85,7 +85,7 @@ def lora_delta_kernel(
                   UPCAST, IEEE, PREFETCH)
 
 
-_KERNELS = C.kernels(lora_delta_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX"], restore_value=["y_ptr"])
+_KERNELS = C.kernels(lora_delta_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX", "S_PAD"], restore_value=["y_ptr"])
 
 
 def launch_fused(

@@ -78,7 +78,7 @@ def lora_expand_add_kernel(
                   sym, syn, shp, shm, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, UPCAST, IEEE, PREFETCH)
 
 
-_KERNELS = C.kernels(lora_expand_add_kernel, C.DELTA, key=["M_BUCKET", "N", "RMAX"], restore_value=["y_ptr"])
+_KERNELS = C.kernels(lora_expand_add_kernel, C.DELTA, key=["M_BUCKET", "N", "RMAX", "S_PAD"], restore_value=["y_ptr"])
 
 
 def launch_expand_add(

@@ -7,8 +7,8 @@ device tensors inside the kernels.
 
 Which kernel runs:
 - lora_delta: fused (one launch, lora_delta.py) or split (lora_shrink + lora_expand_add) by the
-  static rule in dispatch.py: split for decode-sized M (<= 64), and up to 256 rows when the bank's
-  A is large (S*R*K bytes above 256 KiB), where the fused kernel's re-reads of A would dominate.
+  static rule in dispatch.py: split up to 256 rows (decode, small batches), where the fused
+  kernel's per-program re-reads of A dominate; fused above (diffusion sizes).
 - lora_delta_rows: always one launch (lora_delta_rows.py).
 - lora_shrink / lora_expand_add: the two halves, also usable on their own.
 Conv LoRA stays on the torch backend (the registry says so: kinds={"linear"}).
