@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import FdLoraError
 from ..layers import registry_of_models
+from ..layers.handle import SampleSpec
 from .session import session_of
 
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_features", "input_values", "attention_mask")
@@ -37,33 +38,56 @@ def batch_size(args: Sequence[object], kwargs: Mapping[str, object]) -> int | No
     return None
 
 
-def check_names(adapter_names: object) -> list[str | None]:
-    if isinstance(adapter_names, str) or not isinstance(adapter_names, Sequence):
-        raise FdLoraError(f"adapter_names must be a list with one adapter name per sample, got {adapter_names!r}.")
-    bad = [n for n in adapter_names if n is not None and not isinstance(n, str)]
+def check_specs(specs: object, kw: str) -> list[SampleSpec]:
+    if isinstance(specs, (str, Mapping)) or not isinstance(specs, Sequence):
+        raise FdLoraError(f"{kw} must be a list with one entry per sample, got {specs!r}.")
+    bad = [s for s in specs if not (s is None or isinstance(s, str) or (
+        isinstance(s, Mapping) and all(isinstance(k, str) and isinstance(w, (int, float)) for k, w in s.items())))]
     if bad:
-        raise FdLoraError(f"adapter_names entries are adapter names, '__base__' or None; got {bad[:3]}.")
-    return list(adapter_names)
+        raise FdLoraError(f"{kw} entries are adapter names, '__base__', None"
+                          + (" or {name: weight}" if kw == "fd_lora_adapters" else "") + f"; got {bad[:3]}.")
+    if kw == "adapter_names" and any(isinstance(s, Mapping) for s in specs):
+        raise FdLoraError("adapter_names entries are names (PEFT); for per-sample blends use fd_lora_adapters=[{...}].")
+    return list(specs)
+
+
+def _owner(spec: SampleSpec) -> str | tuple[str, ...] | None:
+    """What SavedModules keys on: one adapter name, None for the base, a tuple for a blend."""
+    if spec is None or spec == "__base__":
+        return None
+    if isinstance(spec, str):
+        return spec
+    names = tuple(n for n, w in spec.items() if w)
+    return names[0] if len(names) == 1 else names or None
 
 
 @contextlib.contextmanager
-def adapter_rows(model: nn.Module, adapter_names: object, args: Sequence[object],
-                 kwargs: Mapping[str, object]) -> Iterator[None]:
-    """Within the block, sample i of `model`'s calls uses adapter_names[i]."""
-    names = check_names(adapter_names)
+def adapter_rows(model: nn.Module, specs: object, args: Sequence[object], kwargs: Mapping[str, object],
+                 kw: str = "adapter_names") -> Iterator[None]:
+    """Within the block, sample i of `model`'s calls uses specs[i].
+
+    `adapter_names` (PEFT): a name applies at the adapter's current weight if it is active, else 1.0
+    (a block-wise weight function counts as 1.0: per-sample weights are per adapter, not per layer).
+    `fd_lora_adapters` (fdlora.per_sample): a name applies at 1.0; {name: weight} blends per sample.
+    """
+    specs = check_specs(specs, kw)
     h = registry_of_models.get(model)
     if h is None:
-        raise FdLoraError(f"adapter_names given but {type(model).__name__} has no fd-lora adapters; load one with "
+        raise FdLoraError(f"{kw} given but {type(model).__name__} has no fd-lora adapters; load one with "
                           "fdlora.load_fd_lora(model, source) first.")
     n = batch_size(args, kwargs)
-    if n is not None and n != len(names):
-        raise FdLoraError(f"{len(names)} adapter_names for a batch of {n}; give exactly one name per sample "
+    if n is not None and n != len(specs):
+        raise FdLoraError(f"{len(specs)} {kw} for a batch of {n}; give exactly one entry per sample "
                           "('__base__' for no adapter).")
-    active = h.state.active
-    specs = [None if a is None or a == "__base__" else {a: active.get(a, 1.0)} for a in names]
+    if kw == "adapter_names":
+        def weight(a):
+            w = h.state.active.get(a, 1.0)
+            return 1.0 if callable(w) else float(w)
+
+        specs = [None if a is None or a == "__base__" else {a: weight(a)} for a in specs]
     session = session_of(model)
     previous = session.sample_names
-    session.sample_names = names
+    session.sample_names = [_owner(s) for s in specs]
     try:
         with h.per_sample(specs):
             yield

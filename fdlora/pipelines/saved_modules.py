@@ -57,6 +57,12 @@ class SavedModules(nn.Module):
         rep = x.shape[0] // len(names)  # generate repeats each sample (beams, num_return_sequences)
         groups: dict[str | None, list[int]] = {}
         for i, n in enumerate(names):
+            if isinstance(n, tuple):  # a per-sample blend
+                owners = [m for m in n if m in self.copies]
+                if owners:
+                    raise FdLoraError(f"{self.path}: sample {i} blends {list(n)}, and {owners} have their own full "
+                                      "copy of this module (modules_to_save), which cannot be blended.")
+                n = None
             groups.setdefault(n if n in self.copies else None, []).extend(range(i * rep, (i + 1) * rep))
         out = None
         for n, rows in groups.items():

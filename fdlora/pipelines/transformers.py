@@ -3,6 +3,7 @@
     model = fdlora.load_fd_lora(llama, "user/chat-adapter", adapter_name="chat")   # PEFT dir / Hub repo
     fdlora.load_fd_lora(model, "./other-adapter", adapter_name="other")
     out = model(input_ids, adapter_names=["chat", "__base__", "other"])           # one adapter per row
+    out = model(input_ids, fd_lora_adapters=["chat", None, {"chat": .5, "other": .5}])   # or per-row blends
     seqs = model.generate(input_ids, adapter_names=["chat", "other", "chat"], num_beams=2)
 
 How `adapter_names` gets in. `generate` validates its kwargs against `forward`'s signature before
@@ -11,9 +12,11 @@ for everything keyed on the model (fdlora.set_adapters(model, ...), the handle r
 checks of Transformers pipelines). Instead the model *instance* is switched to a subclass of its own
 class with `FdLoraModel` first (same name and module; built once per class, nothing of any
 transformers class is reassigned); `unload()` / `merge_and_unload()` switch it back. The subclass's
-`forward` / `generate` take `adapter_names`, run the original inside a per-sample scope
-(fdlora.pipelines.routing) and report the original signatures (`__wrapped__`), so Transformers'
-own kwarg checks are unchanged. The diffusers integration switches pipelines the same way.
+`forward` / `generate` take `adapter_names` (PEFT's list of names, "__base__" for none) or
+`fd_lora_adapters` (fd-lora's: a name, None or a {name: weight} blend per sample), run the
+original inside a per-sample scope (fdlora.pipelines.routing) and report the original signatures
+(`__wrapped__`), so Transformers' own kwarg checks are unchanged. The diffusers integration
+switches pipelines the same way.
 
 The PEFT-integration methods Transformers models have (`load_adapter`, `set_adapter`,
 `disable_adapters`, `enable_adapters`, `active_adapters`, `delete_adapter`, `save_pretrained`) and
@@ -127,12 +130,21 @@ class FdLoraModel:
         return unload(self)
 
 
+def _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
+    if adapter_names is not None and fd_lora_adapters is not None:
+        raise FdLoraError("give adapter_names (PEFT) or fd_lora_adapters, not both.")
+    if adapter_names is not None:
+        return adapter_rows(self, adapter_names, args, kwargs, "adapter_names")
+    if fd_lora_adapters is not None:
+        return adapter_rows(self, fd_lora_adapters, args, kwargs, "fd_lora_adapters")
+    return contextlib.nullcontext()
+
+
 def _forward_of(cls: type):
     @functools.wraps(cls.forward)
-    def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
-        if adapter_names is None:
-            return cls.forward(self, *args, **kwargs)
-        with adapter_rows(self, adapter_names, args, kwargs):
+    def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None,
+                fd_lora_adapters: Sequence[Any] | None = None, **kwargs: Any) -> Any:
+        with _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
             return cls.forward(self, *args, **kwargs)
 
     return forward
@@ -140,12 +152,11 @@ def _forward_of(cls: type):
 
 def _generate_of(cls: type):
     @functools.wraps(cls.generate)
-    def generate(self, *args: Any, adapter_names: Sequence[str | None] | None = None, **kwargs: Any) -> Any:
-        """With `adapter_names`, sample i generates with adapter_names[i]; beam search and
+    def generate(self, *args: Any, adapter_names: Sequence[str | None] | None = None,
+                 fd_lora_adapters: Sequence[Any] | None = None, **kwargs: Any) -> Any:
+        """Sample i generates with adapter_names[i] (or fd_lora_adapters[i]); beam search and
         num_return_sequences repeat each sample in place and the spec follows (fdlora.pipelines.routing)."""
-        if adapter_names is None:
-            return cls.generate(self, *args, **kwargs)
-        with adapter_rows(self, adapter_names, args, kwargs):
+        with _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
             return cls.generate(self, *args, **kwargs)
 
     return generate

@@ -72,9 +72,27 @@ def test_beams_and_return_sequences_follow_the_batch():
 
 def test_adapter_names_must_match_the_batch():
     model = fd_model("llama")
-    with pytest.raises(fdlora.FdLoraError, match="one name per sample"):
+    with pytest.raises(fdlora.FdLoraError, match="exactly one entry per sample"):
         model.generate(ids(3, 5), adapter_names=["one", "two"], max_new_tokens=2)
     with pytest.raises(fdlora.FdLoraError, match="no adapter named 'nope'"):
         model(ids(2, 5), adapter_names=["one", "nope"])
     with pytest.raises(fdlora.FdLoraError, match="a list"):
         model(ids(1, 5), adapter_names="one")
+
+
+def test_fd_lora_adapters_blend_per_row():
+    """fd-lora's own per-sample specs: {name: weight} blends one row, None leaves one at the base."""
+    model = fd_model("llama")
+    x = ids(2, 5, seed=10)
+    with torch.no_grad():
+        mixed = model(x, fd_lora_adapters=[{"one": 0.5, "two": -0.7}, None]).logits
+        fdlora.set_adapters(model, ["one", "two"], [0.5, -0.7])
+        blend = model(x[:1]).logits
+        with model.disable_adapter():
+            base = model(x[1:]).logits
+    expect = torch.cat([blend, base])
+    assert torch.allclose(mixed, expect, rtol=0, atol=1e-5 * float(expect.abs().max()))
+    with pytest.raises(fdlora.FdLoraError, match="not both"):
+        model(x, adapter_names=["one", "two"], fd_lora_adapters=["one", "two"])
+    with pytest.raises(fdlora.FdLoraError, match="fd_lora_adapters"):
+        model(x, adapter_names=[{"one": 1.0}, "two"])
