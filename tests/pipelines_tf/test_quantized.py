@@ -57,6 +57,11 @@ def test_bitsandbytes_base_matches_peft(kind, llama_dir):
     assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
     with pytest.raises(errors.UnsupportedFeatureError, match="quantized"):
         fdlora.merge_and_unload(model)
+    converted = fdlora.from_peft(peft_model)  # PEFT's bnb LoRA layers -> fused layers on the same bnb base
+    assert isinstance(converted.get_submodule("model.layers.0.self_attn.q_proj").base, type(layer.base))
+    with torch.no_grad():
+        again = converted(x).logits
+    assert torch.allclose(again, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
 
 
 class Int8Linear(nn.Module):
