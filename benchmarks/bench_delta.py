@@ -11,6 +11,9 @@ minimal traffic (x read once, y read and written once, live A and B once) over i
 a measured device-to-device copy.
 
     python benchmarks/bench_delta.py --out benchmarks/results/<gpu>/delta.json [--quick]
+
+A full run takes 5-7 minutes on an H100, most of it the autotuner compiling and timing configs;
+results are written after every case, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
