@@ -284,7 +284,9 @@ def main() -> int:
     prefill, v2 = run_prefill(a, base, peft_model, fd, device, dtype, vocab)
     r = ratios(decode, prefill)
     targets = {"decode_fd_1": TARGETS["decode_1"], "decode_fd_4mixed": TARGETS["decode_4mixed"],
+               "decode_graphs_fd_1": TARGETS["decode_1"], "decode_graphs_fd_4mixed": TARGETS["decode_4mixed"],
                "prefill_fd_1": TARGETS["prefill_1"]}
+    targets = {k: t for k, t in targets.items() if k in r}
     result = {
         "benchmark": "llm", "env": environment(device),
         "shape": {**(TINY if a.tiny else REAL), "layers": base.config.num_hidden_layers, "dtype": str(dtype),
