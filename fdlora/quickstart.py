@@ -10,6 +10,7 @@ import argparse
 import copy
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,8 @@ SEQ, BATCH = 32, 3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per row of the table")
+    p.add_argument("--part", choices=["all", "llm", "pipeline"], default="all")
+    p.add_argument("--out", type=Path, default=Path("fdlora-quickstart"), help="where the image grids go")
 
 
 def _median_ms(fn, repeats: int, device: str) -> float:
@@ -68,6 +71,24 @@ def peft_set(peft_model, names, weights):
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    ok = True
+    if args.part in ("all", "llm"):
+        ok &= run_llm(args)
+    if args.part in ("all", "pipeline"):
+        from .quickstart_pipeline import run as run_pipeline
+
+        ok &= run_pipeline(args.out, repeats=max(3, args.repeats // 4))
+    print("\nquickstart:", "all checks passed" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+def run_llm(args: argparse.Namespace) -> bool:
     import warnings
 
     import fdlora
@@ -134,5 +155,4 @@ def run(args: argparse.Namespace) -> int:
     for what, ms in table:
         print(f"{what:58s} {ms:10.3f}")
     print("\n(tiny CPU model: the forward timings show overheads, not GPU kernel speed; see benchmarks/)")
-    print("quickstart:", "all checks passed" if ok else "SOME CHECKS FAILED")
-    return 0 if ok else 1
+    return ok

@@ -1,4 +1,4 @@
-"""Write files into a Hugging Face Hub cache folder exactly as huggingface_hub lays it out.
+"""Publish files into a local Hugging Face Hub cache exactly as huggingface_hub lays it out (offline demos, tests).
 
     <cache>/models--{org}--{name}/
         blobs/<etag>                    sha256 for LFS-style files, git blob sha1 for small text files

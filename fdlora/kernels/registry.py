@@ -54,6 +54,9 @@ class Backend:
     _unavailable: str | None = field(default=None, repr=False)
     _probed: bool = field(default=False, repr=False)
 
+    def __deepcopy__(self, memo) -> Backend:  # a process-wide singleton: copies of a model share it
+        return self
+
     def unavailable(self) -> str | None:
         if not self._probed:
             self._probed = True
@@ -99,6 +102,9 @@ class Selection:
     @property
     def name(self) -> str:
         return self.backend.name
+
+    def __deepcopy__(self, memo) -> Selection:
+        return self
 
     def __str__(self) -> str:
         return f"{self.name} [{'; '.join(self.reasons)}]"

@@ -100,6 +100,15 @@ class _FusedLora(nn.Module):
         self.select_backend()
         registry.track(self)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base module's weight: model code that reads `layer.weight` (T5, PEFT) keeps working."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.base, "bias", None)
+
     # --- wiring -------------------------------------------------------------------------------
     def rebind(self) -> None:
         """Point this layer's scale views at the shared table on its device."""
@@ -115,7 +124,10 @@ class _FusedLora(nn.Module):
             self.selection = registry.select(p)
         except FdLoraError as e:
             raise type(e)(f"{self.path}: {e}") from None
-        self._ops = self.selection.backend.ops
+
+    @property
+    def _ops(self):
+        return self.selection.backend.ops
 
     def _apply(self, fn, recurse=True):  # .to() / .half(): follow the bank to its new device and dtype
         super()._apply(fn, recurse)
@@ -187,7 +199,22 @@ class FusedLoraLinear(_FusedLora):
         super().__init__(base, state, index, path, rank, (dims[0],), dims[1], dtype)
         self.in_features = dims[0]
 
+    def _whole_op(self) -> bool:
+        """True when the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear):
+        a plain float nn.Linear in the bank's dtype, on a backend that provides `lora_linear`."""
+        w = getattr(self.base, "weight", None)
+        return (type(self.base) is nn.Linear and w.dtype == self.bank.A.dtype and w.device == self.bank.A.device
+                and hasattr(self._ops, "lora_linear") and not self._ops.__name__.startswith("fdlora.kernels.ref"))
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.state.mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole_op():
+            A, B, ranks, S = self._bank()
+            x2 = x.reshape(-1, self.in_features).to(A.dtype)
+            scale, gw = self._weights(x, x2.shape[0])
+            y2 = self._ops.lora_linear(x2, self.base.weight, self.base.bias, A, B, scale[:S], gw[:, :S], ranks)
+            if self.bank.bias is not None:
+                self._add_bias(y2, scale, gw, None)
+            return y2.view(*x.shape[:-1], self.out_features)
         y = self.base(x, *args, **kwargs)
         if self._skip():
             return y

@@ -307,7 +307,8 @@ class FdLoraHandle:
         if self.state.static:
             raise CompiledModelError(
                 f"cannot {what}: this model is frozen for torch.compile / CUDA graphs, and its buffers must keep "
-                "their shapes. Load into a free slot instead, or inject with larger max_slots / max_rank."
+                "their shapes. Prepare before compiling: inject with larger max_slots / max_rank, and wrap every "
+                "module adapters may target (fdlora.inject targets, or pipe.load_fd_lora(..., targets=[...]))."
             )
 
     def _alive(self) -> None:

@@ -29,6 +29,28 @@ class Mode(enum.Enum):
     ROWS = "rows"  # per-row slot index (LLM mixed batches)
 
 
+class CopyableLock:
+    """A re-entrant lock that deep copies (and pickles) as a fresh lock, so models and pipes stay copyable."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._lock.__exit__(*exc)
+
+    def __deepcopy__(self, memo) -> CopyableLock:
+        return CopyableLock()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._lock = threading.RLock()
+
+
 class SlotTable:
     """Adapter name <-> slot index."""
 
@@ -67,7 +89,7 @@ class ScaleTable:
         self.weights = torch.zeros(slots)  # [S] or [L, S]
         self.multiplier = 1.0
         self._device: dict[torch.device, torch.Tensor] = {}
-        self._lock = threading.Lock()
+        self._lock = CopyableLock()
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -83,12 +83,17 @@ class FdLoraPipelineMixin:
     # --- loading -------------------------------------------------------------------------------
     def load_fd_lora(self, source: Any, adapter_name: str | None = None, *, strict: bool = False,
                      max_slots: int | None = None, max_rank: int | None = None, validate: bool = True,
-                     **hub_kwargs: Any):
+                     targets: Sequence[str] | Mapping[str, Sequence[str]] | None = None, **hub_kwargs: Any):
         """Load an adapter (Hub repo id, directory, file, state dict, or {component: LoraAdapter}).
 
         Routes each component's modules to `unet` / `transformer` / `text_encoder*`. Atomic: every
         component is validated before anything is written. The new adapter becomes the only active one,
         as with diffusers' `load_lora_weights`. Returns the load report (None for canonical input).
+
+        The first load into a component sets its capacity (`max_slots`, `max_rank`) and wraps the
+        architecture's table of targets (fdlora.pipelines.targets), plus `targets` (module-name
+        suffixes for the denoiser, or {component: suffixes}): later adapters within them load into
+        free slots without touching the module tree, so a compiled denoiser never recompiles.
         """
         with pipe_lock(self):
             adapters, report = self._fd_read(source, strict=strict, **hub_kwargs)
@@ -124,11 +129,12 @@ class FdLoraPipelineMixin:
                     logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
                     h.grow(max_rank=need)
                 plans.append((comp, h, fresh, h.plan(adapter, name, validate=validate)))
+            extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
             done: list[tuple[FdLoraHandle, bool]] = []
             try:
-                for _, h, fresh, plan in plans:
+                for comp, h, fresh, plan in plans:
                     if fresh:
-                        self._fd_wrap_table(h)
+                        self._fd_wrap_table(h, extra.get(comp) or [])
                         registry_of_models[h.model] = h
                     done.append((h, fresh))
                     h.commit(plan, activate=False)
@@ -176,8 +182,8 @@ class FdLoraPipelineMixin:
 
         return load_adapters(source, strict=strict, **hub_kwargs)
 
-    def _fd_wrap_table(self, h: FdLoraHandle) -> None:
-        targets = targets_for(h.model)
+    def _fd_wrap_table(self, h: FdLoraHandle, extra: Sequence[str]) -> None:
+        targets = targets_for(h.model) + list(extra)
         if targets:
             with contextlib.suppress(TargetError):
                 h.wrap(match_targets(h.model, targets))

@@ -8,7 +8,6 @@ from torch import nn
 
 from ..layers import FdLoraHandle, padded_rank, registry_of_models
 from . import saved_modules
-from .compat import expose_base_params
 from .peft_state import PeftLoad
 from .session import session_of
 
@@ -44,7 +43,6 @@ def attach(model: nn.Module, named: Sequence[tuple[str, PeftLoad]], activate: st
         elif done:
             h.delete_adapter(done)
         raise
-    expose_base_params(h)
     session = session_of(model)
     for name, ld in named:
         session.configs[name] = ld.config

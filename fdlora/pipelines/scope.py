@@ -14,11 +14,16 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..layers.state import CopyableLock
 
-def pipe_lock(pipe: Any) -> threading.RLock:
+_CREATE = threading.Lock()
+
+
+def pipe_lock(pipe: Any) -> CopyableLock:
     lock = pipe.__dict__.get("_fdlora_lock")
     if lock is None:
-        lock = pipe.__dict__.setdefault("_fdlora_lock", threading.RLock())
+        with _CREATE:
+            lock = pipe.__dict__.setdefault("_fdlora_lock", CopyableLock())
     return lock
 
 

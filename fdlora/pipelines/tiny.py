@@ -143,3 +143,35 @@ def generate_kwargs(pipe, prompt="a cat", *, seed: int = 0, steps: int = 2, size
         out["max_sequence_length"] = 32
     out.update(kw)
     return out
+
+
+def random_lora_files(pipe, *, seed: int, rank: int = 4, strength: float = 3.0) -> dict[str, bytes]:
+    """A random diffusers-format LoRA (UNet/transformer attention + CLIP text encoder) as {file: bytes}.
+
+    Made the way trainers make them: PEFT adapters on a copy of the pipe, saved with the pipeline's own
+    `save_lora_weights`, so the file is exactly what diffusers writes.
+    """
+    import copy
+    import tempfile
+    from pathlib import Path
+
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    p = copy.deepcopy(pipe)
+    torch.manual_seed(seed)
+    den_name = "unet" if "unet" in p.components else "transformer"
+    den = getattr(p, den_name)
+    den.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                               init_lora_weights=False), adapter_name="src")
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=["q_proj", "v_proj"],
+                                       init_lora_weights=False), p.text_encoder, "src")
+    layers = {f"{den_name}_lora_layers": get_peft_model_state_dict(den, adapter_name="src"),
+              "text_encoder_lora_layers": get_peft_model_state_dict(p.text_encoder, adapter_name="src")}
+    for sd in layers.values():
+        for k, v in sd.items():
+            if "lora_B" in k:
+                v.mul_(strength)
+    with tempfile.TemporaryDirectory() as d:
+        type(pipe).save_lora_weights(d, **layers)
+        return {f.name: f.read_bytes() for f in Path(d).iterdir()}

@@ -30,7 +30,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .hubcache import LFS_EXT, git_blob_sha1
+from fdlora.hub.localcache import LFS_EXT, git_blob_sha1
 
 API = re.compile(r"/api/(models|datasets)/([^/]+/[^/]+)(?:/(revision|tree|paths-info|refs)(?:/([^/]+)(/.*)?)?)?")
 RESOLVE = re.compile(r"/(?:(datasets)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)")

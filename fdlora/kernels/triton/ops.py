@@ -27,9 +27,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import lora_delta as _delta  # registers fdlora::lora_delta
 from . import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
 from . import lora_expand_add as _expand  # registers fdlora::lora_expand_add
+from . import lora_linear as _linear  # registers fdlora::lora_linear
 from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
-__all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_shrink"]
+__all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_shrink"]
 
 
 def _direct(*tensors: torch.Tensor) -> bool:
@@ -93,3 +94,20 @@ def lora_delta_rows(
         with set_wrap_triton_enabled(False):
             return _rows.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
+
+
+def lora_linear(
+    x: torch.Tensor,  # [M, K]
+    W: torch.Tensor,  # [N, K] the base nn.Linear weight, untouched
+    bias: torch.Tensor | None,  # [N]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    scale: torch.Tensor,  # [S] fp32
+    group_weight: torch.Tensor,  # [G, S] fp32
+    ranks: torch.Tensor,  # [S] int32
+) -> torch.Tensor:  # [M, N]
+    """Base GEMM + LoRA as one op; the path (fused, merged + cuBLAS, cuBLAS + delta) is chosen per shape."""
+    if _direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or _direct(bias)):
+        with set_wrap_triton_enabled(False):
+            return _linear.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
+    return torch.ops.fdlora.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
