@@ -15,9 +15,9 @@ from ..layers.fused import FusedLoraConv2d, _FusedLora, _is_conv1d
 
 def delta_weight(layer: _FusedLora, slot_weights: torch.Tensor) -> torch.Tensor:
     """sum_s w_s * B_s A_s in fp32, shaped like the base weight. `slot_weights` [S] holds w_s * alpha/r."""
-    A, B = layer.bank.A.float(), layer.bank.B.float()  # [S, R, ...], [N, S, R]
-    S, R = A.shape[:2]
-    Bw = (B * slot_weights.float().to(B.device)[None, :, None]).reshape(B.shape[0], S * R)
+    S, R = layer.bank.extent()  # only the live part of the bank
+    A, B = layer.bank.A[:S, :R].float(), layer.bank.B[:, :S, :R].float()  # [S, R, ...], [N, S, R]
+    Bw = (B * slot_weights[:S].float().to(B.device)[None, :, None]).reshape(B.shape[0], S * R)
     delta = Bw @ A.reshape(S * R, -1)  # [N, K] or [N, C*kh*kw]
     if isinstance(layer, FusedLoraConv2d):
         return delta.view(layer.base.weight.shape)
