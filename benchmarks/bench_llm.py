@@ -134,7 +134,8 @@ class Decoder:
 
         g = torch.Generator(device).manual_seed(2)
         self.model, self.names = model, adapter_names
-        self.cache = StaticCache(config=model.config, max_cache_len=context + 8)
+        # transformers 5.17's StaticCache advances its own write position on every step: leave room
+        self.cache = StaticCache(config=model.config, max_cache_len=context + 1024)
         prompt = torch.randint(0, vocab, (batch, context), generator=g, device=device)
         kw = {} if adapter_names is None else {"adapter_names": adapter_names}
         with torch.no_grad():

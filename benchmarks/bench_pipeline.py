@@ -129,9 +129,9 @@ def host_ms(fn, n=50):
 
 
 def bench_model(name, build, a, dev, dtype):
-    import fdlora
     from peft import LoraConfig
 
+    import fdlora
     from fdlora.pipelines.peft import adapter_from_peft
 
     base, inputs, targets = build(a.tiny, a.depth, dev, dtype)
@@ -176,7 +176,8 @@ def bench_model(name, build, a, dev, dtype):
             peft_err, fd_err = float((y_p - y_o).abs().max()), float((y_f - y_o).abs().max())
             effect = float((y_p - y_base).abs().max())
             res[f"check {case}"] = {"fdlora_err_vs_fp32": fd_err, "peft_err_vs_fp32": peft_err, "lora_effect": effect}
-            print(f"  verify {name} {case}: fd-lora err {fd_err:.3g}, PEFT err {peft_err:.3g}, LoRA effect {effect:.3g}")
+            print(f"  verify {name} {case}: fd-lora err {fd_err:.3g}, PEFT err {peft_err:.3g}, "
+                  f"LoRA effect {effect:.3g}")
             assert fd_err <= 3 * peft_err + 1e-3 * effect, f"{name} {case}: fd-lora err {fd_err} vs PEFT {peft_err}"
             res[f"peft {case} ms"] = ms(lambda: peft_m(**inputs))
             res[f"fdlora {case} ms"] = ms(lambda: fd_m(**inputs))
@@ -206,7 +207,7 @@ def bench_model(name, build, a, dev, dtype):
 
         res["fdlora 4 prompts x 4 adapters, 4 calls ms"] = ms(separate)
     # 50 adapters loaded
-    del peft_m
+    peft_m = None  # free the PEFT copy before growing the banks
     handle.grow(max_slots=52)
     for i in range(46):
         handle.add_adapter(adapters[names[i % 4]], f"extra{i}", activate=False)

@@ -86,8 +86,9 @@ def main() -> None:
         max(10, a.repeats // 10), sync)
 
     result = {
-        "benchmark": "set_adapters", "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor()
-        or platform.machine(), "torch": torch.__version__,
+        "benchmark": "set_adapters",
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
         "git_sha": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "layers": L, "adapters_loaded": a.adapters, "fused_layers": len(h.layers),
         "fdlora_weight_change_ms": fd_weight, "fdlora_switch_active_set_ms": fd_switch,
