@@ -48,3 +48,18 @@ def test_per_call_scale_and_disable(pair):
     pair.fd.enable_lora()
     assert set(pair.fd.get_list_adapters()) == {ARCHS[pair.arch]["den"], *ARCHS[pair.arch]["te"]}
     assert all(v == ["style_a", "locon_b"] for v in pair.fd.get_list_adapters().values())
+
+
+def test_diffusers_files_through_load_fd_lora(pair):
+    """The same files diffusers loaded, through fd-lora's own Hub/format path (`load_fd_lora(dir)`)."""
+    import copy
+
+    fd = copy.deepcopy(pair.base)
+    for name, d in pair.dirs.items():
+        report = fd.load_fd_lora(d, adapter_name=name)
+        assert report.format == "diffusers" and not report.keys_unused and not report.keys_dropped
+    assert fd.get_list_adapters() == pair.fd.get_list_adapters()
+    names, weights = ["style_a", "locon_b"], [0.6, 0.9]
+    pair.ref.set_adapters(names, weights)
+    fd.set_adapters(names, weights)
+    assert float((pair.gen(fd) - pair.gen(pair.ref)).abs().max()) <= pair.tolerance()
