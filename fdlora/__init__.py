@@ -27,7 +27,22 @@ _install_diffusers_hook()
 
 __version__ = "0.1.0"
 
+_HUB = ("load_adapters", "LoadReport", "AdapterPool", "AdapterCache")
+
+
+def __getattr__(name: str):
+    """Hub entry points, imported on first use so `import fdlora` stays cheap."""
+    if name in _HUB:
+        from . import hub
+
+        return getattr(hub, name)
+    raise AttributeError(f"module 'fdlora' has no attribute {name!r}")
+
 __all__ = [
+    "AdapterCache",
+    "AdapterPool",
+    "LoadReport",
+    "load_adapters",
     "FdLoraError",
     "FdLoraHandle",
     "FdLoraModel",

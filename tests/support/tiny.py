@@ -35,13 +35,9 @@ def sdxl_unet(seed: int = 0):
 
 
 def clip_te(with_proj: bool = False, hidden: int = 32, seed: int = 0):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from fdlora.pipelines.tiny import clip_te as build
 
-    torch.manual_seed(seed)
-    cfg = CLIPTextConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=hidden, intermediate_size=37,
-                         layer_norm_eps=1e-5, num_attention_heads=4, num_hidden_layers=2, vocab_size=1000,
-                         hidden_act="gelu", projection_dim=hidden, max_position_embeddings=77)
-    return (CLIPTextModelWithProjection if with_proj else CLIPTextModel)(cfg).eval()
+    return build(with_proj, hidden, seed)
 
 
 def flux_transformer(seed: int = 0):
