@@ -3,8 +3,9 @@
 TRITON_INTERPRET=1 must be set before any @triton.jit module is imported, and it must not leak
 into the rest of the suite (with it, the registry would put every CPU layer on the slow
 interpreted backend). So the interpreter gets its own process, started here with the variable
-set, running the CPU half of test_triton_ops.py; its summary is this test's result. To see every
-case on its own: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_triton_ops.py -m "not gpu".
+set, running the CPU half of test_triton_ops.py (delta ops) and of test_lora_linear.py (base GEMM
++ LoRA); their summaries are this test's result. To see every case on its own:
+TRITON_INTERPRET=1 python -m pytest tests/kernels/test_triton_ops.py -m "not gpu".
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ HERE = Path(__file__).parent
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.skipif(env.triton_interpret(), reason="this process already interprets: test_triton_ops.py runs here")
-def test_triton_kernels_under_the_interpreter() -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-           str(HERE / "test_triton_ops.py")]
+@pytest.mark.skipif(env.triton_interpret(), reason="this process already interprets: the kernel tests run here")
+@pytest.mark.parametrize("module,least", [("test_triton_ops.py", 20), ("test_lora_linear.py", 15)])
+def test_triton_kernels_under_the_interpreter(module: str, least: int) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", str(HERE / module)]
     proc = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=HERE.parent.parent,
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"interpreter tests failed (rc={proc.returncode}):\n{out[-6000:]}"
     passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= 20, f"too few interpreter tests ran:\n{out[-3000:]}"
+    assert passed and int(passed.group(1)) >= least, f"too few interpreter tests ran:\n{out[-3000:]}"
