@@ -151,9 +151,6 @@ class FdLoraPipelineMixin:
             self.set_adapters([name])
             return report
 
-    load_lora_weights_kwargs = ("weight_name", "subfolder", "revision", "token", "cache_dir", "local_files_only",
-                                "force_download")
-
     def load_lora_weights(self, pretrained_model_name_or_path_or_dict: Any, adapter_name: str | None = None,
                           hotswap: bool = False, **kwargs: Any):
         """diffusers' entry point on an fd-lora pipe: loads through fd-lora (hotswap replaces in place)."""
@@ -281,15 +278,16 @@ class FdLoraPipelineMixin:
                     if getattr(h, "fused", None):
                         raise FdLoraError(f"{comp} is already fused; call unfuse_lora() first.")
                     names = list(adapter_names) if adapter_names is not None else h.active_adapters()
-                    w = torch.zeros(h.state.slots.capacity)
-                    for n in names:
-                        if n in h.state.slots.by_name:
-                            a = h.state.active.get(n, 1.0)
-                            w[h.state.slots.by_name[n]] = (a if not callable(a) else 1.0) * lora_scale
+                    # each adapter at its current weight (a number, or block-wise per layer), 1.0 if inactive
+                    slots = {h.state.slots.by_name[n]: h.state.active.get(n, 1.0)
+                             for n in names if n in h.state.slots.by_name}
                     originals = {}
                     done.append((h, originals))
                     for layer in h.layers.values():
                         if any(layer.bank.used):
+                            w = torch.zeros(h.state.slots.capacity)
+                            for slot, a in slots.items():
+                                w[slot] = (a(layer.path) if callable(a) else a) * lora_scale
                             originals[layer.path] = fusing.fuse_layer(
                                 layer, w * h.state.table.scaling[layer.index], safe_fusing)
                     h.fused = (originals, names)

@@ -111,6 +111,12 @@ def test_unload_and_fuse_are_exact(sd15):
     assert float((sd15.gen(pipe) - dynamic).abs().max()) < 1e-4
     h = fdlora.handle(pipe.unet)
     pipe.unfuse_lora()
+    pipe.set_adapters(["style_a", "locon_b"], [{"unet": {"down": 0.0, "up": 1.5}}, 0.6])  # block-wise weights
+    blockwise = sd15.gen(pipe)
+    pipe.fuse_lora()
+    assert float((sd15.gen(pipe) - blockwise).abs().max()) < 1e-4
+    pipe.unfuse_lora()
+    pipe.set_adapters(["style_a", "locon_b"], [0.8, 0.6])
     te_weights = {k: v.clone() for k, v in sd15.base.text_encoder.state_dict().items()}
     for _ in range(1000):  # no drift: the text encoder (few layers, so it is quick) through 1000 cycles
         pipe.fuse_lora(components=["text_encoder"])
