@@ -13,6 +13,7 @@ from .api import (
     restore,
     set_adapters,
 )
+from .config import from_config
 from .errors import FdLoraError
 from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
@@ -57,6 +58,7 @@ __all__ = [
     "delete_adapter",
     "disable",
     "enable",
+    "from_config",
     "from_diffusers",
     "from_peft",
     "handle",

@@ -60,3 +60,7 @@ class UnsafeFileError(FormatError):
 
 class UnusedKeysError(FormatError):
     """strict=True and the source has keys that were not used or were dropped; the message lists them and why."""
+
+
+class ConfigError(FdLoraError, ValueError):
+    """A config file that does not validate; the message names the key path, the bad value and what is allowed."""

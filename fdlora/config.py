@@ -1,0 +1,256 @@
+"""Config files: a pipeline or model, its adapters and settings in YAML, validated on load.
+
+    pipeline: tiny-sd15            # or a diffusers Hub id; or `model: tiny-llama | <transformers Hub id>`
+    dtype: float32                 # float32 | float16 | bfloat16
+    device: cpu                    # auto | cpu | cuda | cuda:N
+    backend: auto                  # auto | triton | cuda | torch
+    hub: {cache_dir: ./cache}      # optional Hub keywords for the base model
+    quantization: {bits: 4}        # optional; transformers Hub models only (bitsandbytes)
+    adapters:
+      - {name: pixel, source: user/pixel-lora, weight: 0.8, hub: {revision: main, local_files_only: true}}
+    prompt: a cat                  # pipelines only: generate one image ...
+    steps: 2
+    output: out.png                # ... and save it here
+
+`load_config(path)` returns a validated `Config`; `from_config(path)` builds the pipeline or model
+with its adapters loaded and weighted. Every error is a ConfigError naming the key path, the bad
+value and the allowed values; unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+BACKENDS = ("auto", "triton", "cuda", "torch")
+BITS = (4, 8)
+TINY_PIPELINES = ("tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-flux")
+TINY_MODELS = ("tiny-llama",)
+HUB_KEYS = ("revision", "subfolder", "token", "cache_dir", "local_files_only", "force_download", "allow_pickle",
+            "weight_name")
+TOP_KEYS = ("pipeline", "model", "dtype", "device", "backend", "hub", "quantization", "adapters", "prompt",
+            "negative_prompt", "steps", "size", "seed", "output")
+ADAPTER_KEYS = ("name", "source", "weight", "hub")
+
+
+@dataclass
+class AdapterSpec:
+    name: str
+    source: str
+    weight: float = 1.0
+    hub: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    kind: str  # "pipeline" | "model"
+    base: str  # tiny-* name or Hub id / local path
+    dtype: str = "float32"
+    device: str = "auto"
+    backend: str = "auto"
+    hub: dict[str, Any] = field(default_factory=dict)
+    quantization_bits: int | None = None
+    adapters: list[AdapterSpec] = field(default_factory=list)
+    prompt: str | None = None
+    negative_prompt: str | None = None
+    steps: int = 20
+    size: int | None = None
+    seed: int = 0
+    output: str | None = None
+    source: str = "<dict>"
+
+
+def _name(v: Any) -> str:
+    return f"{v!r} ({type(v).__name__})"
+
+
+class _Checker:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, path: str, msg: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {path}: {msg}")
+
+    def mapping(self, path: str, v: Any, allowed: tuple[str, ...]) -> dict:
+        if not isinstance(v, dict):
+            raise self.fail(path, f"got {_name(v)}; expected a mapping with keys {', '.join(allowed)}")
+        for k in v:
+            if k not in allowed:
+                raise self.fail(f"{path}.{k}" if path != "<top>" else str(k),
+                                f"unknown key {k!r}; allowed keys: {', '.join(allowed)}")
+        return v
+
+    def typed(self, path: str, v: Any, types: type | tuple[type, ...], what: str) -> Any:
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in (types if isinstance(types, tuple)
+                                                                             else (types,))):
+            raise self.fail(path, f"got {_name(v)}; expected {what}")
+        return v
+
+    def enum(self, path: str, v: Any, allowed: tuple) -> Any:
+        if v not in allowed or isinstance(v, bool):
+            raise self.fail(path, f"got {v!r}; allowed values: {', '.join(map(str, allowed))}")
+        return v
+
+
+def validate(data: Any, where: str = "<config>") -> Config:
+    """A Config from parsed YAML (a dict); raises ConfigError on the first problem."""
+    c = _Checker(where)
+    d = c.mapping("<top>", data, TOP_KEYS)
+    kinds = [k for k in ("pipeline", "model") if k in d]
+    if len(kinds) != 1:
+        raise c.fail("<top>", "missing required key 'pipeline' or 'model'" if not kinds
+                     else "give either 'pipeline' or 'model', not both")
+    kind = kinds[0]
+    base = c.typed(kind, d[kind], str, f"a Hub id, a local path or one of {', '.join(TINY_PIPELINES + TINY_MODELS)}")
+    if base.startswith("tiny-"):
+        c.enum(kind, base, TINY_PIPELINES if kind == "pipeline" else TINY_MODELS)
+    cfg = Config(kind=kind, base=base, source=where)
+    cfg.dtype = c.enum("dtype", d.get("dtype", "float32"), DTYPES)
+    dev = c.typed("device", d.get("device", "auto"), str, "auto, cpu, cuda or cuda:N")
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise c.fail("device", f"got {dev!r}; allowed values: auto, cpu, cuda, cuda:N")
+    cfg.device = dev
+    cfg.backend = c.enum("backend", d.get("backend", "auto"), BACKENDS)
+    cfg.hub = dict(c.mapping("hub", d.get("hub", {}), HUB_KEYS))
+    if "quantization" in d:
+        q = c.mapping("quantization", d["quantization"], ("bits",))
+        if "bits" not in q:
+            raise c.fail("quantization", "missing required key 'bits' (4 or 8)")
+        cfg.quantization_bits = c.enum("quantization.bits", q["bits"], BITS)
+    adapters = c.typed("adapters", d.get("adapters", []), list, "a list of adapters ({name, source, weight, hub})")
+    seen = set()
+    for i, a in enumerate(adapters):
+        p = f"adapters[{i}]"
+        c.mapping(p, a, ADAPTER_KEYS)
+        for req in ("name", "source"):
+            if req not in a:
+                raise c.fail(p, f"missing required key {req!r}")
+        name = c.typed(f"{p}.name", a["name"], str, "a string")
+        if name in seen:
+            raise c.fail(f"{p}.name", f"got {name!r} twice; adapter names must be unique")
+        seen.add(name)
+        source = c.typed(f"{p}.source", a["source"], str, "a Hub repo id, a directory or a file path")
+        weight = c.typed(f"{p}.weight", a.get("weight", 1.0), (int, float), "a number (the blend weight, e.g. 0.8)")
+        if weight != weight or weight in (float("inf"), float("-inf")):
+            raise c.fail(f"{p}.weight", f"got {weight!r}; expected a finite number")
+        hub = dict(c.mapping(f"{p}.hub", a.get("hub", {}), HUB_KEYS))
+        cfg.adapters.append(AdapterSpec(name, source, float(weight), hub))
+    gen_keys = [k for k in ("prompt", "negative_prompt", "steps", "size", "output") if k in d]
+    if kind == "model" and gen_keys:
+        raise c.fail(gen_keys[0], "only pipelines generate images; remove it or use 'pipeline:'")
+    if "prompt" in d:
+        cfg.prompt = c.typed("prompt", d["prompt"], str, "a string")
+    if "negative_prompt" in d:
+        cfg.negative_prompt = c.typed("negative_prompt", d["negative_prompt"], str, "a string")
+    for key in ("steps", "size", "seed"):
+        if key in d:
+            v = c.typed(key, d[key], int, "an integer")
+            if v < (0 if key == "seed" else 1):
+                raise c.fail(key, f"got {v!r}; expected an integer >= {0 if key == 'seed' else 1}")
+            setattr(cfg, key, v)
+    if "output" in d:
+        cfg.output = c.typed("output", d["output"], str, "a file path")
+    if cfg.output and not cfg.prompt:
+        raise c.fail("output", "an output needs a 'prompt' to generate")
+    return cfg
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a YAML config file."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    return validate(data, str(p))
+
+
+def _device(cfg: Config) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+
+
+def _tiny_pipeline(name: str):
+    from .pipelines import tiny
+
+    return {"tiny-sd15": tiny.sd15, "tiny-sdxl": tiny.sdxl, "tiny-sd3": tiny.sd3, "tiny-flux": tiny.flux}[name]()
+
+
+def _tiny_llama():
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def build(cfg: Config):
+    """The pipeline or model a validated Config describes, adapters loaded and weighted."""
+    import torch
+
+    from . import api
+    from .errors import UnsupportedFeatureError
+    from .kernels import set_backend
+
+    dtype, device = getattr(torch, cfg.dtype), _device(cfg)
+    if cfg.quantization_bits and (cfg.kind == "pipeline" or cfg.base.startswith("tiny-")):
+        raise UnsupportedFeatureError(f"{cfg.source}: quantization: a quantized base is supported for transformers "
+                                      "Hub models only (model: <hub id>); remove 'quantization' for this base")
+    set_backend(cfg.backend)
+    names, weights = [a.name for a in cfg.adapters], [a.weight for a in cfg.adapters]
+    if cfg.kind == "pipeline":
+        if cfg.base.startswith("tiny-"):
+            obj = _tiny_pipeline(cfg.base).to(device=device, dtype=dtype)
+        else:
+            from diffusers import DiffusionPipeline
+
+            obj = DiffusionPipeline.from_pretrained(cfg.base, torch_dtype=dtype, **cfg.hub).to(device)
+        obj.set_progress_bar_config(disable=True)
+        for a in cfg.adapters:
+            obj.load_fd_lora(a.source, adapter_name=a.name, **a.hub)
+        if names:
+            obj.set_adapters(names, weights)
+        return obj
+    if cfg.base.startswith("tiny-"):
+        obj = _tiny_llama().to(device=device, dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        kw = dict(cfg.hub)
+        if cfg.quantization_bits:
+            from transformers import BitsAndBytesConfig
+
+            kw["quantization_config"] = BitsAndBytesConfig(**{f"load_in_{cfg.quantization_bits}bit": True})
+        obj = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=dtype, **kw)
+        if not cfg.quantization_bits:
+            obj = obj.to(device)
+        obj.eval()
+    from .pipelines.transformers import load_fd_lora
+
+    for a in cfg.adapters:
+        load_fd_lora(obj, a.source, adapter_name=a.name, activate=False, **a.hub)
+    if names:
+        api.set_adapters(obj, names, weights)
+    return obj
+
+
+def from_config(path: str | os.PathLike):
+    """Build the pipeline or Transformers model a YAML config describes, with its adapters loaded and weighted.
+
+    See fdlora.config for the format. Raises fdlora.errors.ConfigError for an invalid file.
+    """
+    return build(load_config(path))
