@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = {
     "quickstart": ("fdlora.quickstart", "run the main job on an embedded tiny default (no download)"),
     "inspect": ("fdlora.hub.inspect", "print the load report of an adapter without loading a model"),
+    "demo": ("fdlora.demo", "a Gradio app: live adapter weights, per-prompt gallery (needs fd-lora[demo])"),
     "bench": ("fdlora.bench", "run the benchmark suite or a named subset; prints a table, writes JSON"),
     "run": ("fdlora.run", "build a pipeline or model from a YAML config, load its adapters, optionally generate"),
 }

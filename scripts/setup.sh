@@ -11,3 +11,10 @@ fi
 extras="dev"
 [ "$(uname -s)" = "Linux" ] && extras="dev,triton"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
+# The demo's browser test drives Debian's chromium through Playwright (no `playwright install`).
+# Best effort: without /usr/bin/chromium that test skips and says so.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium for the demo's browser test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+        || echo "[setup] chromium install failed; the browser test will skip"
+fi
