@@ -159,3 +159,16 @@ def test_diffusers_lora_and_fd_lora_do_not_mix_silently(sd15):
     fd = copy.deepcopy(sd15.base)
     fd.load_fd_lora({"unet": fdlora.pipelines.peft.adapter_from_peft(sd15.ref.unet, "style_a")}, "x")
     assert fd.get_list_adapters() == {"unet": ["x"]}
+
+
+def test_encode_prompt_lora_scale_matches_diffusers(sd15):
+    sd15.ref.set_adapters(["style_a"])
+    sd15.fd.set_adapters(["style_a"])
+    kw = dict(prompt="a cat", device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False)
+    with torch.inference_mode():
+        ref = sd15.ref.encode_prompt(**kw, lora_scale=0.3)[0]
+        fd = sd15.fd.encode_prompt(**kw, lora_scale=0.3)[0]
+        full = sd15.fd.encode_prompt(**kw)[0]
+    assert float((ref - fd).abs().max()) < 1e-5
+    assert float((full - fd).abs().max()) > 1e-4  # the scale applied to that call only
+    assert fdlora.handle(sd15.fd.text_encoder).state.table.multiplier == 1.0
