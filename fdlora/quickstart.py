@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from .testing import median_ms
+
 SEQ, BATCH = 32, 3
+
+
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,20 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per row of the table")
     p.add_argument("--part", choices=["all", "llm", "pipeline"], default="all")
     p.add_argument("--out", type=Path, default=Path("fdlora-quickstart"), help="where the image grids go")
-
-
-def _median_ms(fn, repeats: int, device: str) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def build(device: str):
@@ -137,19 +125,19 @@ def run_llm(args: argparse.Namespace) -> bool:
     with torch.no_grad():
         peft_set(peft_model, ["pixel"], [1.0])
         fdlora.set_adapters(model, "pixel")
-        table = [("forward, base model", _median_ms(lambda: logits(base), r, dev)),
-                 ("forward, PEFT 1 adapter", _median_ms(lambda: logits(peft_model), r, dev)),
-                 ("forward, fd-lora 1 adapter", _median_ms(lambda: logits(model), r, dev))]
+        table = [("forward, base model", median_ms(lambda: logits(base), r, dev)),
+                 ("forward, PEFT 1 adapter", median_ms(lambda: logits(peft_model), r, dev)),
+                 ("forward, fd-lora 1 adapter", median_ms(lambda: logits(model), r, dev))]
         peft_set(peft_model, ["pixel", "watercolor"], [0.8, 0.4])
         fdlora.set_adapters(model, ["pixel", "watercolor"], [0.8, 0.4])
-        table += [("forward, PEFT 2-adapter blend", _median_ms(lambda: logits(peft_model), r, dev)),
-                  ("forward, fd-lora 2-adapter blend", _median_ms(lambda: logits(model), r, dev))]
+        table += [("forward, PEFT 2-adapter blend", median_ms(lambda: logits(peft_model), r, dev)),
+                  ("forward, fd-lora 2-adapter blend", median_ms(lambda: logits(model), r, dev))]
     w = iter(range(10**9))
     table += [
         ("set_adapters weight change, diffusers+PEFT walk",
-         _median_ms(lambda: peft_set(peft_model, ["pixel", "watercolor"], [next(w) % 7 / 7, 0.4]), r * 5, dev)),
+         median_ms(lambda: peft_set(peft_model, ["pixel", "watercolor"], [next(w) % 7 / 7, 0.4]), r * 5, dev)),
         ("set_adapters weight change, fd-lora",
-         _median_ms(lambda: fdlora.set_adapters(model, ["pixel", "watercolor"], [next(w) % 7 / 7, 0.4]), r * 5, dev)),
+         median_ms(lambda: fdlora.set_adapters(model, ["pixel", "watercolor"], [next(w) % 7 / 7, 0.4]), r * 5, dev)),
     ]
     print(f"\n{'timing (median)':58s} {'ms':>10s}")
     for what, ms in table:

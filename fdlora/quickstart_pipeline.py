@@ -6,25 +6,16 @@ and a timing table against diffusers + PEFT on the same files. Nothing is downlo
 from __future__ import annotations
 
 import copy
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from .testing import median_ms
+
 REPOS = {"pixel": "fdlora-demo/pixel-style", "watercolor": "fdlora-demo/watercolor"}
 WEIGHTS = "pytorch_lora_weights.safetensors"
-
-
-def _ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def _grid(images: torch.Tensor, cols: int):
@@ -101,9 +92,10 @@ def run(out_dir: Path, repeats: int = 5) -> bool:
     rows = [
         ("load one adapter from the local Hub cache", load_fd, load_ref),
         ("set_adapters weight change",
-         _ms(lambda: pipe.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10),
-         _ms(lambda: ref.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10)),
-        ("generate (2 steps, 64x64), 2-adapter blend", _ms(lambda: gen(pipe), repeats), _ms(lambda: gen(ref), repeats)),
+         median_ms(lambda: pipe.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10),
+         median_ms(lambda: ref.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10)),
+        ("generate (2 steps, 64x64), 2-adapter blend",
+         median_ms(lambda: gen(pipe), repeats), median_ms(lambda: gen(ref), repeats)),
     ]
     print(f"\n  {'timing (median ms, CPU)':46s} {'fd-lora':>10s} {'diffusers+PEFT':>15s}")
     for what, fd, dp in rows:

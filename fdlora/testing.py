@@ -6,6 +6,9 @@ error against the oracle is within a bound derived from eager PyTorch's own erro
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 EPS = {torch.float32: 1.2e-7, torch.float16: 9.8e-4, torch.bfloat16: 7.9e-3, torch.float64: 2.3e-16}
@@ -41,3 +44,17 @@ def bound(eager_err: float, ref: torch.Tensor, dtype: torch.dtype, factor: float
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert not torch.isnan(a).any(), "NaN in result"
     return float((a.double() - b.double()).abs().max())
+
+
+def median_ms(fn, repeats: int, device: str = "cpu") -> float:
+    """Median wall time of `fn` in ms after one warm-up call (synchronising CUDA around each call)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
