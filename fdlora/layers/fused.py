@@ -152,7 +152,7 @@ class _FusedLora(nn.Module):
         """(A, B, ranks, S): in eager mode the torch backend only computes over the live slots and rank;
         compiled or frozen models, and kernels that skip the padding themselves, get the whole bank."""
         b = self.bank
-        if self._ops.__name__.startswith("fdlora.kernels.reference") and not (
+        if self.selection.name == "torch" and not (
                 self.state.static or torch.compiler.is_compiling()):
             S, R = b.extent()
             return b.A[:S, :R], b.B[:, :S, :R], b.ranks[:S], S
@@ -204,7 +204,7 @@ class FusedLoraLinear(_FusedLora):
         a plain float nn.Linear in the bank's dtype, on a backend that provides `lora_linear`."""
         w = getattr(self.base, "weight", None)
         return (type(self.base) is nn.Linear and w.dtype == self.bank.A.dtype and w.device == self.bank.A.device
-                and hasattr(self._ops, "lora_linear") and not self._ops.__name__.startswith("fdlora.kernels.ref"))
+                and self.selection.name != "torch" and hasattr(self._ops, "lora_linear"))
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.state.mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole_op():
