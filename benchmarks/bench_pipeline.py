@@ -128,6 +128,18 @@ def host_ms(fn, n=50):
     return statistics.median(ts)
 
 
+def fold(base, adapters):
+    """A copy of `base` with the adapters folded into its weights (W + sum w * alpha/r * B A, fp32, one cast)."""
+    m = copy.deepcopy(base)
+    with torch.no_grad():
+        for ad, w in adapters:
+            for path, lora in ad.modules.items():
+                W = m.get_submodule(path).weight
+                delta = w * lora.scaling(ad.use_rslora) * (lora.B.float() @ lora.A.float())
+                W.copy_((W.float() + delta).to(W.dtype))
+    return m
+
+
 def bench_model(name, build, a, dev, dtype):
     from peft import LoraConfig
 
@@ -172,17 +184,28 @@ def bench_model(name, build, a, dev, dtype):
             handle.set_adapters(ns, ws)
             oracle.set_adapters(ns, ws)
             y_o = out_of(oracle(**inputs32)).float()
-            y_p, y_f = out_of(peft_m(**inputs)).float(), out_of(fd_m(**inputs)).float()
-            peft_err, fd_err = float((y_p - y_o).abs().max()), float((y_f - y_o).abs().max())
-            effect = float((y_p - y_base).abs().max())
-            res[f"check {case}"] = {"fdlora_err_vs_fp32": fd_err, "peft_err_vs_fp32": peft_err, "lora_effect": effect}
-            print(f"  verify {name} {case}: fd-lora err {fd_err:.3g}, PEFT err {peft_err:.3g}, "
-                  f"LoRA effect {effect:.3g}")
-            assert fd_err <= 3 * peft_err + 1e-3 * effect, f"{name} {case}: fd-lora err {fd_err} vs PEFT {peft_err}"
+            y_p = out_of(peft_m(**inputs)).float()
+            peft_err, effect = float((y_p - y_o).abs().max()), float((y_p - y_base).abs().max())
+            for limit, how in (("auto", "fd-lora"), (0, "fd-lora per-call")):
+                fdlora.set_merge_cache(limit)
+                fd_err = float((out_of(fd_m(**inputs)).float() - y_o).abs().max())
+                res[f"check {case} {how}"] = {"fdlora_err_vs_fp32": fd_err, "peft_err_vs_fp32": peft_err,
+                                               "lora_effect": effect}
+                print(f"  verify {name} {case}: {how} err {fd_err:.3g}, PEFT err {peft_err:.3g}, "
+                      f"LoRA effect {effect:.3g}")
+                assert fd_err <= 3 * peft_err + 1e-3 * effect, f"{name} {case} {how}: err {fd_err} vs PEFT {peft_err}"
+            fdlora.set_merge_cache("auto")
+            folded = fold(base, [(adapters[n], w) for n, w in zip(ns, ws)])
+            res[f"merged {case} ms"] = ms(lambda: folded(**inputs))
+            del folded
             res[f"peft {case} ms"] = ms(lambda: peft_m(**inputs))
             res[f"fdlora {case} ms"] = ms(lambda: fd_m(**inputs))
-            res[f"peft {case} x base"] = res[f"peft {case} ms"] / res["base_ms"]
-            res[f"fdlora {case} x base"] = res[f"fdlora {case} ms"] / res["base_ms"]
+            res[f"fdlora {case} merge cache MB"] = fdlora.merge_cache_bytes() / 2**20
+            fdlora.set_merge_cache(0)  # the per-call paths (what compiled / captured models run)
+            res[f"fdlora per-call {case} ms"] = ms(lambda: fd_m(**inputs))
+            fdlora.set_merge_cache("auto")
+            for k in ("merged", "peft", "fdlora", "fdlora per-call"):
+                res[f"{k} {case} x base"] = res[f"{k} {case} ms"] / res["base_ms"]
     del oracle
     # switching
     step = iter(range(10**9))

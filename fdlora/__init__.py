@@ -18,6 +18,7 @@ from .errors import FdLoraError
 from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
 from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
+from .layers.merged import merge_cache_bytes, set_merge_cache
 from .pipelines.attach import install as _install_diffusers_hook
 from .pipelines.peft_convert import from_diffusers, from_peft
 from .pipelines.save import merge_and_unload, save_peft
@@ -65,11 +66,13 @@ __all__ = [
     "inject",
     "load_fd_lora",
     "merge_and_unload",
+    "merge_cache_bytes",
     "per_row",
     "per_sample",
     "restore",
     "save_peft",
     "set_adapters",
     "set_backend",
+    "set_merge_cache",
     "use_backend",
 ]

@@ -33,3 +33,12 @@ def adapter_cache_bytes(default: int = 4 << 30) -> int:
         raise FdLoraError(
             f"{CACHE_BYTES_VAR}={raw!r} is not a byte count; set e.g. 2e9, 0 to disable, or unset it."
         ) from None
+
+
+MERGE_CACHE_VAR = "FDLORA_MERGE_CACHE"
+
+
+def merge_cache_limit() -> str:
+    """`FDLORA_MERGE_CACHE`: byte budget per device of merged-weight copies (fdlora.layers.merged):
+    "auto" (default), a byte count such as 8e9, a share of device memory such as 25%, or 0 to turn it off."""
+    return os.environ.get(MERGE_CACHE_VAR, "auto").strip().lower() or "auto"

@@ -43,6 +43,7 @@ class AdapterBank(nn.Module):
         self.register_buffer("bias", None, persistent=False)  # [S, N], allocated on first use
         self.used: list[bool] = [False] * slots  # host mirror of ranks > 0
         self.host_ranks: list[int] = [0] * slots
+        self.version = 0  # bumped on every write: merged-weight caches key on it
 
     @property
     def slots(self) -> int:
@@ -72,6 +73,7 @@ class AdapterBank(nn.Module):
             self.bias[slot].zero_()
         self.used[slot] = True
         self.host_ranks[slot] = r
+        self.version += 1
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
@@ -81,6 +83,7 @@ class AdapterBank(nn.Module):
             self.bias[slot].zero_()
         self.used[slot] = False
         self.host_ranks[slot] = 0
+        self.version += 1
 
     def resize(self, slots: int, rank: int) -> None:
         """Reallocate to a larger capacity, keeping every loaded slot (not while compiled or captured)."""
@@ -98,3 +101,4 @@ class AdapterBank(nn.Module):
             self.bias = bias
         self.used = self.used + [False] * (slots - S0)
         self.host_ranks = self.host_ranks + [0] * (slots - S0)
+        self.version += 1

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
 from .bank import AdapterBank
+from .merged import MergedWeight
 from .state import Mode, ModelState
 
 
@@ -96,9 +98,16 @@ class _FusedLora(nn.Module):
         self.bank = AdapterBank(state.slots.capacity, rank, out_features, a_shape, dtype or bdtype, device)
         object.__setattr__(self, "state", state)  # shared, not a submodule
         self.selection: registry.Selection | None = None
+        self._plain = self._whole = False  # set by select_backend (FusedLoraLinear)
+        self._fast_children()
         self.rebind()
         self.select_backend()
         registry.track(self)
+
+    def _fast_children(self) -> None:
+        """Also keep `base` and `bank` in the instance dict: the forward path reads them without going
+        through nn.Module.__getattr__ (they stay registered submodules; reassigning one drops the copy)."""
+        self.__dict__["base"], self.__dict__["bank"] = self._modules["base"], self._modules["bank"]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -131,9 +140,21 @@ class _FusedLora(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to() / .half(): follow the bank to its new device and dtype
         super()._apply(fn, recurse)
+        self._fast_children()
         self.rebind()
         self.select_backend()
+        self.release_merged()
         return self
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._fast_children()
+
+    def release_merged(self) -> None:
+        """Drop the merged-weight copy, if any (restore, unwrap, device or dtype moves)."""
+        merged = self.__dict__.get("merged")
+        if merged is not None:
+            merged.release()
 
     # --- loading ------------------------------------------------------------------------------
     def check(self, m: ModuleLora, what: str) -> None:
@@ -198,16 +219,33 @@ class FusedLoraLinear(_FusedLora):
             raise FdLoraError(f"{path}: {type(base).__name__} is not Linear-like (no in_features/out_features).")
         super().__init__(base, state, index, path, rank, (dims[0],), dims[1], dtype)
         self.in_features = dims[0]
+        object.__setattr__(self, "merged", MergedWeight())  # fdlora.layers.merged (plain attribute, not state)
 
-    def _whole_op(self) -> bool:
-        """True when the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear):
-        a plain float nn.Linear in the bank's dtype, on a backend that provides `lora_linear`."""
-        w = getattr(self.base, "weight", None)
-        return (type(self.base) is nn.Linear and w.dtype == self.bank.A.dtype and w.device == self.bank.A.device
-                and self.selection.name != "torch" and hasattr(self._ops, "lora_linear"))
+    def select_backend(self) -> None:
+        super().select_backend()
+        w, A = getattr(self.base, "weight", None), self.bank.A
+        # a plain float nn.Linear in the bank's dtype: the merged-weight cache and whole-op kernels apply
+        self._plain = type(self.base) is nn.Linear and w.dtype == A.dtype and w.device == A.device
+        # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear)
+        self._whole = self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
+
+    def _merged_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """W' from the merged-weight cache when this call may use it (fdlora.layers.merged), else None."""
+        bank, w = self.bank, self.base.weight
+        if (bank.bias is not None or not any(bank.used)
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return None
+        return self.merged.weight(self)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.state.mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole_op():
+        st = self.state
+        # (the compile check comes before reading `active`: a traced graph must not guard on the active set)
+        if st.mode is Mode.BLEND and self._plain and not st.static and not torch.compiler.is_compiling() and st.active:
+            w = self._merged_weight(x)
+            if w is not None:
+                return F.linear(x, w, self.base.bias)
+        if self.state.mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole:
             A, B, ranks, S = self._bank()
             x2 = x.reshape(-1, self.in_features).to(A.dtype)
             scale, gw = self._weights(x, x2.shape[0])

@@ -78,6 +78,8 @@ class FdLoraHandle:
         self._alive()
         for path, original in self._originals.items():
             self._swap(path, original)
+        for layer in self.layers.values():
+            layer.release_merged()
         self._originals.clear()
         self.layers.clear()
         self._restored = True
@@ -162,7 +164,7 @@ class FdLoraHandle:
 
     def _unwrap(self, path: str) -> None:
         self._swap(path, self._originals.pop(path))
-        self.layers.pop(path)
+        self.layers.pop(path).release_merged()
 
     def _clear_slot(self, slot: int) -> None:
         for layer in self.layers.values():

@@ -90,6 +90,7 @@ class ScaleTable:
         self.multiplier = 1.0
         self._device: dict[torch.device, torch.Tensor] = {}
         self._lock = CopyableLock()
+        self.version = 0  # bumped on every device write: merged-weight caches key on it
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -115,6 +116,7 @@ class ScaleTable:
             host = self.host()
             for t in self._device.values():
                 t.copy_(host, non_blocking=t.device.type == "cuda")
+            self.version += 1
 
     def resize(self, layers: int, slots: int) -> None:
         L0, S0 = self.shape
@@ -128,6 +130,7 @@ class ScaleTable:
             weights[:L0, :S0] = self.weights
         self.scaling, self.weights = scaling, weights
         self._device = {d: self.host().to(d) for d in self._device}
+        self.version += 1
 
 
 class ModelState:

@@ -36,9 +36,11 @@ def fuse_layer(layer: _FusedLora, slot_weights: torch.Tensor, safe: bool) -> tor
     original = w.detach().to("cpu", copy=True)
     with torch.no_grad():
         w.copy_(fused.to(w.dtype))
+    layer.release_merged()  # its W' was merged from the old weight
     return original
 
 
 def unfuse_layer(layer: _FusedLora, original: torch.Tensor) -> None:
     with torch.no_grad():
         layer.base.weight.copy_(original)
+    layer.release_merged()

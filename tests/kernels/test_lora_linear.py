@@ -20,6 +20,7 @@ from triton_cases import DTYPES, Case, _c, _place, eager_peft, make_inputs, tole
 
 from fdlora import env
 from fdlora.kernels import reference as ref
+from fdlora.testing import EPS
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -326,3 +327,28 @@ def test_dispatch_model_picks_what_the_h100_measured(M, K, N, S, R, G, expected)
     fp32 = D.Problem(M, K, N, S, R, torch.float32, "cuda", 132, G)
     assert D.plan(fp32).path not in ("fused", "fused_pre")  # IEEE fp32 Triton dots are never the fast path
     D.clear()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_into_buffer_matches_oracle(L, device: str, backend: str) -> None:
+    """ops.lora_merge(out, W, A, B, scale, ranks): the merged-weight cache's refresh, written in place."""
+    if backend == "triton":
+        _skip_unless(device)
+    elif device == "cuda" and not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    from fdlora.kernels import registry
+
+    dtype = "fp32" if device == "cpu" else "fp16"
+    lin = Lin(_c(f"merge-{dtype}", "blend", 8, 40, 36, 64, [3, 16, 40, 64], [0.7, 0.0, 1.3, 0.4], dtype=dtype))
+    d = linear_inputs(lin, device)
+    A, B = (d["clean"][k].to(device, DTYPES[dtype]) for k in ("A", "B"))
+    W = d["W"]
+    oracle = W.double().cpu() + torch.einsum("s,nsr,srk->nk", d["scale"].double().cpu(), B.double().cpu(),
+                                             A.double().cpu())
+    out = torch.full_like(W, float("nan"))
+    ops = registry.ops(backend)
+    assert ops.lora_merge(out, W, A, B, d["scale"], d["ranks"]) is out
+    one_rounding = EPS[DTYPES[dtype]] * float(oracle.abs().max())
+    sum_err = 64 * 4 * torch.finfo(torch.float32).eps * float(oracle.abs().max())
+    assert float((out.double().cpu() - oracle).abs().max()) <= one_rounding + sum_err

@@ -79,11 +79,13 @@ def launch_merge(
     scale: torch.Tensor,  # [S] fp32
     group_weight: torch.Tensor,  # [G, S] fp32
     ranks: torch.Tensor,  # [S] int32
+    out: torch.Tensor | None = None,  # [G, N, K] to write into (the merged-weight cache keeps one)
 ) -> torch.Tensor:  # [G, N, K] in W's dtype
     N, K = W.shape
     S, R, _ = A.shape
     G = group_weight.shape[0]
-    out = torch.empty(G, N, K, device=W.device, dtype=W.dtype)
+    if out is None:
+        out = torch.empty(G, N, K, device=W.device, dtype=W.dtype)
     RC = C.MIN_BLOCK  # rank chunks of 16: wider ones spill registers at this tile (ptxas, sm_90)
     blocks = BLOCKS["interpret" if C.INTERPRET else "gpu"]
     C.check_blocks([], RC=RC, BN=blocks["BN"], BK=blocks["BK"])

@@ -28,9 +28,13 @@ from . import lora_delta as _delta  # registers fdlora::lora_delta
 from . import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
 from . import lora_expand_add as _expand  # registers fdlora::lora_expand_add
 from . import lora_linear as _linear  # registers fdlora::lora_linear
+from . import lora_merge as _merge
 from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
-__all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_shrink"]
+__all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_shrink"]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a base layer's weight is a Parameter: still a plain tensor here
 
 
 def _direct(*tensors: torch.Tensor) -> bool:
@@ -38,7 +42,7 @@ def _direct(*tensors: torch.Tensor) -> bool:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     grad = torch.is_grad_enabled()
-    return all(type(t) is torch.Tensor and not (grad and t.requires_grad) for t in tensors)
+    return all(type(t) in _PLAIN and not (grad and t.requires_grad) for t in tensors)
 
 
 def lora_shrink(
@@ -111,3 +115,19 @@ def lora_linear(
         with set_wrap_triton_enabled(False):
             return _linear.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
     return torch.ops.fdlora.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
+
+
+def lora_merge(
+    out: torch.Tensor,  # [N, K] written in place
+    W: torch.Tensor,  # [N, K]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    scale: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+) -> torch.Tensor:
+    """W' = W + sum_s scale[s] B_s A_s into `out` (eager only: the merged-weight cache's refresh, which
+    compiled and captured models never take, so it needs no torch.library registration)."""
+    ones = torch.ones(1, A.shape[0], device=A.device)
+    with set_wrap_triton_enabled(False):
+        _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None])
+    return out

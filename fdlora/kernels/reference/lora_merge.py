@@ -1,0 +1,23 @@
+"""Reference lora_merge: W' = W + sum_s scale[s] B_s A_s, summed and added in fp32, rounded once.
+
+Same numerics as PEFT's merge and as the Triton kernel (fdlora.kernels.triton.lora_merge); the
+merged-weight cache (fdlora.layers.merged) writes W' into a buffer it keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lora_merge(
+    out: torch.Tensor,  # [N, K] written in place, W's dtype
+    W: torch.Tensor,  # [N, K]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    scale: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32 (padding rows of A/B are zero, so ranks only say what is live)
+) -> torch.Tensor:
+    S, R, K = A.shape
+    Bw = (B.float() * scale.float()[None, :, None]).reshape(B.shape[0], S * R)
+    out.copy_(torch.addmm(W.float(), Bw, A.float().reshape(S * R, K)))
+    return out

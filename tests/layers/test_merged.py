@@ -1,0 +1,150 @@
+"""The merged-weight cache (fdlora.layers.merged): same outputs as the unmerged paths, every change
+invalidates it, the byte budget holds, and compiled / per-sample / training calls never use it."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import fdlora
+from fdlora.hub.adapter import LoraAdapter, ModuleLora
+from fdlora.testing import EPS
+
+PATHS = ["0", "2"]
+SHAPES = {"0": (32, 48), "2": (48, 40)}
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 40))
+
+
+def lora(seed, rank=4, alpha=None, paths=PATHS):
+    g = torch.Generator().manual_seed(seed)
+    return LoraAdapter({p: ModuleLora(torch.randn(rank, SHAPES[p][0], generator=g) / 4,
+                                      torch.randn(SHAPES[p][1], rank, generator=g) / 4, alpha) for p in paths})
+
+
+def oracle(model, x, adapters: dict[str, tuple[LoraAdapter, float]]):
+    """Float64 forward of the base Sequential with every weight W + sum w * alpha/r * B A."""
+    h = x.double()
+    for i, mod in enumerate(model):
+        base = mod.base if hasattr(mod, "base") else mod
+        if not isinstance(base, nn.Linear):
+            h = torch.tanh(h)
+            continue
+        W = base.weight.double().clone()
+        for ad, w in adapters.values():
+            m = ad.modules.get(str(i))
+            if m is not None:
+                W += w * m.scaling() * (m.B.double() @ m.A.double())
+        h = h @ W.t() + base.bias.double()
+    return h
+
+
+def close(y, ref):
+    assert float((y.detach().double() - ref.detach()).abs().max()) <= 200 * EPS[torch.float32] * float(ref.abs().max())
+
+
+@pytest.fixture
+def cache():
+    fdlora.set_merge_cache(1 << 30)
+    yield
+    fdlora.set_merge_cache("auto")
+
+
+def cached(model):
+    return [p for p, layer in fdlora.handle(model).layers.items() if layer.merged.buf is not None]
+
+
+def test_cached_output_matches_oracle_and_every_change_invalidates(cache):
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=4, max_rank=8)
+    a, b = lora(1), lora(2, rank=8, alpha=4.0, paths=["2"])
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        h.add_adapter(a, "a")
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert cached(model) == PATHS
+        assert fdlora.merge_cache_bytes() == (32 * 48 + 48 * 40) * 4
+        h.set_adapters(["a"], [0.3])
+        close(model(x), oracle(model, x, {"a": (a, 0.3)}))
+        h.add_adapter(b, "b", activate=False)
+        h.set_adapters(["a", "b"], [0.5, -1.0])
+        close(model(x), oracle(model, x, {"a": (a, 0.5), "b": (b, -1.0)}))
+        h.set_multiplier(2.0)
+        close(model(x), oracle(model, x, {"a": (a, 1.0), "b": (b, -2.0)}))
+        h.set_multiplier(1.0)
+        h.delete_adapter("a")
+        close(model(x), oracle(model, x, {"b": (b, -1.0)}))
+        model[2].base.weight.mul_(0.5)  # an in-place edit of the base weight
+        close(model(x), oracle(model, x, {"b": (b, -1.0)}))
+        h.disable()
+        close(model(x), oracle(model, x, {}))
+        h.enable()
+        close(model(x), oracle(model, x, {"b": (b, -1.0)}))
+        # the cached path gives what the per-call path gives
+        y_cached = model(x)
+        fdlora.set_merge_cache(0)
+        assert fdlora.merge_cache_bytes() == 0 and cached(model) == []
+        torch.testing.assert_close(model(x), y_cached, rtol=1e-5, atol=1e-6)
+
+
+def test_budget_limits_which_layers_cache_and_restore_releases(cache):
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=2, max_rank=4)
+    h.add_adapter(lora(1), "a")
+    fdlora.set_merge_cache(48 * 40 * 4)  # room for one layer: the first to run takes it
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        y = model(x)
+    assert cached(model) == ["0"] and fdlora.merge_cache_bytes() == 32 * 48 * 4
+    close(y, oracle(model, x, {"a": (lora(1), 1.0)}))
+    fdlora.handle(model).restore()
+    assert fdlora.merge_cache_bytes() == 0
+    fdlora.set_merge_cache("50%")
+    model = net()
+    fdlora.inject(model, PATHS, max_slots=2, max_rank=4).add_adapter(lora(1), "a")
+    with torch.no_grad():
+        model(x)
+    assert fdlora.merge_cache_bytes() > 0
+    del model
+    gc.collect()
+    assert fdlora.merge_cache_bytes() == 0  # a collected model gives its bytes back
+
+
+def test_not_used_when_frozen_per_sample_training_or_with_lora_bias(cache):
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=2, max_rank=4)
+    a = lora(1)
+    h.add_adapter(a, "a")
+    x = torch.randn(4, 32)
+    y = model(x)  # grad mode with trainable base weights: autograd must see W, so no cache
+    assert cached(model) == [] and y.requires_grad
+    close(y.detach(), oracle(model, x, {"a": (a, 1.0)}))
+    with torch.no_grad():
+        with h.per_sample(["a", None, "a", None]):
+            y = model(x)
+        assert cached(model) == []
+        close(y[::2], oracle(model, x[::2], {"a": (a, 1.0)}))
+        close(y[1::2], oracle(model, x[1::2], {}))
+        h.freeze()
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert cached(model) == []
+    model = net()
+    g = torch.Generator().manual_seed(3)
+    biased = LoraAdapter({"0": ModuleLora(a.modules["0"].A, a.modules["0"].B, None, bias=torch.randn(48, generator=g))})
+    fdlora.inject(model, ["0"], max_slots=2, max_rank=4).add_adapter(biased, "b")
+    with torch.no_grad():
+        model(x)
+    assert cached(model) == []
+
+
+def test_bad_limit_names_the_fix():
+    with pytest.raises(fdlora.errors.ConfigError, match="byte count"):
+        fdlora.set_merge_cache("lots")
+    with pytest.raises(fdlora.errors.ConfigError, match="25%"):
+        fdlora.set_merge_cache(-1)
