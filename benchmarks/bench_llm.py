@@ -191,6 +191,10 @@ def run_decode(a, base, peft_model, fd, device, dtype, vocab) -> tuple[dict, dic
         del steps["oracle"]
         times[f"peft_{label}"] = median(steps["peft"].step)
         times[f"fd_{label}"] = median(steps["fd"].step)
+        if names is None:  # the same without the merged-weight cache (fdlora.layers.merged)
+            fdlora.set_merge_cache(0)
+            times[f"fd_percall_{label}"] = median(steps["fd"].step)
+            fdlora.set_merge_cache("auto")
     del oracle
     times["base"] = median(Decoder(base, B, T, device, vocab).step)
     if device == "cuda":
@@ -229,6 +233,10 @@ def run_prefill(a, base, peft_model, fd, device, dtype, vocab) -> tuple[dict, di
             times[f"base_{label}"] = median(call(base, ids, None))
             times[f"peft_{label}"] = median(call(peft_model, ids, names))
             times[f"fd_{label}"] = median(call(fd, ids, names))
+            if names is None:  # the same without the merged-weight cache (fdlora.layers.merged)
+                fdlora.set_merge_cache(0)
+                times[f"fd_percall_{label}"] = median(call(fd, ids, names))
+                fdlora.set_merge_cache("auto")
     return times, verify
 
 
@@ -256,9 +264,11 @@ def environment(device: str) -> dict:
 
 def ratios(decode: dict, prefill: dict) -> dict:
     r = {"decode_peft_1": decode["peft_1"] / decode["base"], "decode_fd_1": decode["fd_1"] / decode["base"],
+         "decode_fd_percall_1": decode["fd_percall_1"] / decode["base"],
          "decode_peft_4mixed": decode["peft_4mixed"] / decode["base"],
          "decode_fd_4mixed": decode["fd_4mixed"] / decode["base"],
          "prefill_peft_1": prefill["peft_1"] / prefill["base_1"], "prefill_fd_1": prefill["fd_1"] / prefill["base_1"],
+         "prefill_fd_percall_1": prefill["fd_percall_1"] / prefill["base_1"],
          "prefill_peft_4mixed": prefill["peft_4mixed"] / prefill["base_4mixed"],
          "prefill_fd_4mixed": prefill["fd_4mixed"] / prefill["base_4mixed"]}
     g = decode.get("cuda_graphs", {})

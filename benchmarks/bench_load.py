@@ -49,6 +49,7 @@ def args() -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--depth", type=float, default=1.0, help="fraction of SDXL's transformer blocks / TE layers")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of each fd-lora load path")
     return ap.parse_args()
 
 
@@ -218,6 +219,20 @@ def main() -> None:
             delete(name)
         return statistics.median(times), times
 
+    if a.profile:
+        import cProfile
+        import pstats
+
+        for load in (fd_hub_cache, fd_ram_cache):
+            fd_delete(load())
+            pr = cProfile.Profile()
+            pr.enable()
+            name = load()
+            sync()
+            pr.disable()
+            fd_delete(name)
+            print(f"== profile {load.__name__}")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     hub_ms, hub_all = timed(fd_hub_cache, fd_delete, a.repeats)
     ram_ms, ram_all = timed(fd_ram_cache, fd_delete, a.repeats)
     diff_ms, diff_all = timed(diffusers_load, pipe.delete_adapters, max(3, a.repeats // 2))

@@ -67,9 +67,11 @@ class AdapterPool:
         with self._lock:
             self.commit(self.plan(name, adapter, validate=validate), activate=activate)
 
-    def plan(self, name: str, adapter: LoraAdapter, *, validate: bool = True) -> tuple[Any, LoraAdapter]:
-        """Make room (an inactive LRU adapter may leave its slot) and check everything about loading `adapter`;
-        no adapter weight is written until `commit`."""
+    def plan(self, name: str, adapter: LoraAdapter, *, validate: bool = True,
+             evict_active: bool = False) -> tuple[Any, LoraAdapter]:
+        """Make room (an inactive LRU adapter may leave its slot; an active one too with `evict_active`, for a
+        load that activates only the new adapter) and check everything about loading `adapter`; no adapter
+        weight is written until `commit`."""
         with self._lock:
             if name in self._host:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
@@ -77,7 +79,7 @@ class AdapterPool:
             host = self.align(adapter)
             if self.pin and not _is_pinned(host):
                 host = pack_adapters({"": host})[""]
-            self._make_room({name}, evict_active=False)
+            self._make_room({name}, evict_active=evict_active)
             return self.handle.plan(self._staged(host, validate), name, validate=validate), host
 
     def commit(self, planned: tuple[Any, LoraAdapter], *, activate: bool = False) -> None:
@@ -128,6 +130,23 @@ class AdapterPool:
             for n in names:
                 self._host.pop(n)
                 self._recent.pop(n, None)
+
+    def rename(self, old: str, new: str) -> None:
+        """Rename an adapter (resident or not), on the handle too."""
+        with self._lock:
+            if old not in self._host:
+                raise UnknownAdapterError(f"no adapter named {old!r} in this pool (known: {self.known()}).")
+            if new in self._host:
+                raise DuplicateAdapterError(f"the pool already holds an adapter named {new!r}.")
+            self._sync()
+            if old in self._recent:
+                self.handle.rename(old, new)
+                self._recent = OrderedDict((new if n == old else n, None) for n in self._recent)
+            self._host = {new if n == old else n: a for n, a in self._host.items()}
+
+    def names(self) -> list[str]:
+        """Every adapter this pool or its handle knows: resident, evicted, or loaded on the handle directly."""
+        return list(dict.fromkeys([*self._host, *self.handle.list_adapters()]))
 
     # --- internals -----------------------------------------------------------------------------
     def _sync(self) -> None:

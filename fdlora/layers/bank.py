@@ -75,6 +75,39 @@ class AdapterBank(nn.Module):
         self.host_ranks[slot] = r
         self.version += 1
 
+    @staticmethod
+    def write_many(writes: list[tuple[AdapterBank, int, ModuleLora]]) -> None:
+        """`bank.write(slot, m)` for many banks at once, in a few grouped launches instead of ~7 per module.
+
+        Invariant used: a slot's rows past `host_ranks[slot]` are already zero, so only a rank that shrank
+        needs zeroing. Banks with a LoRA bias take the one-by-one path.
+        """
+        copies: dict[torch.device, tuple[list, list]] = {}
+        zeros: dict[torch.device, list] = {}
+        ranks: dict[torch.device, tuple[list, list]] = {}
+        for bank, slot, m in writes:
+            if m.bias is not None or bank.bias is not None:
+                bank.write(slot, m)
+                continue
+            r, prev, dev = m.rank, bank.host_ranks[slot], bank.A.device
+            dst, src = copies.setdefault(dev, ([], []))
+            dst += [bank.A[slot, :r], bank.B[:, slot, :r]]
+            src += [m.A, m.B.reshape(m.B.shape[0], r)]
+            if prev > r:
+                zeros.setdefault(dev, []).extend([bank.A[slot, r:prev], bank.B[:, slot, r:prev]])
+            rd, rv = ranks.setdefault(dev, ([], []))
+            rd.append(bank.ranks[slot:slot + 1])
+            rv.append(r)
+            bank.used[slot] = True
+            bank.host_ranks[slot] = r
+            bank.version += 1
+        for dev, (dst, src) in copies.items():
+            torch._foreach_copy_(dst, src)
+        for dev, zs in zeros.items():
+            torch._foreach_zero_(zs)
+        for dev, (rd, rv) in ranks.items():
+            torch._foreach_copy_(rd, torch.tensor(rv, dtype=torch.int32).to(dev).split(1))
+
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
         self.B[:, slot].zero_()

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, FdLoraError, TargetError
 from ..hub.adapter import LoraAdapter
-from .bank import padded_rank
+from .bank import AdapterBank, padded_rank
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from .state import Mode, ModelState
 
@@ -141,10 +141,12 @@ class FdLoraHandle:
         wrapped = self.wrap(plan.to_wrap)
         scaling = self.state.table.scaling
         try:
+            writes = []
             for path, m in plan.adapter.modules.items():
                 layer = self.layers[path]
-                layer.bank.write(plan.slot, m)
+                writes.append((layer.bank, plan.slot, m))
                 scaling[layer.index, plan.slot] = plan.adapter.scaling(path)
+            AdapterBank.write_many(writes)
         except Exception:
             self._clear_slot(plan.slot)
             for layer in wrapped:

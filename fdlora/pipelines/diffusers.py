@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import DuplicateAdapterError, FdLoraError, TargetError, UnknownAdapterError
 from ..hub.adapter import LoraAdapter
-from ..hub.pool import align_paths
+from ..hub.pool import AdapterPool, align_paths
 from ..layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
 from . import fuse as fusing
 from .scope import pipe_lock
@@ -78,6 +78,11 @@ class FdLoraPipelineMixin:
                 out[name] = h
         return out
 
+    def fd_lora_pools(self) -> dict[str, AdapterPool]:
+        """Component name -> its GPU slot pool (fdlora.hub.pool): more adapters than slots, LRU eviction,
+        evicted adapters back from RAM on demand."""
+        return {c: AdapterPool.of(h) for c, h in self.fd_lora_handles().items()}
+
     def _fd_denoiser(self) -> str:
         return "unet" if "unet" in self.components else "transformer"
 
@@ -110,11 +115,12 @@ class FdLoraPipelineMixin:
             if not adapters:
                 raise FdLoraError("nothing to load: the adapter has no weights for this pipeline's components.")
             handles = self.fd_lora_handles()
-            name = adapter_name or f"default_{len({n for h in handles.values() for n in h.list_adapters()})}"
-            if any(name in h.list_adapters() for h in handles.values()):
+            name = adapter_name or f"default_{len(self._fd_all_names())}"
+            if name in self._fd_all_names():
                 raise DuplicateAdapterError(f"an adapter named {name!r} is already loaded; delete_adapters() it "
                                             "first or pick another adapter_name.")
             plans = []
+            before = {c: dict(h.state.active) for c, h in handles.items()}  # an eviction below may deactivate
             for comp, adapter in adapters.items():
                 model = modules[comp]
                 self._fd_refuse_peft(comp, model)
@@ -131,25 +137,41 @@ class FdLoraPipelineMixin:
                 elif need > h.max_rank and not h.state.static:
                     logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
                     h.grow(max_rank=need)
-                plans.append((comp, h, fresh, h.plan(adapter, name, validate=validate)))
+                pool = AdapterPool.of(h)  # a full pool makes room by evicting its least recently used adapter
+                try:
+                    plans.append((comp, h, pool, fresh, pool.plan(name, adapter, validate=validate,
+                                                                  evict_active=True)))
+                except Exception:
+                    self._fd_reactivate(before)
+                    raise
             extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
-            done: list[tuple[FdLoraHandle, bool]] = []
+            done: list[tuple[FdLoraHandle, AdapterPool, bool]] = []
             try:
-                for comp, h, fresh, plan in plans:
+                for comp, h, pool, fresh, plan in plans:
                     if fresh:
                         self._fd_wrap_table(h, extra.get(comp) or [])
                         registry_of_models[h.model] = h
-                    done.append((h, fresh))
-                    h.commit(plan, activate=False)
+                    done.append((h, pool, fresh))
+                    pool.commit(plan, activate=False)
             except Exception:
-                for h, fresh in done:
+                for h, pool, fresh in done:
                     if fresh:
                         h.restore()
-                    elif name in h.list_adapters():
-                        h.delete_adapter(name)
+                    elif name in pool.known():
+                        pool.delete(name)
+                self._fd_reactivate(before)
                 raise
             self.set_adapters([name])
             return report
+
+    def _fd_reactivate(self, active: Mapping[str, Mapping[str, Any]]) -> None:
+        """Put back each component's active set (after a failed load whose room-making evicted some)."""
+        for comp, h in self.fd_lora_handles().items():
+            want = active.get(comp)
+            if want is not None and want != h.state.active:
+                pool = AdapterPool.of(h)
+                pool.ensure([n for n in want if n in pool.known()], evict_active=True)
+                h.set_adapters(list(want), list(want.values()))
 
     def load_lora_weights(self, pretrained_model_name_or_path_or_dict: Any, adapter_name: str | None = None,
                           hotswap: bool = False, **kwargs: Any):
@@ -161,11 +183,11 @@ class FdLoraPipelineMixin:
             self.load_fd_lora(pretrained_model_name_or_path_or_dict, tmp, **kwargs)
             with pipe_lock(self):
                 active = self.get_active_adapters()
-                for h in self.fd_lora_handles().values():
-                    if adapter_name in h.list_adapters():
-                        h.delete_adapter(adapter_name)
-                    if tmp in h.list_adapters():
-                        h.rename(tmp, adapter_name)
+                for pool in self.fd_lora_pools().values():
+                    if adapter_name in pool.known():
+                        pool.delete(adapter_name)
+                    if tmp in pool.known():
+                        pool.rename(tmp, adapter_name)
                 self.set_adapters([adapter_name if a == tmp else a for a in active])
             return None
         return self.load_fd_lora(pretrained_model_name_or_path_or_dict, adapter_name, **kwargs)
@@ -199,7 +221,8 @@ class FdLoraPipelineMixin:
             )
 
     def _fd_all_names(self) -> list[str]:
-        return list(dict.fromkeys(n for h in self.fd_lora_handles().values() for n in h.list_adapters()))
+        """Every loaded adapter, resident in a GPU slot or evicted to RAM."""
+        return list(dict.fromkeys(n for p in self.fd_lora_pools().values() for n in p.names()))
 
     # --- switching -----------------------------------------------------------------------------
     def set_adapters(self, adapter_names: str | Sequence[str], adapter_weights: Any = None) -> None:
@@ -216,9 +239,10 @@ class FdLoraPipelineMixin:
             if unknown:
                 raise UnknownAdapterError(f"adapter(s) {unknown} are not loaded (loaded: {sorted(loaded)}).")
             for comp, h in handles.items():
-                ns, ws = [], []
+                pool, ns, ws = AdapterPool.of(h), [], []
+                known = set(pool.names())
                 for n, w in zip(names, adapter_weights):
-                    if n not in h.state.slots.by_name:
+                    if n not in known:
                         continue
                     if isinstance(w, Mapping) and set(w) & set(self.components):
                         w = w.get(comp, 1.0)  # per-component dict
@@ -226,13 +250,14 @@ class FdLoraPipelineMixin:
                         w = block_weight_fn(h.model, w)
                     ns.append(n)
                     ws.append(1.0 if w is None else w)
+                pool.ensure([n for n in ns if n in pool.known()], evict_active=True)  # evicted ones come back
                 h.set_adapters(ns, ws)
 
     def get_active_adapters(self) -> list[str]:
         return list(dict.fromkeys(n for h in self.fd_lora_handles().values() for n in h.active_adapters()))
 
     def get_list_adapters(self) -> dict[str, list[str]]:
-        return {c: h.list_adapters() for c, h in self.fd_lora_handles().items() if h.list_adapters()}
+        return {c: p.names() for c, p in self.fd_lora_pools().items() if p.names()}
 
     def delete_adapters(self, adapter_names: str | Sequence[str]) -> None:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
@@ -241,8 +266,11 @@ class FdLoraPipelineMixin:
             unknown = [n for n in names if n not in loaded]
             if unknown:
                 raise UnknownAdapterError(f"adapter(s) {unknown} are not loaded (loaded: {sorted(loaded)}).")
-            for h in self.fd_lora_handles().values():
-                h.delete_adapter([n for n in names if n in h.list_adapters()])
+            for pool in self.fd_lora_pools().values():
+                pooled = [n for n in names if n in pool.known()]
+                if pooled:
+                    pool.delete(pooled)
+                pool.handle.delete_adapter([n for n in names if n in pool.handle.list_adapters()])
 
     def disable_lora(self) -> None:
         with pipe_lock(self):
@@ -278,6 +306,8 @@ class FdLoraPipelineMixin:
                     if getattr(h, "fused", None):
                         raise FdLoraError(f"{comp} is already fused; call unfuse_lora() first.")
                     names = list(adapter_names) if adapter_names is not None else h.active_adapters()
+                    pool = AdapterPool.of(h)
+                    pool.ensure([n for n in names if n in pool.known()])
                     # each adapter at its current weight (a number, or block-wise per layer), 1.0 if inactive
                     slots = {h.state.slots.by_name[n]: h.state.active.get(n, 1.0)
                              for n in names if n in h.state.slots.by_name}
@@ -353,6 +383,9 @@ class FdLoraPipelineMixin:
             if scale is not None:
                 stack.enter_context(self._fd_scaled(scale))
             if fd_lora_adapters is not None:
+                # room for the requested adapters may evict active ones; the blend comes back after the call
+                before = {c: dict(h.state.active) for c, h in self.fd_lora_handles().items()}
+                stack.callback(self._fd_reactivate, before)
                 for h, by_batch in self._fd_sample_specs(fd_lora_adapters, args, kwargs):
                     stack.enter_context(h.per_sample(by_batch))
             return super().__call__(*args, **kwargs)
@@ -378,6 +411,8 @@ class FdLoraPipelineMixin:
                                       f"(loaded: {sorted(loaded)}).")
         n = int(kwargs.get("num_images_per_prompt") or 1)
         for h in self.fd_lora_handles().values():
+            pool = AdapterPool.of(h)
+            pool.ensure(sorted(named & set(pool.known())), evict_active=True)  # all resident at once
             have = set(h.list_adapters())
 
             def only(s, have=have):

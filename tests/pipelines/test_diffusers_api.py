@@ -172,3 +172,35 @@ def test_encode_prompt_lora_scale_matches_diffusers(sd15):
     assert float((ref - fd).abs().max()) < 1e-5
     assert float((full - fd).abs().max()) > 1e-4  # the scale applied to that call only
     assert fdlora.handle(sd15.fd.text_encoder).state.table.multiplier == 1.0
+
+
+def test_more_adapters_than_slots_evict_and_come_back_from_ram(sd15, tmp_path):
+    """max_slots=1 and two adapters from disk: each load evicts the other, set_adapters brings an evicted one
+    back from the pool's RAM copy (the files are gone by then), outputs equal an unevicted pipe's."""
+    import shutil
+
+    dirs = {n: shutil.copytree(d, tmp_path / n) for n, d in sd15.dirs.items()}
+    pipe = copy.deepcopy(sd15.base)
+    pipe.load_fd_lora(str(dirs["style_a"]), "style_a", max_slots=1)
+    pipe.load_fd_lora(str(dirs["locon_b"]), "locon_b")  # the only slot held the active style_a
+    pools = pipe.fd_lora_pools()
+    assert pools["unet"].resident() == ["locon_b"] and pipe.get_active_adapters() == ["locon_b"]
+    assert pipe.get_list_adapters()["unet"] == ["style_a", "locon_b"]
+    for d in dirs.values():
+        shutil.rmtree(d)
+    roomy = copy.deepcopy(sd15.fd)  # both adapters resident, loaded from the same weights
+    for name in ("style_a", "locon_b", "style_a"):
+        pipe.set_adapters([name], [0.6])
+        roomy.set_adapters([name], [0.6])
+        assert pools["unet"].resident() == [name]
+        torch.testing.assert_close(sd15.gen(pipe), sd15.gen(roomy), rtol=0, atol=1e-6)
+    assert pools["unet"].reloads >= 2 and pools["unet"].evictions >= 3
+    with pytest.raises(errors.CapacityError, match="max_slots"):  # both at once need two slots
+        pipe(**fdlora.pipelines.tiny.generate_kwargs(pipe, prompt=["a", "b"]), fd_lora_adapters=["style_a", "locon_b"])
+    out = sd15.gen(pipe, prompt=["a cat"], fd_lora_adapters=["locon_b"])  # evicts the active style_a
+    assert pipe.get_active_adapters() == ["style_a"]  # the blend is back after the call
+    torch.testing.assert_close(sd15.gen(pipe), sd15.gen(roomy), rtol=0, atol=1e-6)
+    roomy.set_adapters(["locon_b"])
+    torch.testing.assert_close(out, sd15.gen(roomy, prompt=["a cat"]), rtol=0, atol=1e-6)
+    pipe.delete_adapters("style_a")
+    assert pipe.get_list_adapters()["unet"] == ["locon_b"]
