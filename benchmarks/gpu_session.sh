@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# One device call (GPU results land in $OUT/results/*.json; copy them to benchmarks/results/<gpu>/).
-#   bash benchmarks/gpu_session.sh            # LLM decode/prefill, and SDXL steps on the torch backend
+# One device call; GPU results land in $OUT/results/*.json (copy them to benchmarks/results/<gpu>/).
+#   bash benchmarks/gpu_session.sh tests pipeline profile     # stages, in order
+#   stages: tests (GPU-marked tests), pipeline (SDXL + Flux steps), profile (SDXL step host/GPU profile),
+#           llm (decode / prefill), load (SDXL-size adapter load), fused (layer paths), delta (delta kernels)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name --format=csv,noheader
-step() { local t=$1; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[transformers\]" | tail -40; }
-step 200 python3 benchmarks/bench_llm.py --out "$OUT/results/llm.json"
-FDLORA_BACKEND=torch step 150 python3 benchmarks/bench_pipeline.py --models sdxl --depth 6 --repeats 5 \
-    --out "$OUT/results/pipeline_torch_backend.json"
+step() { local t=$1; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[transformers\]\|Warning\|warnings.warn" | tail -${TAIL:-40}; }
+for stage in "$@"; do
+  case $stage in
+    tests) TAIL=15 step 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
+    pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 5 \
+        --out "$OUT/results/pipeline.json" ;;
+    profile) TAIL=60 step 120 python3 benchmarks/profile_step.py --model sdxl --depth 2 --out "$OUT/results/profile_sdxl.json" ;;
+    llm) step 240 python3 benchmarks/bench_llm.py --out "$OUT/results/llm.json" ;;
+    load) TAIL=80 step 240 python3 benchmarks/bench_load.py --profile --out "$OUT/results/load.json" ;;
+    fused) step 300 python3 benchmarks/bench_fused.py --out "$OUT/results/fused.json" ;;
+    delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;
+  esac
+done
