@@ -14,7 +14,7 @@ for stage in "$@"; do
     tests) TAIL=15 step 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 5 \
         --out "$OUT/results/pipeline.json" ;;
-    profile) TAIL=60 step 120 python3 benchmarks/profile_step.py --model sdxl --depth 2 --out "$OUT/results/profile_sdxl.json" ;;
+    profile) TAIL=60 FDLORA_MERGE_CACHE=0 step 120 python3 benchmarks/profile_step.py --model sdxl --depth 2 --out "$OUT/results/profile_sdxl.json" ;;
     llm) step 240 python3 benchmarks/bench_llm.py --out "$OUT/results/llm.json" ;;
     load) TAIL=80 step 240 python3 benchmarks/bench_load.py --profile --out "$OUT/results/load.json" ;;
     fused) step 300 python3 benchmarks/bench_fused.py --out "$OUT/results/fused.json" ;;
