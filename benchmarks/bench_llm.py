@@ -208,6 +208,7 @@ def run_decode(a, base, peft_model, fd, device, dtype, vocab) -> tuple[dict, dic
                 graphs["fd_4mixed"] = median(graphed(d.step))
         except Exception as e:  # record, do not lose the eager numbers
             graphs["error"] = f"{type(e).__name__}: {e}"[:500]
+        fdlora.handle(fd).unfreeze()  # the graphs are not replayed again: eager prefill follows
         times["cuda_graphs"] = graphs
     return times, verify
 

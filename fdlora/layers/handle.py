@@ -292,6 +292,11 @@ class FdLoraHandle:
         """Promise static buffers (torch.compile, CUDA graphs): no host-side shortcuts, no reallocation."""
         self.state.static = True
 
+    def unfreeze(self) -> None:
+        """Undo `freeze` once no compiled graph or captured CUDA graph of this model is replayed any more:
+        eager calls take host shortcuts again (skipping idle layers, the merged-weight cache)."""
+        self.state.static = False
+
     def grow(self, max_slots: int | None = None, max_rank: int | None = None) -> None:
         """Raise slot and/or rank capacity, keeping loaded adapters (not on a frozen model)."""
         self._reshapeable("grow the banks")

@@ -134,6 +134,9 @@ def test_not_used_when_frozen_per_sample_training_or_with_lora_bias(cache):
         h.freeze()
         close(model(x), oracle(model, x, {"a": (a, 1.0)}))
         assert cached(model) == []
+        h.unfreeze()
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert cached(model) == PATHS
     model = net()
     g = torch.Generator().manual_seed(3)
     biased = LoraAdapter({"0": ModuleLora(a.modules["0"].A, a.modules["0"].B, None, bias=torch.randn(48, generator=g))})
