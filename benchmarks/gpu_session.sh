@@ -12,7 +12,7 @@ step() { local t=$1; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[t
 for stage in "$@"; do
   case $stage in
     tests) TAIL=15 step 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
-    pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 5 \
+    pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
     profile) TAIL=60 FDLORA_MERGE_CACHE=0 step 120 python3 benchmarks/profile_step.py --model sdxl --depth 2 --out "$OUT/results/profile_sdxl.json" ;;
     llm) step 240 python3 benchmarks/bench_llm.py --out "$OUT/results/llm.json" ;;

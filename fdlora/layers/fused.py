@@ -229,22 +229,25 @@ class FusedLoraLinear(_FusedLora):
         # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear)
         self._whole = self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
 
-    def _merged_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        """W' from the merged-weight cache when this call may use it (fdlora.layers.merged), else None."""
-        bank, w = self.bank, self.base.weight
-        if (bank.bias is not None or not any(bank.used)
+    def _merged_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """y = x W'^T + b from the merged-weight cache when this call may use it (fdlora.layers.merged), else
+        None. The hot path of eager inference: plain dict reads, no nn.Module attribute lookups."""
+        bank, params = self.bank, self.base._parameters  # _plain: the base is an nn.Linear
+        w = params["weight"]
+        if (bank._buffers["bias"] is not None or True not in bank.used
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
-                or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+                or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
             return None
-        return self.merged.weight(self)
+        merged = self.merged.weight(self, w)
+        return None if merged is None else F.linear(x, merged, params["bias"])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         st = self.state
         # (the compile check comes before reading `active`: a traced graph must not guard on the active set)
         if st.mode is Mode.BLEND and self._plain and not st.static and not torch.compiler.is_compiling() and st.active:
-            w = self._merged_weight(x)
-            if w is not None:
-                return F.linear(x, w, self.base.bias)
+            y = self._merged_forward(x)
+            if y is not None:
+                return y
         if self.state.mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole:
             A, B, ranks, S = self._bank()
             x2 = x.reshape(-1, self.in_features).to(A.dtype)

@@ -138,9 +138,9 @@ class MergedWeight:
         self.denied = -1  # budget generation at which a reservation failed (no retry until it changes)
         BUDGET.caches.add(self)
 
-    def weight(self, layer) -> torch.Tensor | None:
-        """W' for `layer`'s current blend, merging if anything changed; None if the budget has no room."""
-        W = layer.base.weight
+    def weight(self, layer, W: torch.Tensor) -> torch.Tensor | None:
+        """W' for `layer`'s current blend (W: its base weight), merging if anything changed; None if the
+        budget has no room."""
         if self.buf is None:
             if self.denied == BUDGET.generation:
                 return None
