@@ -139,44 +139,66 @@ def pack_adapters(adapters: dict[str, LoraAdapter], pin: bool = True) -> dict[st
     return out
 
 
-def to_device(adapter: LoraAdapter, device: torch.device | str, *, check_finite: bool = False) -> LoraAdapter:
-    """`adapter` on `device`: one transfer when its tensors share one buffer (`pack_adapters`), else one each.
+@dataclass
+class Staged:
+    """A packed host adapter copied to a device in one transfer: `flat` holds its bytes, `start` is the host
+    address of the packed buffer's first byte (module tensor at host address p lives at flat[p - start])."""
 
-    With `check_finite`, NaN/Inf are looked for on the device, in one pass over the whole buffer per dtype
-    instead of one host pass per tensor; the modules are then marked checked, so the handle's own
-    `check_finite` skips them. A hit there (possibly in alignment padding) is settled by the exact host check,
-    which raises with the module's path.
+    flat: torch.Tensor  # uint8, on the device
+    start: int
+
+    def view(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The device copy of host tensor `t` (a view into `flat`)."""
+        if t is None:
+            return None
+        off = t.data_ptr() - self.start
+        return self.flat[off:off + t.nbytes].view(t.dtype).view(t.shape)
+
+
+def _tensors(adapter: LoraAdapter) -> list[torch.Tensor]:
+    return [t for m in adapter.modules.values() for t in (m.A, m.B, m.bias) if t is not None]
+
+
+def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: bool = False) -> Staged | None:
+    """One host-to-device transfer of a packed adapter (`pack_adapters`), or None if it is not packed.
+
+    With `check_finite`, NaN/Inf are looked for on the device in one pass over the buffer (when it holds
+    one dtype); the modules are then marked checked. A hit (possibly in alignment padding) is settled by
+    the exact host check, which raises with the module's path.
     """
-    tensors = [t for m in adapter.modules.values() for t in (m.A, m.B, m.bias) if t is not None]
+    tensors = _tensors(adapter)
     storage = tensors[0].untyped_storage()
     start = storage.data_ptr()
-    packed = all(t.untyped_storage().data_ptr() == start and t.is_contiguous() for t in tensors)
-    if packed:
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        dev = flat.to(device, non_blocking=flat.is_pinned())
+    if not all(t.untyped_storage().data_ptr() == start and t.is_contiguous() for t in tensors):
+        return None
+    host = torch.empty(0, dtype=torch.uint8).set_(storage)
+    staged = Staged(host.to(device, non_blocking=host.is_pinned()), start)
+    if check_finite and not all(m.finite for m in adapter.modules.values()):
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) == 1:
+            size = tensors[0].element_size()
+            ok = bool(torch.isfinite(staged.flat[: staged.flat.numel() // size * size].view(tensors[0].dtype)).all())
+        else:
+            ok = bool(torch.stack([torch.isfinite(staged.view(t)).all() for t in tensors]).all())
+        if not ok:
+            adapter.check_finite()  # raises with the module's path, unless the hit was padding
+        for m in adapter.modules.values():
+            m.finite = True
+    return staged
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            off = t.data_ptr() - start
-            return dev[off:off + t.nbytes].view(t.dtype).view(t.shape)
+
+def to_device(adapter: LoraAdapter, device: torch.device | str, *, check_finite: bool = False) -> LoraAdapter:
+    """`adapter` on `device`: one transfer when its tensors share one buffer (`pack_adapters`), else one each.
+    With `check_finite`, NaN/Inf are looked for on the device (see `stage`)."""
+    staged = stage(adapter, device, check_finite=check_finite)
+    if staged is not None:
+        move = staged.view
     else:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=t.is_pinned())
 
-    mods = {p: ModuleLora(move(m.A), move(m.B), m.alpha, move(m.bias), finite=m.finite)
-            for p, m in adapter.modules.items()}
-    out = LoraAdapter(mods, adapter.use_rslora, adapter.name, adapter.provenance)
-    if check_finite and not all(m.finite for m in mods.values()):
-        dtypes = {t.dtype for t in tensors}
-        if packed and len(dtypes) == 1:
-            ok = bool(torch.isfinite(dev[: dev.numel() // tensors[0].element_size() * tensors[0].element_size()]
-                                     .view(tensors[0].dtype)).all())
-        else:
-            ok = bool(torch.stack([torch.isfinite(t).all() for m in mods.values()
-                                   for t in (m.A, m.B, m.bias) if t is not None]).all())
-        if not ok:
-            adapter.check_finite()  # raises with the module's path, unless the hit was padding
-        for m in (*adapter.modules.values(), *mods.values()):
-            m.finite = True
-    return out
+        if check_finite:
+            adapter.check_finite()
+    return LoraAdapter({p: ModuleLora(move(m.A), move(m.B), m.alpha, move(m.bias), finite=True if check_finite
+                                      else m.finite) for p, m in adapter.modules.items()},
+                       adapter.use_rslora, adapter.name, adapter.provenance)

@@ -15,6 +15,7 @@ every component before committing any, so a bad text-encoder part leaves the UNe
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
@@ -26,7 +27,7 @@ from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
 from .adapter import LoraAdapter
-from .cache import pack_adapters, to_device
+from .cache import pack_adapters, stage
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -80,7 +81,7 @@ class AdapterPool:
             if self.pin and not _is_pinned(host):
                 host = pack_adapters({"": host})[""]
             self._make_room({name}, evict_active=evict_active)
-            return self.handle.plan(self._staged(host, validate), name, validate=validate), host
+            return self._plan(name, host, validate), host
 
     def commit(self, planned: tuple[Any, LoraAdapter], *, activate: bool = False) -> None:
         plan, host = planned
@@ -104,7 +105,7 @@ class AdapterPool:
             for n in names:
                 if n not in self._recent:
                     self._make_room(set(names), evict_active=evict_active)
-                    self.handle.add_adapter(self._staged(self._host[n], False), n, activate=False, validate=False)
+                    self.handle.commit(self._plan(n, self._host[n], False), activate=False)
                     self.reloads += 1
                 self._recent[n] = None
                 self._recent.move_to_end(n)
@@ -175,10 +176,12 @@ class AdapterPool:
             "max_slots (handle.grow(max_slots=N))."
         )
 
-    def _staged(self, host: LoraAdapter, check_finite: bool) -> LoraAdapter:
-        """On CUDA: the host copy moved to the device in one transfer (and NaN-checked there), so the banks
-        fill with device-to-device copies instead of one PCIe transfer per tensor."""
-        return to_device(host, self.device, check_finite=check_finite) if self.device.type == "cuda" else host
+    def _plan(self, name: str, host: LoraAdapter, check_finite: bool):
+        """handle.plan for `host`. On CUDA the packed host copy goes to the device in one transfer (NaN-checked
+        there) and `commit` fills the banks from it in one launch (fdlora.layers.bulk)."""
+        staged = stage(host, self.device, check_finite=check_finite) if self.device.type == "cuda" else None
+        return dataclasses.replace(self.handle.plan(host, name, validate=check_finite and staged is None),
+                                   staged=staged)
 
     def align(self, adapter: LoraAdapter) -> LoraAdapter:
         """`adapter` with module paths fitted to this model (see `align_paths`)."""

@@ -15,7 +15,9 @@ from torch import nn
 
 from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, FdLoraError, TargetError
 from ..hub.adapter import LoraAdapter
+from ..hub.cache import Staged
 from .bank import AdapterBank, padded_rank
+from .bulk import write_staged
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from .state import Mode, ModelState
 
@@ -31,6 +33,7 @@ class LoadPlan:
     slot: int
     adapter: LoraAdapter
     to_wrap: list[str]
+    staged: Staged | None = None  # the adapter's device copy (fdlora.hub.cache.stage): commit writes from it
 
 
 class FdLoraHandle:
@@ -146,7 +149,10 @@ class FdLoraHandle:
                 layer = self.layers[path]
                 writes.append((layer.bank, plan.slot, m))
                 scaling[layer.index, plan.slot] = plan.adapter.scaling(path)
-            AdapterBank.write_many(writes)
+            if plan.staged is not None:
+                write_staged(writes, plan.staged)
+            else:
+                AdapterBank.write_many(writes)
         except Exception:
             self._clear_slot(plan.slot)
             for layer in wrapped:
