@@ -76,7 +76,7 @@ class AdapterCache:
         nbytes = sum(a.nbytes() for a in adapters.values())
         if nbytes > self.max_bytes:
             return adapters
-        if self.pin:
+        if self.pin and not all(_one_pinned_buffer(a) for a in adapters.values()):
             adapters = pack_adapters(adapters, pin=True)
         with self._lock:
             self._entries.pop(key, None)
@@ -159,6 +159,14 @@ def _tensors(adapter: LoraAdapter) -> list[torch.Tensor]:
     return [t for m in adapter.modules.values() for t in (m.A, m.B, m.bias) if t is not None]
 
 
+def _one_pinned_buffer(adapter: LoraAdapter) -> bool:
+    """Every tensor a contiguous view into one page-locked buffer (e.g. the file, read pinned): no packing needed."""
+    tensors = _tensors(adapter)
+    start = tensors[0].untyped_storage().data_ptr()
+    return tensors[0].is_pinned() and all(t.untyped_storage().data_ptr() == start and t.is_contiguous()
+                                          for t in tensors)
+
+
 def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: bool = False) -> Staged | None:
     """One host-to-device transfer of a packed adapter (`pack_adapters`), or None if it is not packed.
 
@@ -171,8 +179,10 @@ def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: boo
     start = storage.data_ptr()
     if not all(t.untyped_storage().data_ptr() == start and t.is_contiguous() for t in tensors):
         return None
-    host = torch.empty(0, dtype=torch.uint8).set_(storage)
-    staged = Staged(host.to(device, non_blocking=host.is_pinned()), start)
+    lo = min(t.data_ptr() for t in tensors) - start  # only the bytes this adapter's tensors span (a file
+    hi = max(t.data_ptr() + t.nbytes for t in tensors) - start  # read pinned holds every component's)
+    host = torch.empty(0, dtype=torch.uint8).set_(storage)[lo:hi]
+    staged = Staged(host.to(device, non_blocking=host.is_pinned()), start + lo)
     if check_finite and not all(m.finite for m in adapter.modules.values()):
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) == 1:

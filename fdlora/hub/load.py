@@ -84,7 +84,7 @@ def load_adapters(
     t1 = time.perf_counter()
     r = fetch(r, force_download=force_download, **hub_kw)
     t2 = time.perf_counter()
-    raw = _read(r, allow_pickle, config, metadata)
+    raw = _read(r, allow_pickle, config, metadata, pin=key is not None and ram.pin)
     t3 = time.perf_counter()
     fmt, why, others = formats.detect(raw)
     conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
@@ -136,14 +136,14 @@ def load_many(sources: Mapping[str, Any] | Sequence[Any], *, progress: bool = Tr
     return out
 
 
-def _read(r: Resolved, allow_pickle: bool, config, metadata) -> formats.Raw:
+def _read(r: Resolved, allow_pickle: bool, config, metadata, pin: bool = False) -> formats.Raw:
     if r.kind == "memory":
         sd = r.state_dict or {}
         bad = [k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if bad:
             raise FormatError(f"a state dict source must map str keys to tensors; these entries do not: {bad[:5]}.")
         return formats.Raw(dict(sd), dict(metadata or {}), _config_dict(config), "<memory>")
-    tensors, meta = read_weights(r.path, allow_pickle=allow_pickle)
+    tensors, meta = read_weights(r.path, allow_pickle=allow_pickle, pin=pin)
     cfg = _config_dict(config) if config is not None else _read_config(r.config_path)
     return formats.Raw(tensors, meta, cfg, r.file or r.source)
 

@@ -26,11 +26,24 @@ def is_pickle_name(name: str) -> bool:
     return name.lower().endswith(PICKLE_EXTENSIONS)
 
 
-def read_weights(path: str, *, allow_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors on CPU, safetensors `__metadata__` without its "format" entry) of the file at `path`."""
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}
+
+
+def read_weights(path: str, *, allow_pickle: bool = False,
+                 pin: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors on CPU, safetensors `__metadata__` without its "format" entry) of the file at `path`.
+
+    With `pin`, the whole file is read once into one buffer (page-locked when CUDA is available) and the
+    tensors are views into it: no per-tensor copies, and the RAM cache keeps them as they are, ready for
+    one device transfer.
+    """
     if is_pickle_name(path):
         return _read_pickle(path, allow_pickle), {}
-    _check_header(path)
+    header, start = _check_header(path)
+    if pin and all(info.get("dtype") in TORCH_DTYPES for k, info in header.items() if k != "__metadata__"):
+        return _read_pinned(path, header, start)
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -43,7 +56,31 @@ def read_weights(path: str, *, allow_pickle: bool = False) -> tuple[dict[str, to
     return tensors, meta
 
 
-def _check_header(path: str) -> None:
+def _read_pinned(path: str, header: dict, start: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    size = os.path.getsize(path)
+    buf = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    with open(path, "rb") as fh:
+        if fh.readinto(buf.numpy()) != size:
+            raise UnsafeFileError(f"{path}: the file changed size while being read; read it again.")
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, stop = (start + int(x) for x in info["data_offsets"])
+        dtype = TORCH_DTYPES[info["dtype"]]
+        shape = [int(d) for d in info["shape"]]
+        raw = buf[begin:stop]
+        if begin % dtype.itemsize:  # misaligned for its dtype: copy it out
+            tensors[name] = raw.clone().view(dtype).view(shape)
+        else:
+            tensors[name] = raw.view(dtype).view(shape)
+    meta = dict(header.get("__metadata__") or {})
+    meta.pop("format", None)
+    return tensors, meta
+
+
+def _check_header(path: str) -> tuple[dict, int]:
+    """The parsed header and the byte offset where tensor data starts, after checking both."""
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         head = fh.read(8)
@@ -84,6 +121,7 @@ def _check_header(path: str) -> None:
     if end > data:
         raise UnsafeFileError(f"{path}: tensors need {end} data bytes but the file has {data}; it is truncated. "
                               "Download it again (force_download=True).")
+    return header, 8 + n
 
 
 def _read_pickle(path: str, allow_pickle: bool) -> dict[str, torch.Tensor]:

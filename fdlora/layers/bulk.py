@@ -45,12 +45,10 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
             rest.append((bank, slot, ModuleLora(staged.view(m.A), staged.view(m.B), m.alpha, staged.view(m.bias),
                                                 finite=m.finite)))
             continue
-        A, B = bank.A, bank.B
-        isz = A.element_size()
-        tables.setdefault((m.A.dtype, A.dtype, A.device), []).append([
-            m.A.data_ptr() + base, A.data_ptr() + slot * A.stride(0) * isz, m.A.numel(),
-            m.B.data_ptr() + base, B.data_ptr() + slot * B.stride(1) * isz, B.shape[0], r, B.stride(0),
-            bank.ranks.data_ptr() + slot * bank.ranks.element_size()])
+        a0, a_step, b0, b_step, n, b_row, k0, k_step = bank.addresses()
+        tables.setdefault((m.A.dtype, bank.A.dtype, bank.A.device), []).append([
+            m.A.data_ptr() + base, a0 + slot * a_step, m.A.numel(),
+            m.B.data_ptr() + base, b0 + slot * b_step, n, r, b_row, k0 + slot * k_step])
         bank.used[slot] = True
         bank.host_ranks[slot] = r
         bank.version += 1

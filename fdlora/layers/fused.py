@@ -158,7 +158,10 @@ class _FusedLora(nn.Module):
 
     # --- loading ------------------------------------------------------------------------------
     def check(self, m: ModuleLora, what: str) -> None:
-        check_fits(spec_of(self.base), m, self.path, what)
+        spec = self.__dict__.get("_spec")
+        if spec is None:
+            spec = self.__dict__["_spec"] = spec_of(self.base)  # fixed for the layer's life: loads check often
+        check_fits(spec, m, self.path, what)
 
     # --- forward ------------------------------------------------------------------------------
     def _skip(self) -> bool:

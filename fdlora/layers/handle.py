@@ -144,11 +144,14 @@ class FdLoraHandle:
         wrapped = self.wrap(plan.to_wrap)
         scaling = self.state.table.scaling
         try:
-            writes = []
+            writes, rows, scales = [], [], []
+            rslora = plan.adapter.use_rslora
             for path, m in plan.adapter.modules.items():
                 layer = self.layers[path]
                 writes.append((layer.bank, plan.slot, m))
-                scaling[layer.index, plan.slot] = plan.adapter.scaling(path)
+                rows.append(layer.index)
+                scales.append(m.scaling(rslora))
+            scaling[rows, plan.slot] = torch.tensor(scales, dtype=scaling.dtype)
             if plan.staged is not None:
                 write_staged(writes, plan.staged)
             else:
