@@ -116,6 +116,32 @@ def timer(dev, repeats):
     return ms
 
 
+def interleaved(fns: dict, dev, rounds: int) -> dict[str, tuple[float, float]]:
+    """{name: (median ms, median over rounds of ms / that round's "base" ms)}; each round runs every fn once."""
+    def once(fn):
+        if dev.type != "cuda":
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b)
+
+    times = {k: [] for k in fns}
+    with torch.inference_mode():
+        for fn in fns.values():
+            fn()
+            fn()
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                times[k].append(once(fn))
+    return {k: (statistics.median(v), statistics.median(x / b for x, b in zip(v, times["base"])))
+            for k, v in times.items()}
+
+
 def host_ms(fn, n=50):
     fn()
     ts = []
@@ -196,19 +222,20 @@ def bench_model(name, build, a, dev, dtype):
                 assert fd_err <= 3 * peft_err + 1e-3 * effect, f"{name} {case} {how}: err {fd_err} vs PEFT {peft_err}"
             fdlora.set_merge_cache("auto")
             folded = fold(base, [(adapters[n], w) for n, w in zip(ns, ws)])
-            res[f"merged {case} ms"] = ms(lambda: folded(**inputs))
-            del folded
-            res[f"peft {case} ms"] = ms(lambda: peft_m(**inputs))
-            res[f"fdlora {case} ms"] = ms(lambda: fd_m(**inputs))
+            # interleaved rounds (each variant once per round, ratio to that round's base): a host-bound step
+            # drifts with the machine's load, and interleaving keeps every ratio within one round
+            rounds = interleaved({"base": lambda: base(**inputs), "merged": lambda: folded(**inputs),
+                                  "peft": lambda: peft_m(**inputs), "fdlora": lambda: fd_m(**inputs)}, dev, a.repeats)
             res[f"fdlora {case} merge cache MB"] = fdlora.merge_cache_bytes() / 2**20
             fdlora.set_merge_cache(0)  # the per-call paths (what compiled / captured models run)
-            res[f"fdlora per-call {case} ms"] = ms(lambda: fd_m(**inputs))
+            percall = interleaved({"base": lambda: base(**inputs), "fdlora per-call": lambda: fd_m(**inputs)},
+                                  dev, a.repeats)
             fdlora.set_merge_cache("auto")
-            # the base again after each case: host-bound steps drift with the machine; ratios use the mean
-            res[f"base_ms after {case}"] = ms(lambda: base(**inputs))
-            ref_ms = (res["base_ms"] + res[f"base_ms after {case}"]) / 2
-            for k in ("merged", "peft", "fdlora", "fdlora per-call"):
-                res[f"{k} {case} x base"] = res[f"{k} {case} ms"] / ref_ms
+            del folded
+            for k, (t_ms, ratio) in {**rounds, **percall}.items():
+                res[f"{k} {case} ms"] = t_ms
+                if k != "base":
+                    res[f"{k} {case} x base"] = ratio
     del oracle
     # switching
     step = iter(range(10**9))
