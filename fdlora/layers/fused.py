@@ -19,7 +19,7 @@ from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
 from .bank import AdapterBank
-from .merged import MergedWeight
+from .merged import MergedWeight, merged_key
 from .state import Mode, ModelState
 
 
@@ -234,15 +234,23 @@ class FusedLoraLinear(_FusedLora):
 
     def _merged_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """y = x W'^T + b from the merged-weight cache when this call may use it (fdlora.layers.merged), else
-        None. The hot path of eager inference: plain dict reads, no nn.Module attribute lookups."""
-        bank, params = self.bank, self.base._parameters  # _plain: the base is an nn.Linear
+        None. The hot path of eager inference: plain dict reads, no nn.Module attribute lookups; while the
+        cache key holds, nothing about the bank can have changed, so only per-call conditions are checked."""
+        params = self.base._parameters  # _plain: the base is an nn.Linear
         w = params["weight"]
-        if (bank._buffers["bias"] is not None or True not in bank.used
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        if ((torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
                 or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
             return None
-        merged = self.merged.weight(self, w)
-        return None if merged is None else F.linear(x, merged, params["bias"])
+        merged = self.merged
+        buf = merged.buf
+        if buf is None or merged.key != merged_key(self, w):
+            bank = self.bank
+            if bank._buffers["bias"] is not None or True not in bank.used:
+                return None
+            buf = merged.weight(self, w)
+            if buf is None:
+                return None
+        return F.linear(x, buf, params["bias"])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         st = self.state

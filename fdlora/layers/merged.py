@@ -119,6 +119,11 @@ def merge_cache_bytes(device: torch.device | str | None = None) -> int:
     return sum(v for d, v in BUDGET.used.items() if d.type == device.type and device.index in (None, d.index))
 
 
+def merged_key(layer, W: torch.Tensor) -> tuple:
+    """What W' depends on: the scale table, the bank, and W's storage and in-place edits (~1 us)."""
+    return (layer.state.table.version, layer.bank.version, W.data_ptr(), _version(W))
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -150,7 +155,7 @@ class MergedWeight:
             self.buf = torch.empty_like(W, memory_format=torch.contiguous_format)
             self._free = weakref.finalize(self, BUDGET.release, W.numel() * W.element_size(), W.device)
             self.key = None
-        key = (layer.state.table.version, layer.bank.version, W.data_ptr(), _version(W))  # ~1 us
+        key = merged_key(layer, W)
         if key != self.key:
             A, B, ranks, S = layer._bank()
             layer._ops.lora_merge(self.buf, W, A, B, layer.scale_blend[:S], ranks)
