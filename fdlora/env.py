@@ -42,12 +42,3 @@ def merge_cache_limit() -> str:
     """`FDLORA_MERGE_CACHE`: byte budget per device of merged-weight copies (fdlora.layers.merged):
     "auto" (default), a byte count such as 8e9, a share of device memory such as 25%, or 0 to turn it off."""
     return os.environ.get(MERGE_CACHE_VAR, "auto").strip().lower() or "auto"
-
-
-DISPATCH_VAR = "FDLORA_DISPATCH"
-
-
-def dispatch_measure() -> bool:
-    """`FDLORA_DISPATCH`: "measure" (default: the first eager call of a layer shape times the candidate
-    paths of fdlora.kernels.triton.lora_linear_dispatch) or "model" (the cost model alone)."""
-    return os.environ.get(DISPATCH_VAR, "measure").strip().lower() != "model"

@@ -352,33 +352,3 @@ def test_merge_into_buffer_matches_oracle(L, device: str, backend: str) -> None:
     one_rounding = EPS[DTYPES[dtype]] * float(oracle.abs().max())
     sum_err = 64 * 4 * torch.finfo(torch.float32).eps * float(oracle.abs().max())
     assert float((out.double().cpu() - oracle).abs().max()) <= one_rounding + sum_err
-
-
-def test_dispatch_measures_the_cheapest_modelled_paths_once(monkeypatch) -> None:
-    """Given a runner, the first plan of a shape times the model's cheapest paths and keeps the fastest."""
-    try:
-        from fdlora.kernels.triton import lora_linear_dispatch as D
-    except ImportError as e:
-        pytest.skip(f"triton not importable: {e}")
-    import time as _time
-
-    p = D.Problem(4608, 12288, 3072, 1, 64, torch.bfloat16, "cuda", 132, 1)
-    modelled = sorted(D.estimate(p), key=D.estimate(p).get)[: D.MEASURE]
-    slow = {k: 0.002 for k in modelled}
-    slow[modelled[-1]] = 0.0  # the model's third choice is the fastest when measured
-    calls = []
-
-    def run(path):
-        calls.append(path)
-        _time.sleep(slow[path])
-
-    D.clear()
-    try:
-        assert D.plan(p, run).path == modelled[-1] and set(calls) == set(modelled)
-        n = len(calls)
-        assert D.plan(p, run).path == modelled[-1] and len(calls) == n  # cached: measured once
-        D.clear()
-        monkeypatch.setenv("FDLORA_DISPATCH", "model")
-        assert D.plan(p, run).path == modelled[0] and len(calls) == n
-    finally:
-        D.clear()

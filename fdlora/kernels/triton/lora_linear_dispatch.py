@@ -17,27 +17,19 @@ specialisation), which no saving on the LoRA side makes up, so on Hopper the cho
 the model says otherwise, and are tested like the rest.
 
 The choice depends on static shapes only (M, K, N, bank [S, R], groups G, dtype, SM count), never
-on which adapters are active, so compiled graphs and CUDA graphs never change with a switch. The
-first eager call of a shape on CUDA times the cost model's three cheapest paths on its own inputs
-and keeps the fastest (an autotuner over paths; FDLORA_DISPATCH=model turns it off); calls that
-cannot time (compiling, capturing, fake tensors) use the cost model `estimate` (microseconds,
-constants fitted to H100 measurements of every path at the SDXL / Flux / decode shapes), and so
-does everything after, as the plan is cached per shape. Measuring matters where two paths are
-within a few percent and swap places between runs (the large Flux shapes: merged vs cublas_delta).
-benchmarks/bench_fused.py re-measures every path and checks the choice is within 3% of the best.
-`record` lets a caller that measured override the plan for one shape.
+on which adapters are active, so compiled graphs and CUDA graphs never change with a switch. It
+comes from the cost model `estimate` (microseconds, constants fitted to H100 measurements of
+every path at the SDXL / Flux / decode shapes); benchmarks/bench_fused.py re-measures every path
+and checks that the modelled choice is within 3% of the measured best. `record` lets a caller
+that measured override the model for one shape.
 """
 
 from __future__ import annotations
 
 import importlib
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from ... import env
 
 PATHS = ("fused", "fused_pre", "cublas_delta", "merged", "reference")
 
@@ -134,41 +126,15 @@ def _fastest(how: str, us: dict[str, float]) -> tuple[str, tuple[str, ...]]:
     return order[0], (f"{how}: " + ", ".join(f"{k} {us[k]:.1f}us" for k in order),)
 
 
-MEASURE = 3  # with a runner, the first call of a shape times this many of the model's cheapest paths
-MEASURE_REPS = 3
-
-
-def _median_us(fn: Callable[[], object], sync: Callable[[], None]) -> float:
-    fn()  # warm-up (and first-use compiles)
-    times = []
-    for _ in range(MEASURE_REPS):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e6)
-    return sorted(times)[len(times) // 2]
-
-
-def plan(p: Problem, run: Callable[[str], object] | None = None) -> Plan:
-    """The path for `p`, decided once per shape and cached: a recorded measurement if there is one; else,
-    given `run` (path -> runs it on the call's real inputs; eager calls only), the fastest of the cost
-    model's `MEASURE` cheapest paths timed on the spot, like an autotuner; else the cost model."""
+def plan(p: Problem) -> Plan:
+    """The path for `p`: a recorded measurement if there is one, else the cost model. Cached per shape."""
     got = _PLANS.get(p)
     if got is not None:
         return got
     if p.device != "cuda":  # CPU: the Triton interpreter (tests); the fused kernel is what they test
         got = Plan("fused", (f"device {p.device}: Triton interpreter, fused kernel",))
     else:
-        us = estimate(p)
-        if run is not None and env.dispatch_measure():
-            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-            cands = sorted(us, key=us.get)[:MEASURE]
-            timed = {c: _median_us(lambda c=c: run(c), sync) for c in cands}
-            got = Plan(*_fastest("measured", timed))
-            got = Plan(got.path, got.reasons + _fastest("cost model", us)[1])
-        else:
-            got = Plan(*_fastest("cost model", us))
+        got = Plan(*_fastest("cost model", estimate(p)))
     _PLANS[p] = got
     return got
 
