@@ -195,14 +195,20 @@ def test_fuzz_only_fdlora_errors_and_no_trace(net, tmp_path_factory, sd, as_file
     assert tiny.same_snapshot(before, tiny.snapshot(net))
 
 
-@settings(max_examples=60, deadline=None)
-@given(cut=st.integers(0, 400), flip=st.integers(0, 400), byte=st.integers(0, 255))
-def test_fuzz_corrupt_bytes(tmp_path_factory, cut, flip, byte):
+def corrupt_file(tmp_path_factory, cut: int, flip: int, byte: int):
+    """A PEFT safetensors file with byte `flip` set to `byte` and the last `cut` bytes gone."""
     data = bytearray(save(peft_sd()))
     if flip < len(data):
         data[flip] = byte
     path = tmp_path_factory.mktemp("bytes") / "c.safetensors"
     path.write_bytes(bytes(data[: len(data) - cut]))
+    return path
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, 400), flip=st.integers(0, 400), byte=st.integers(0, 255))
+def test_fuzz_corrupt_bytes(tmp_path_factory, cut, flip, byte):
+    path = corrupt_file(tmp_path_factory, cut, flip, byte)
     try:
         load_adapters(path, cache=None)
     except FdLoraError:
@@ -227,11 +233,7 @@ def test_one_buffer_read_equals_safetensors(tmp_path):
 @settings(max_examples=40, deadline=None)
 @given(cut=st.integers(0, 400), flip=st.integers(0, 400), byte=st.integers(0, 255))
 def test_fuzz_corrupt_bytes_one_buffer_read(tmp_path_factory, cut, flip, byte):
-    data = bytearray(save(peft_sd()))
-    if flip < len(data):
-        data[flip] = byte
-    path = tmp_path_factory.mktemp("bytes") / "c.safetensors"
-    path.write_bytes(bytes(data[: len(data) - cut]))
+    path = corrupt_file(tmp_path_factory, cut, flip, byte)
     try:
         got, _ = read_weights(str(path), pin=True)
     except FdLoraError:
