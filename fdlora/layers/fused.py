@@ -163,6 +163,46 @@ class _FusedLora(nn.Module):
             spec = self.__dict__["_spec"] = spec_of(self.base)  # fixed for the layer's life: loads check often
         check_fits(spec, m, self.path, what)
 
+    # --- merged-weight cache (fdlora.layers.merged) -------------------------------------------------
+    def _cached(self) -> bool:
+        """This call may use the merged-weight cache: eager blend mode with something active, on a plain base.
+        (The compile check comes before reading `active`: a traced graph must not guard on the active set.)"""
+        st = self.state
+        return (st.mode is Mode.BLEND and self._plain and not st.static and not torch.compiler.is_compiling()
+                and bool(st.active))
+
+    def _merged_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The base module's computation on W' from the merged-weight cache, or None when this call may not use
+        it. The hot path of eager inference: plain dict reads, no nn.Module attribute lookups; while the cache
+        key holds, nothing about the bank can have changed, so only per-call conditions are checked."""
+        params = self.base._parameters  # _plain: a plain nn.Linear / Conv1D / nn.Conv2d
+        w = params["weight"]
+        if ((torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+                or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
+            return None
+        merged = self.merged
+        buf = merged.buf
+        if buf is None or merged.key != merged_key(self, w):
+            bank = self.bank
+            if bank._buffers["bias"] is not None or True not in bank.used:
+                return None
+            buf = merged.weight(self, w)
+            if buf is None:
+                return None
+        return self._with_weight(x, buf, params["bias"])
+
+    def merge_into(self, out: torch.Tensor, W: torch.Tensor) -> None:
+        """out = W + sum_s scale_blend[s] B_s A_s, shaped like the base weight (the cache's refresh)."""
+        A, B, ranks, S = self._bank()
+        N = self.out_features
+        if self.kind == "conv2d":
+            self._ops.lora_merge(out.view(N, -1), W.reshape(N, -1), A.reshape(S, A.shape[1], -1), B,
+                                 self.scale_blend[:S], ranks)
+        elif _is_conv1d(self.base):  # weight [K, N]: merge into the transposed views
+            self._ops.lora_merge(out.t(), W.t(), A, B, self.scale_blend[:S], ranks)
+        else:
+            self._ops.lora_merge(out, W, A, B, self.scale_blend[:S], ranks)
+
     # --- forward ------------------------------------------------------------------------------
     def _skip(self) -> bool:
         st = self.state
@@ -227,35 +267,21 @@ class FusedLoraLinear(_FusedLora):
     def select_backend(self) -> None:
         super().select_backend()
         w, A = getattr(self.base, "weight", None), self.bank.A
-        # a plain float nn.Linear in the bank's dtype: the merged-weight cache and whole-op kernels apply
-        self._plain = type(self.base) is nn.Linear and w.dtype == A.dtype and w.device == A.device
-        # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear)
-        self._whole = self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
+        linear = type(self.base) is nn.Linear
+        # a plain float nn.Linear / Conv1D in the bank's dtype: the merged-weight cache applies
+        self._plain = (linear or type(self.base).__name__ == "Conv1D" and _is_conv1d(self.base)) and (
+            w.dtype == A.dtype and w.device == A.device)
+        # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear): nn.Linear only
+        self._whole = linear and self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
 
-    def _merged_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """y = x W'^T + b from the merged-weight cache when this call may use it (fdlora.layers.merged), else
-        None. The hot path of eager inference: plain dict reads, no nn.Module attribute lookups; while the
-        cache key holds, nothing about the bank can have changed, so only per-call conditions are checked."""
-        params = self.base._parameters  # _plain: the base is an nn.Linear
-        w = params["weight"]
-        if ((torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
-                or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
-            return None
-        merged = self.merged
-        buf = merged.buf
-        if buf is None or merged.key != merged_key(self, w):
-            bank = self.bank
-            if bank._buffers["bias"] is not None or True not in bank.used:
-                return None
-            buf = merged.weight(self, w)
-            if buf is None:
-                return None
-        return F.linear(x, buf, params["bias"])
+    def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if type(self.base) is nn.Linear:
+            return F.linear(x, w, bias)
+        y = torch.addmm(bias, x.reshape(-1, x.shape[-1]), w)  # transformers Conv1D: x W + b
+        return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        st = self.state
-        # (the compile check comes before reading `active`: a traced graph must not guard on the active set)
-        if st.mode is Mode.BLEND and self._plain and not st.static and not torch.compiler.is_compiling() and st.active:
+        if self._cached():
             y = self._merged_forward(x)
             if y is not None:
                 return y
@@ -299,8 +325,21 @@ class FusedLoraConv2d(_FusedLora):
             raise FdLoraError(f"{path}: LoRA on grouped convolutions (groups={base.groups}) is not supported.")
         super().__init__(base, state, index, path, rank, (base.in_channels, *base.kernel_size),
                          base.out_channels, dtype)
+        object.__setattr__(self, "merged", MergedWeight())
+
+    def select_backend(self) -> None:
+        super().select_backend()
+        w, A = self.base.weight, self.bank.A
+        self._plain = type(self.base) is nn.Conv2d and w.dtype == A.dtype and w.device == A.device
+
+    def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self._cached():
+            y = self._merged_forward(x)
+            if y is not None:
+                return y
         y = self.base(x, *args, **kwargs)
         if self._skip():
             return y

@@ -7,8 +7,8 @@ layer re-merges lazily on its next forward (one lora_merge kernel: read W, write
 
 When a layer uses it (FusedLoraLinear.forward): blend mode with something active, eager (not
 compiled, not frozen, not being captured into a CUDA graph: those need the per-call paths whose
-graphs do not change with a switch), a plain nn.Linear base in the bank's dtype, no lora bias,
-and room in the byte budget of its device. Everything else takes the per-call paths.
+graphs do not change with a switch), a plain nn.Linear, transformers Conv1D or nn.Conv2d base in
+the bank's dtype, no lora bias, and room in the byte budget of its device. Everything else takes the per-call paths.
 
 The cache is keyed by (scale table version, bank version, W's storage and version counter), so
 set_adapters, loading/deleting adapters, fuse/unfuse and in-place edits of the base weight all
@@ -157,8 +157,7 @@ class MergedWeight:
             self.key = None
         key = merged_key(layer, W)
         if key != self.key:
-            A, B, ranks, S = layer._bank()
-            layer._ops.lora_merge(self.buf, W, A, B, layer.scale_blend[:S], ranks)
+            layer.merge_into(self.buf, W)
             self.key = key
         return self.buf
 

@@ -329,10 +329,12 @@ def test_dispatch_model_picks_what_the_h100_measured(M, K, N, S, R, G, expected)
     D.clear()
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d-views"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_merge_into_buffer_matches_oracle(L, device: str, backend: str) -> None:
-    """ops.lora_merge(out, W, A, B, scale, ranks): the merged-weight cache's refresh, written in place."""
+def test_merge_into_buffer_matches_oracle(L, device: str, backend: str, transposed: bool) -> None:
+    """ops.lora_merge(out, W, A, B, scale, ranks): the merged-weight cache's refresh, written in place
+    (for a transformers Conv1D, whose weight is [K, N], into transposed views of W and the buffer)."""
     if backend == "triton":
         _skip_unless(device)
     elif device == "cuda" and not HAS_CUDA:
@@ -348,7 +350,12 @@ def test_merge_into_buffer_matches_oracle(L, device: str, backend: str) -> None:
                                              A.double().cpu())
     out = torch.full_like(W, float("nan"))
     ops = registry.ops(backend)
-    assert ops.lora_merge(out, W, A, B, d["scale"], d["ranks"]) is out
+    if transposed:  # the same numbers, stored [K, N] as Conv1D stores them
+        Wt, buf = W.t().contiguous(), torch.full_like(W.t().contiguous(), float("nan"))
+        ops.lora_merge(buf.t(), Wt.t(), A, B, d["scale"], d["ranks"])
+        out = buf.t()
+    else:
+        assert ops.lora_merge(out, W, A, B, d["scale"], d["ranks"]) is out
     one_rounding = EPS[DTYPES[dtype]] * float(oracle.abs().max())
     sum_err = 64 * 4 * torch.finfo(torch.float32).eps * float(oracle.abs().max())
     assert float((out.double().cpu() - oracle).abs().max()) <= one_rounding + sum_err

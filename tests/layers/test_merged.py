@@ -151,3 +151,44 @@ def test_bad_limit_names_the_fix():
         fdlora.set_merge_cache("lots")
     with pytest.raises(fdlora.errors.ConfigError, match="25%"):
         fdlora.set_merge_cache(-1)
+
+
+class ConvNet(nn.Module):
+    """A transformers Conv1D (GPT-2, weight [K, N]) and an nn.Conv2d (kohya LoCon), each fused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        torch.manual_seed(0)
+        self.c_attn = Conv1D(24, 12)  # nf=24 out, nx=12 in
+        self.conv = nn.Conv2d(3, 5, 3, padding=1, stride=2)
+
+    def forward(self, x, img):
+        return self.c_attn(x), self.conv(img)
+
+
+def test_conv1d_and_conv2d_bases_cache_and_match_the_oracle(cache):
+    model = ConvNet()
+    g = torch.Generator().manual_seed(5)
+    lin = ModuleLora(torch.randn(4, 12, generator=g) / 4, torch.randn(24, 4, generator=g) / 4, 8.0)
+    conv = ModuleLora(torch.randn(4, 3, 3, 3, generator=g) / 4, torch.randn(5, 4, 1, 1, generator=g) / 4, None)
+    ad = LoraAdapter({"c_attn": lin, "conv": conv})
+    x, img = torch.randn(2, 7, 12), torch.randn(2, 3, 9, 9)
+    W1, b1 = model.c_attn.weight.detach().double().clone(), model.c_attn.bias.detach().double()
+    W2, b2 = model.conv.weight.detach().double().clone(), model.conv.bias.detach().double()
+    h = fdlora.inject(model, ["c_attn", "conv"], max_slots=2, max_rank=4)
+    h.add_adapter(ad, "a")
+    with torch.no_grad():
+        for w in (1.0, -0.4):
+            h.set_adapters(["a"], [w])
+            y1, y2 = model(x, img)
+            d1 = w * lin.scaling() * (lin.B.double() @ lin.A.double())  # [N, K]
+            d2 = w * conv.scaling() * (conv.B.double().flatten(1) @ conv.A.double().flatten(1)).view(5, 3, 3, 3)
+            close(y1, x.double() @ (W1 + d1.t()) + b1)
+            close(y2, torch.nn.functional.conv2d(img.double(), W2 + d2, b2, stride=2, padding=1))
+        assert sorted(cached(model)) == ["c_attn", "conv"]
+        fdlora.set_merge_cache(0)  # the per-call paths agree
+        z1, z2 = model(x, img)
+        torch.testing.assert_close(z1, y1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(z2, y2, rtol=1e-5, atol=1e-6)

@@ -63,3 +63,25 @@ def test_diffusers_files_through_load_fd_lora(pair):
     pair.ref.set_adapters(names, weights)
     fd.set_adapters(names, weights)
     assert float((pair.gen(fd) - pair.gen(pair.ref)).abs().max()) <= pair.tolerance()
+
+
+def test_merged_weight_cache_matches_diffusers_peft(pair):
+    """With the merged-weight cache on (the GPU default), every fused layer (linear and conv) runs on W',
+    and outputs still match diffusers+PEFT, through blends, switches and a per-call scale."""
+    import fdlora
+
+    key = "cross_attention_kwargs" if pair.arch in ("sd15", "sdxl") else "joint_attention_kwargs"
+    fdlora.set_merge_cache(1 << 30)
+    try:
+        for names, weights, kw in ((["style_a", "locon_b"], [0.7, 0.4], {}), (["locon_b"], [1.0], {}),
+                                   (["style_a"], [1.0], {key: {"scale": 0.3}})):
+            pair.ref.set_adapters(names, weights)
+            pair.fd.set_adapters(names, weights)
+            err = float((pair.gen(pair.fd, **kw) - pair.gen(pair.ref, **kw)).abs().max())
+            assert err <= pair.tolerance(), f"{names}: {err:.3g} > {pair.tolerance():.3g}"
+        held = {c: [p for p, layer in h.layers.items() if layer.merged.buf is not None]
+                for c, h in pair.fd.fd_lora_handles().items()}
+        assert all(held.values()) and fdlora.merge_cache_bytes() > 0, held
+    finally:
+        fdlora.set_merge_cache("auto")
+    assert fdlora.merge_cache_bytes() == 0

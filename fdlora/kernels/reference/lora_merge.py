@@ -19,5 +19,5 @@ def lora_merge(
 ) -> torch.Tensor:
     S, R, K = A.shape
     Bw = (B.float() * scale.float()[None, :, None]).reshape(B.shape[0], S * R)
-    out.copy_(torch.addmm(W.float(), Bw, A.float().reshape(S * R, K)))
+    out.copy_(torch.addmm(W.float(), Bw, A.float().reshape(S * R, K)))  # out / W may be strided views
     return out
