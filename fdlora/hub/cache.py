@@ -177,10 +177,14 @@ def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: boo
     tensors = _tensors(adapter)
     storage = tensors[0].untyped_storage()
     start = storage.data_ptr()
-    if not all(t.untyped_storage().data_ptr() == start and t.is_contiguous() for t in tensors):
-        return None
-    lo = min(t.data_ptr() for t in tensors) - start  # only the bytes this adapter's tensors span (a file
-    hi = max(t.data_ptr() + t.nbytes for t in tensors) - start  # read pinned holds every component's)
+    lo, hi = None, 0  # the bytes this adapter's tensors span (a file read pinned holds every component's)
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != start or not t.is_contiguous():
+            return None
+        p = t.data_ptr()
+        lo = p if lo is None or p < lo else lo
+        hi = max(hi, p + t.nbytes)
+    lo, hi = lo - start, hi - start
     host = torch.empty(0, dtype=torch.uint8).set_(storage)[lo:hi]
     staged = Staged(host.to(device, non_blocking=host.is_pinned()), start + lo)
     if check_finite and not all(m.finite for m in adapter.modules.values()):

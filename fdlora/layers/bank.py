@@ -75,16 +75,17 @@ class AdapterBank(nn.Module):
         self.host_ranks[slot] = r
         self.version += 1
 
-    def addresses(self) -> tuple[int, ...]:
-        """(A slot 0, A slot stride, B slot 0, B slot stride, N, B row stride, ranks slot 0, ranks slot stride):
-        device addresses in bytes (row stride in elements) for the bulk writer (fdlora.layers.bulk)."""
+    def addresses(self) -> tuple:
+        """(A slot 0, A slot stride, B slot 0, B slot stride, N, B row stride, ranks slot 0, ranks slot stride,
+        dtype, device): addresses in bytes (row stride in elements) for the bulk writer (fdlora.layers.bulk)."""
         A, B, ranks = self.A, self.B, self.ranks
         key = (A.data_ptr(), B.data_ptr(), ranks.data_ptr())
         got = self.__dict__.get("_addresses")
         if got is None or got[0] != key:
             isz = A.element_size()
             got = self.__dict__["_addresses"] = (key, (A.data_ptr(), A.stride(0) * isz, B.data_ptr(), B.stride(1) * isz,
-                                                       B.shape[0], B.stride(0), ranks.data_ptr(), ranks.element_size()))
+                                                       B.shape[0], B.stride(0), ranks.data_ptr(), ranks.element_size(),
+                                                       A.dtype, A.device))
         return got[1]
 
     @staticmethod
