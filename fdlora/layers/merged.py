@@ -5,7 +5,7 @@ speed") and one host call, while the adapters stay unmerged in the bank and W st
 Switching stays O(1) on the host: `set_adapters` only bumps the scale table's version, and each
 layer re-merges lazily on its next forward (one lora_merge kernel: read W, write W').
 
-When a layer uses it (FusedLoraLinear.forward): blend mode with something active, eager (not
+When a layer uses it (`_FusedLora._cached` / `_merged_forward`): blend mode with something active, eager (not
 compiled, not frozen, not being captured into a CUDA graph: those need the per-call paths whose
 graphs do not change with a switch), a plain nn.Linear, transformers Conv1D or nn.Conv2d base in
 the bank's dtype, no lora bias, and room in the byte budget of its device. Everything else takes the per-call paths.
@@ -161,8 +161,11 @@ class MergedWeight:
             self.key = key
         return self.buf
 
-    def invalidate(self) -> None:
-        self.key = None
+    def __deepcopy__(self, memo) -> MergedWeight:
+        return MergedWeight()  # derived state: a copied layer merges its own W' (and counts it) on first use
+
+    def __reduce__(self):
+        return MergedWeight, ()
 
     def release(self) -> None:
         """Give the buffer's bytes back to the budget."""

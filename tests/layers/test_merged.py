@@ -192,3 +192,21 @@ def test_conv1d_and_conv2d_bases_cache_and_match_the_oracle(cache):
         z1, z2 = model(x, img)
         torch.testing.assert_close(z1, y1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(z2, y2, rtol=1e-5, atol=1e-6)
+
+
+def test_a_deep_copy_merges_its_own_weight_and_counts_it(cache):
+    """The cache is derived state: a copied model starts empty, merges on first use, and its bytes are budgeted."""
+    import copy
+
+    model = net()
+    fdlora.inject(model, PATHS, max_slots=2, max_rank=4).add_adapter(lora(1), "a")
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        y = model(x)
+        held = fdlora.merge_cache_bytes()
+        twin = copy.deepcopy(model)
+        assert cached(twin) == [] and fdlora.merge_cache_bytes() == held
+        assert torch.equal(twin(x), y) and cached(twin) == PATHS and fdlora.merge_cache_bytes() == 2 * held
+    del twin
+    gc.collect()
+    assert fdlora.merge_cache_bytes() == held
