@@ -224,7 +224,7 @@ def bench_model(name, build, a, dev, dtype):
             folded = fold(base, [(adapters[n], w) for n, w in zip(ns, ws)])
             # interleaved rounds (each variant once per round, ratio to that round's base): a host-bound step
             # drifts with the machine's load, and interleaving keeps every ratio within one round
-            rounds = interleaved({"base": lambda: base(**inputs), "merged": lambda: folded(**inputs),
+            rounds = interleaved({"base": lambda: base(**inputs), "merged": lambda f=folded: f(**inputs),
                                   "peft": lambda: peft_m(**inputs), "fdlora": lambda: fd_m(**inputs)}, dev, a.repeats)
             res[f"fdlora {case} merge cache MB"] = fdlora.merge_cache_bytes() / 2**20
             fdlora.set_merge_cache(0)  # the per-call paths (what compiled / captured models run)

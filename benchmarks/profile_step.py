@@ -58,7 +58,7 @@ def main() -> None:
     res = {"model": a.model, "depth": a.depth, "layers": len(h.layers), "device": torch.cuda.get_device_name()}
     with torch.inference_mode():
         for name, m in (("base", base), ("peft", peft_m), ("fdlora", fd)):
-            res[name] = host_and_gpu_ms(lambda: m(**inputs))
+            res[name] = host_and_gpu_ms(lambda m=m: m(**inputs))
             print(f"{name:8s} host enqueue {res[name][0]:8.2f} ms   wall {res[name][1]:8.2f} ms")
         res["plans"] = {str((p.M, p.K, p.N, p.S, p.R, p.G)): str(v) for p, v in D._PLANS.items()}
         for k, v in res["plans"].items():

@@ -76,7 +76,7 @@ class AdapterCache:
         nbytes = sum(a.nbytes() for a in adapters.values())
         if nbytes > self.max_bytes:
             return adapters
-        if self.pin and not all(_one_pinned_buffer(a) for a in adapters.values()):
+        if self.pin and not all(packed_pinned(a) for a in adapters.values()):
             adapters = pack_adapters(adapters, pin=True)
         with self._lock:
             self._entries.pop(key, None)
@@ -159,12 +159,24 @@ def _tensors(adapter: LoraAdapter) -> list[torch.Tensor]:
     return [t for m in adapter.modules.values() for t in (m.A, m.B, m.bias) if t is not None]
 
 
-def _one_pinned_buffer(adapter: LoraAdapter) -> bool:
-    """Every tensor a contiguous view into one page-locked buffer (e.g. the file, read pinned): no packing needed."""
-    tensors = _tensors(adapter)
+def _span(tensors: list[torch.Tensor]) -> tuple[int, int, int] | None:
+    """(buffer start, first byte, end byte) when every tensor is a contiguous view into one buffer, else None."""
     start = tensors[0].untyped_storage().data_ptr()
-    return tensors[0].is_pinned() and all(t.untyped_storage().data_ptr() == start and t.is_contiguous()
-                                          for t in tensors)
+    lo, hi = None, 0
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != start or not t.is_contiguous():
+            return None
+        p = t.data_ptr()
+        lo = p if lo is None or p < lo else lo
+        hi = max(hi, p + t.nbytes)
+    return start, lo, hi
+
+
+def packed_pinned(adapter: LoraAdapter) -> bool:
+    """Every tensor a contiguous view into one page-locked buffer (`pack_adapters`, or the file read pinned):
+    ready for `stage`, no packing needed."""
+    tensors = _tensors(adapter)
+    return tensors[0].is_pinned() and _span(tensors) is not None
 
 
 def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: bool = False) -> Staged | None:
@@ -175,17 +187,12 @@ def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: boo
     the exact host check, which raises with the module's path.
     """
     tensors = _tensors(adapter)
-    storage = tensors[0].untyped_storage()
-    start = storage.data_ptr()
-    lo, hi = None, 0  # the bytes this adapter's tensors span (a file read pinned holds every component's)
-    for t in tensors:
-        if t.untyped_storage().data_ptr() != start or not t.is_contiguous():
-            return None
-        p = t.data_ptr()
-        lo = p if lo is None or p < lo else lo
-        hi = max(hi, p + t.nbytes)
+    span = _span(tensors)
+    if span is None:
+        return None
+    start, lo, hi = span  # only the bytes this adapter's tensors span (a file read pinned holds every component's)
     lo, hi = lo - start, hi - start
-    host = torch.empty(0, dtype=torch.uint8).set_(storage)[lo:hi]
+    host = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())[lo:hi]
     staged = Staged(host.to(device, non_blocking=host.is_pinned()), start + lo)
     if check_finite and not all(m.finite for m in adapter.modules.values()):
         dtypes = {t.dtype for t in tensors}

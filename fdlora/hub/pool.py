@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
 from .adapter import LoraAdapter
-from .cache import pack_adapters, stage
+from .cache import pack_adapters, packed_pinned, stage
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -78,7 +78,7 @@ class AdapterPool:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
                                             "pick another adapter_name.")
             host = self.align(adapter)
-            if self.pin and not _is_pinned(host):
+            if self.pin and not packed_pinned(host):  # stage() needs one pinned buffer
                 host = pack_adapters({"": host})[""]
             self._make_room({name}, evict_active=evict_active)
             return self._plan(name, host, validate), host
@@ -228,8 +228,3 @@ def add_to_pools(pools: Mapping[str, AdapterPool], adapters: Mapping[str, LoraAd
 def _device_of(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def _is_pinned(adapter: LoraAdapter) -> bool:
-    m = next(iter(adapter.modules.values()))
-    return m.A.is_pinned()

@@ -71,8 +71,12 @@ class AdapterBank(nn.Module):
             self.bias[slot].copy_(m.bias)
         elif self.bias is not None:
             self.bias[slot].zero_()
-        self.used[slot] = True
-        self.host_ranks[slot] = r
+        self.mark(slot, r)
+
+    def mark(self, slot: int, rank: int) -> None:
+        """Host bookkeeping after slot `slot` was written with `rank` (0: cleared)."""
+        self.used[slot] = rank > 0
+        self.host_ranks[slot] = rank
         self.version += 1
 
     def addresses(self) -> tuple:
@@ -111,12 +115,10 @@ class AdapterBank(nn.Module):
             rd, rv = ranks.setdefault(dev, ([], []))
             rd.append(bank.ranks[slot:slot + 1])
             rv.append(r)
-            bank.used[slot] = True
-            bank.host_ranks[slot] = r
-            bank.version += 1
-        for dev, (dst, src) in copies.items():
+            bank.mark(slot, r)
+        for dst, src in copies.values():
             torch._foreach_copy_(dst, src)
-        for dev, zs in zeros.items():
+        for zs in zeros.values():
             torch._foreach_zero_(zs)
         for dev, (rd, rv) in ranks.items():
             torch._foreach_copy_(rd, torch.tensor(rv, dtype=torch.int32).to(dev).split(1))
@@ -127,9 +129,7 @@ class AdapterBank(nn.Module):
         self.ranks[slot] = 0
         if self.bias is not None:
             self.bias[slot].zero_()
-        self.used[slot] = False
-        self.host_ranks[slot] = 0
-        self.version += 1
+        self.mark(slot, 0)
 
     def resize(self, slots: int, rank: int) -> None:
         """Reallocate to a larger capacity, keeping every loaded slot (not while compiled or captured)."""

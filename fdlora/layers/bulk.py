@@ -45,9 +45,7 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
         tables.setdefault((A.dtype, dtype), []).append([
             A.data_ptr() + base, a0 + slot * a_step, A.numel(),
             B.data_ptr() + base, b0 + slot * b_step, n, r, b_row, k0 + slot * k_step])
-        bank.used[slot] = True
-        bank.host_ranks[slot] = r
-        bank.version += 1
+        bank.mark(slot, r)
     for (src, dst), rows in tables.items():
         kernel.scatter(torch.tensor(rows, dtype=torch.int64).to(dev), src, dst)
     if rest:

@@ -98,7 +98,8 @@ class _FusedLora(nn.Module):
         self.bank = AdapterBank(state.slots.capacity, rank, out_features, a_shape, dtype or bdtype, device)
         object.__setattr__(self, "state", state)  # shared, not a submodule
         self.selection: registry.Selection | None = None
-        self._plain = self._whole = False  # set by select_backend (FusedLoraLinear)
+        self._plain = self._whole = False  # set by the subclasses' select_backend
+        object.__setattr__(self, "merged", MergedWeight())  # fdlora.layers.merged (plain attribute, not state)
         self._fast_children()
         self.rebind()
         self.select_backend()
@@ -152,9 +153,7 @@ class _FusedLora(nn.Module):
 
     def release_merged(self) -> None:
         """Drop the merged-weight copy, if any (restore, unwrap, device or dtype moves)."""
-        merged = self.__dict__.get("merged")
-        if merged is not None:
-            merged.release()
+        self.merged.release()
 
     # --- loading ------------------------------------------------------------------------------
     def check(self, m: ModuleLora, what: str) -> None:
@@ -262,15 +261,13 @@ class FusedLoraLinear(_FusedLora):
             raise FdLoraError(f"{path}: {type(base).__name__} is not Linear-like (no in_features/out_features).")
         super().__init__(base, state, index, path, rank, (dims[0],), dims[1], dtype)
         self.in_features = dims[0]
-        object.__setattr__(self, "merged", MergedWeight())  # fdlora.layers.merged (plain attribute, not state)
 
     def select_backend(self) -> None:
         super().select_backend()
         w, A = getattr(self.base, "weight", None), self.bank.A
         linear = type(self.base) is nn.Linear
         # a plain float nn.Linear / Conv1D in the bank's dtype: the merged-weight cache applies
-        self._plain = (linear or type(self.base).__name__ == "Conv1D" and _is_conv1d(self.base)) and (
-            w.dtype == A.dtype and w.device == A.device)
+        self._plain = (linear or _is_conv1d(self.base)) and w.dtype == A.dtype and w.device == A.device
         # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear): nn.Linear only
         self._whole = linear and self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
 
@@ -325,7 +322,6 @@ class FusedLoraConv2d(_FusedLora):
             raise FdLoraError(f"{path}: LoRA on grouped convolutions (groups={base.groups}) is not supported.")
         super().__init__(base, state, index, path, rank, (base.in_channels, *base.kernel_size),
                          base.out_channels, dtype)
-        object.__setattr__(self, "merged", MergedWeight())
 
     def select_backend(self) -> None:
         super().select_backend()

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import DuplicateAdapterError, FdLoraError, TargetError, UnknownAdapterError
 from ..hub.adapter import LoraAdapter
-from ..hub.pool import AdapterPool, align_paths
+from ..hub.pool import AdapterPool
 from ..layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
 from . import fuse as fusing
 from .scope import pipe_lock
@@ -123,9 +123,7 @@ class FdLoraPipelineMixin:
             before = {c: dict(h.state.active) for c, h in handles.items()}  # an eviction below may deactivate
             for comp, adapter in adapters.items():
                 model = modules[comp]
-                self._fd_refuse_peft(comp, model)
-                if comp.startswith("text_encoder"):  # files spell CLIP paths with or without `text_model.`
-                    adapter = align_paths(adapter, {n for n, _ in model.named_modules()})
+                self._fd_refuse_peft(comp, model)  # (the pool fits CLIP paths with or without `text_model.`)
                 h = handles.get(comp)
                 fresh = h is None
                 need = max(padded_rank(m.rank) for m in adapter.modules.values())

@@ -7,21 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_cases import DEVICES, skip_unless
 
-from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.hub.cache import pack_adapters, stage
 from fdlora.layers.bank import AdapterBank
 from fdlora.layers.bulk import write_staged
-
-DEVICES = [pytest.param("cpu", id="interp"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-
-
-def _skip_unless(device: str) -> None:
-    if device == "cpu" and not env.triton_interpret():
-        pytest.skip("needs TRITON_INTERPRET=1 at start (test_triton_interpret.py runs it)")
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
 
 
 def banks(device, dtype):
@@ -43,7 +34,7 @@ def adapter(ranks: dict[str, int], seed: int, src_dtype) -> LoraAdapter:
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_write_staged_matches_write_many(device: str, src_dtype) -> None:
-    _skip_unless(device)
+    skip_unless(device)
     fast, slow = banks(device, torch.float16), banks(device, torch.float16)
     rounds = [({"lin": 16, "wide": 32, "conv": 5}, 0), ({"lin": 3, "wide": 7}, 1), ({"conv": 16, "lin": 9}, 2),
               ({"lin": 4, "wide": 32}, 0)]  # slot 0 again: lin's rank shrinks 16 -> 4

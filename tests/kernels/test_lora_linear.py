@@ -16,13 +16,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_cases import DTYPES, Case, _c, _place, eager_peft, make_inputs, tolerance
+from triton_cases import DEVICES, DTYPES, HAS_CUDA, Case, _c, _place, eager_peft, make_inputs, skip_unless, tolerance
 
-from fdlora import env
 from fdlora.kernels import reference as ref
 from fdlora.testing import EPS
-
-HAS_CUDA = torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -100,16 +97,6 @@ GPU_CASES = [
         "op"),
 ]
 
-DEVICES = [pytest.param("cpu", id="interp"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-
-
-def _skip_unless(device: str) -> None:
-    if device == "cpu" and not env.triton_interpret():
-        pytest.skip("CPU Triton cases need TRITON_INTERPRET=1 at start (test_lora_linear_interpret.py runs them)")
-    if device == "cuda" and not HAS_CUDA:
-        pytest.skip("no CUDA device")
-
-
 @pytest.fixture
 def L(monkeypatch):
     """The lora_linear module, with one config per kernel (tests check numbers, not speed; fewer compiles)."""
@@ -177,7 +164,7 @@ def check(lin: Lin, d: dict, y: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("lin", CPU_CASES, ids=lambda c: c.id)
 def test_lora_linear_matches_oracle_interpreted(L, lin: Lin) -> None:
-    _skip_unless("cpu")
+    skip_unless("cpu")
     d = linear_inputs(lin, "cpu")
     check(lin, d, run(L, lin, d))
 
@@ -185,7 +172,7 @@ def test_lora_linear_matches_oracle_interpreted(L, lin: Lin) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("lin", GPU_CASES, ids=lambda c: c.id)
 def test_lora_linear_matches_oracle_gpu(L, lin: Lin) -> None:
-    _skip_unless("cuda")
+    skip_unless("cuda")
     d = linear_inputs(lin, "cuda")
     check(lin, d, run(L, lin, d))
 
@@ -205,7 +192,7 @@ def test_reference_lora_linear_matches_oracle(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_switching_weights_in_place_keeps_one_launch_shape(L, device: str) -> None:
     """One set of buffers, several active sets written in place (what compiled graphs and CUDA graphs replay)."""
-    _skip_unless(device)
+    skip_unless(device)
     dtype = "fp32" if device == "cpu" else "fp16"  # fp32 on CUDA: IEEE dots on CUDA cores, slow to build and run
     lin = Lin(_c(f"switch-{dtype}", "blend", 24, 48, 32, 32, [16, 32, 8], [1.0, 1.0, 1.0], dtype=dtype), bias=True)
     d = linear_inputs(lin, device)
@@ -221,7 +208,7 @@ def test_switching_weights_in_place_keeps_one_launch_shape(L, device: str) -> No
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(L, device: str) -> None:
-    _skip_unless(device)
+    skip_unless(device)
     dtype = "fp32" if device == "cpu" else "bf16"
     lin = Lin(_c(f"opcheck-{dtype}", "groups", 32, 32, 32, 16, [16, 4], [1.0, 0.5], G=2, dtype=dtype), bias=True)
     d = linear_inputs(lin, device)
@@ -240,7 +227,7 @@ def test_opcheck(L, device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_operands_raise_with_the_fix(L, device: str) -> None:
-    _skip_unless(device)
+    skip_unless(device)
     from fdlora.errors import FdLoraError
 
     x = torch.zeros(4, 16, device=device)
@@ -270,7 +257,7 @@ def test_reference_and_triton_signatures_agree() -> None:
 
 @pytest.mark.gpu
 def test_compiled_and_cuda_graph_replay_follow_in_place_switches(L) -> None:
-    _skip_unless("cuda")
+    skip_unless("cuda")
     import torch._dynamo
 
     lin = Lin(_c("graph-bf16", "groups", 512, 256, 384, 16, [16, 8, 16], [1.0, 0.5, 2.0], G=2, dtype="bf16"),
@@ -336,7 +323,7 @@ def test_merge_into_buffer_matches_oracle(L, device: str, backend: str, transpos
     """ops.lora_merge(out, W, A, B, scale, ranks): the merged-weight cache's refresh, written in place
     (for a transformers Conv1D, whose weight is [K, N], into transposed views of W and the buffer)."""
     if backend == "triton":
-        _skip_unless(device)
+        skip_unless(device)
     elif device == "cuda" and not HAS_CUDA:
         pytest.skip("no CUDA device")
     from fdlora.kernels import registry

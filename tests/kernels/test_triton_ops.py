@@ -10,35 +10,32 @@ import contextlib
 
 import pytest
 import torch
-from triton_cases import CASES, REALISTIC, Case, eager_peft, make_inputs, tolerance, with_dtype
+from triton_cases import (
+    CASES,
+    DEVICES,
+    REALISTIC,
+    Case,
+    eager_peft,
+    make_inputs,
+    skip_unless,
+    tolerance,
+    with_dtype,
+)
 
-from fdlora import env
 from fdlora.kernels import registry
 from fdlora.kernels.reference import lora as ref
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="interp"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
 GPU_ONLY = [
     *[with_dtype(c, "bf16") for c in CASES if c.dtype == "fp16"],
     *REALISTIC,
 ]
 
 
-def _skip_unless(device: str) -> None:
-    if device == "cpu" and not env.triton_interpret():
-        pytest.skip("CPU Triton cases need TRITON_INTERPRET=1 at start (test_triton_interpret.py runs them)")
-    if device == "cuda" and not HAS_CUDA:
-        pytest.skip("no CUDA device")
-
-
 @pytest.fixture
 def tops(request, monkeypatch):
     """The Triton op namespace, with one config per kernel (tests check numbers, not speed; fewer compiles)."""
     params = getattr(request.node, "callspec", None)
-    _skip_unless(params.params.get("device", "cuda") if params else "cuda")
+    skip_unless(params.params.get("device", "cuda") if params else "cuda")
     from fdlora.kernels.triton import config
 
     monkeypatch.setattr(config, "AUTOTUNE", False)
@@ -84,7 +81,7 @@ def _check(case: Case, d: dict, y_before: torch.Tensor) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_delta_matches_oracle(tops, case: Case, device: str) -> None:
-    _skip_unless(device)
+    skip_unless(device)
     d = make_inputs(case, device)
     y_before = d["y"].cpu().clone()
     _run(tops, case, d)
@@ -94,7 +91,7 @@ def test_delta_matches_oracle(tops, case: Case, device: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_ONLY, ids=lambda c: c.id)
 def test_delta_matches_oracle_gpu_only(tops, case: Case) -> None:
-    _skip_unless("cuda")
+    skip_unless("cuda")
     d = make_inputs(case, "cuda")
     y_before = d["y"].cpu().clone()
     _run(tops, case, d)
@@ -104,7 +101,7 @@ def test_delta_matches_oracle_gpu_only(tops, case: Case) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_shrink_and_expand_add_match_reference(tops, device: str, dtype: str) -> None:
-    _skip_unless(device)
+    skip_unless(device)
     case = Case(f"split-{dtype}", "groups", 26, 72, 34, 32, (32, 7, 16), (1.0, 0.0, 0.5), G=2, dtype=dtype)
     d = make_inputs(case, device)
     clean = d["clean"]
@@ -133,7 +130,7 @@ def test_shrink_and_expand_add_match_reference(tops, device: str, dtype: str) ->
 @pytest.mark.parametrize("device", DEVICES)
 def test_switching_scale_in_place_needs_no_new_shapes(tops, device: str) -> None:
     """One set of buffers, several active sets and weights written in place (what CUDA graphs replay)."""
-    _skip_unless(device)
+    skip_unless(device)
     case = Case("switch", "blend", 24, 40, 32, 32, (16, 32, 8), (1.0, 1.0, 1.0))
     d = make_inputs(case, device)
     x, A, B = (d["clean"][k].to(device) for k in ("x", "A", "B"))
@@ -150,7 +147,7 @@ def test_switching_scale_in_place_needs_no_new_shapes(tops, device: str) -> None
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_operands_raise_with_the_fix(tops, device: str) -> None:
-    _skip_unless(device)
+    skip_unless(device)
     from fdlora.errors import FdLoraError
 
     y = torch.zeros(4, 8, device=device)
@@ -179,7 +176,7 @@ def test_ops_mirror_the_reference_signatures() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_linear_selects_triton_and_matches_torch(device: str) -> None:
     """A tiny model injected with fd-lora: auto picks triton on this device and agrees with torch."""
-    _skip_unless(device)
+    skip_unless(device)
     import fdlora
     from fdlora import LoraAdapter, ModuleLora
 
@@ -217,7 +214,7 @@ def _clean_cuda(case: Case) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 def test_opcheck_every_op(tops, split: bool) -> None:
-    _skip_unless("cuda")
+    skip_unless("cuda")
     c = _clean_cuda(Case("opcheck", "groups", 48, 64, 40, 32, (32, 8, 16), (1.0, 0.0, 0.5), G=2, dtype="fp16"))
     r = _clean_cuda(Case("opcheck-rows", "rows", 33, 64, 40, 32, (32, 8, 16), (1.0, 0.5, 0.5), dtype="fp16"))
     h = ref.lora_shrink(c["x"], c["A"])
@@ -235,7 +232,7 @@ def test_opcheck_every_op(tops, split: bool) -> None:
 @pytest.mark.gpu
 def test_cuda_graph_replays_in_place_switches(tops) -> None:
     """Capture once; switch adapters and weights by writing scale / row_slot in place; replay; compare."""
-    _skip_unless("cuda")
+    skip_unless("cuda")
     c = _clean_cuda(Case("graph", "blend", 256, 320, 192, 64, (64, 16, 8), (1.0, 1.0, 1.0), dtype="fp16"))
     x, A, B, ranks, gw = c["x"], c["A"], c["B"], c["ranks"], c["group_weight"]
     y0, y = c["y"], c["y"].clone()
@@ -272,7 +269,7 @@ def test_cuda_graph_replays_in_place_switches(tops) -> None:
 @pytest.mark.gpu
 def test_compiled_model_switches_adapters_without_recompiling() -> None:
     """fullgraph torch.compile of an injected model; set_adapters (names and weights) never recompiles."""
-    _skip_unless("cuda")
+    skip_unless("cuda")
     import fdlora
     from fdlora import LoraAdapter, ModuleLora
 

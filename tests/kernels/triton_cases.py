@@ -10,9 +10,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
+from fdlora import env
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [pytest.param("cpu", id="interp"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def skip_unless(device: str) -> None:
+    """CPU cases need a process started with TRITON_INTERPRET=1 (test_triton_interpret.py starts one);
+    CUDA cases need a device."""
+    if device == "cpu" and not env.triton_interpret():
+        pytest.skip("CPU Triton cases need TRITON_INTERPRET=1 at start (test_triton_interpret.py runs them)")
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("no CUDA device")
 
 
 @dataclass(frozen=True)

@@ -4,4 +4,5 @@ from .lora import lora_conv_delta, lora_delta, lora_delta_rows, lora_expand_add,
 from .lora_linear import lora_linear
 from .lora_merge import lora_merge
 
-__all__ = ["lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_shrink"]
+__all__ = ["lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge",
+           "lora_shrink"]

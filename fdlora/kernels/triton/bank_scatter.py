@@ -26,11 +26,11 @@ SHARES = 8  # programs per module (grid dim 1)
 
 
 @triton.jit
-def bank_scatter_kernel(table_ptr, src_like, dst_like, rank_like, BLOCK: tl.constexpr):
+def bank_scatter_kernel(table_ptr, src_like, dst_like, rank_like, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
     shares = tl.num_programs(1)
-    row = table_ptr + i * 9
+    row = table_ptr + i * FIELDS
     a_src = tl.load(row + 0).to(src_like.dtype)
     a_dst = tl.load(row + 1).to(dst_like.dtype)
     a_n = tl.load(row + 2)
@@ -56,7 +56,7 @@ def bank_scatter_kernel(table_ptr, src_like, dst_like, rank_like, BLOCK: tl.cons
 
 
 def scatter(table: torch.Tensor, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> None:
-    """Run the copies of `table` ([n, 9] int64 on the device; sources of `src_dtype`, banks of `dst_dtype`)."""
+    """Run the copies of `table` ([n, FIELDS] int64 on the device; sources of `src_dtype`, banks of `dst_dtype`)."""
     n = table.shape[0]
     if n == 0:
         return
@@ -64,4 +64,4 @@ def scatter(table: torch.Tensor, src_dtype: torch.dtype, dst_dtype: torch.dtype)
     like = (torch.empty(1, dtype=src_dtype, device=dev), torch.empty(1, dtype=dst_dtype, device=dev),
             torch.empty(1, dtype=torch.int32, device=dev))
     block = 64 if C.INTERPRET else BLOCK
-    bank_scatter_kernel[(n, 2 if C.INTERPRET else SHARES)](table, *like, BLOCK=block)
+    bank_scatter_kernel[(n, 2 if C.INTERPRET else SHARES)](table, *like, FIELDS=FIELDS, BLOCK=block)
