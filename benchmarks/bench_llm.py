@@ -57,6 +57,8 @@ def args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 50 decode / 10 prefill)")
     p.add_argument("--layers", type=int, default=None, help="override the depth")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where an eager fd-lora decode step spends host time (4 mixed, per-call)")
     return p.parse_args()
 
 
@@ -214,6 +216,35 @@ def run_decode(a, base, peft_model, fd, device, dtype, vocab) -> tuple[dict, dic
 
 
 # --- prefill ---------------------------------------------------------------------------------------
+def profile_decode(a, fd, device, vocab) -> None:
+    """cProfile (host, by own time) and torch.profiler (ops, by self CPU time) of eager decode steps."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    mixed = [f"a{i % 4}" for i in range(a.batch)]
+    for label, names, cache in (("4 mixed", mixed, "auto"), ("1 adapter per-call", None, 0)):
+        fdlora.set_merge_cache(cache)
+        d = Decoder(fd, a.batch, a.context, device, vocab, names)
+        for _ in range(3):
+            d.step()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(5):
+            d.step()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+        print(f"== cProfile of 5 eager decode steps, fd-lora {label}\n{s.getvalue()[:5000]}")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            d.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    fdlora.set_merge_cache("auto")
+
+
 def run_prefill(a, base, peft_model, fd, device, dtype, vocab) -> tuple[dict, dict]:
     median = timer(device, a.reps or 10)
     g = torch.Generator(device).manual_seed(3)
@@ -292,6 +323,8 @@ def main() -> int:
     base, peft_model, fd = build(a, device, dtype)
     vocab = base.config.vocab_size
     print(f"bench_llm on {device} ({dtype}): {fdlora.handle(fd)}")
+    if a.profile:
+        profile_decode(a, fd, device, vocab)
     decode, v1 = run_decode(a, base, peft_model, fd, device, dtype, vocab)
     prefill, v2 = run_prefill(a, base, peft_model, fd, device, dtype, vocab)
     r = ratios(decode, prefill)

@@ -117,7 +117,8 @@ def timer(dev, repeats):
 
 
 def interleaved(fns: dict, dev, rounds: int) -> dict[str, tuple[float, float]]:
-    """{name: (median ms, median over rounds of ms / that round's "base" ms)}; each round runs every fn once."""
+    """{name: (median ms, median over rounds of ms / that round's "base" ms)}; each round runs every fn once,
+    in an order rotated from round to round (a step that follows a heavy one can run slower: clocks, allocator)."""
     def once(fn):
         if dev.type != "cuda":
             t = time.perf_counter()
@@ -131,13 +132,14 @@ def interleaved(fns: dict, dev, rounds: int) -> dict[str, tuple[float, float]]:
         return a.elapsed_time(b)
 
     times = {k: [] for k in fns}
+    names = list(fns)
     with torch.inference_mode():
         for fn in fns.values():
             fn()
             fn()
-        for _ in range(rounds):
-            for k, fn in fns.items():
-                times[k].append(once(fn))
+        for r in range(rounds):  # each round starts at the next variant: no variant always follows the same one
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                times[k].append(once(fns[k]))
     return {k: (statistics.median(v), statistics.median(x / b for x, b in zip(v, times["base"])))
             for k, v in times.items()}
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call; GPU results land in $OUT/results/*.json (copy them to benchmarks/results/<gpu>/).
 #   bash benchmarks/gpu_session.sh tests pipeline profile     # stages, in order
-#   stages: tests (GPU-marked tests), pipeline (SDXL + Flux steps), profile (SDXL step host/GPU profile),
-#           llm (decode / prefill), load (SDXL-size adapter load), fused (layer paths), delta (delta kernels)
+#   stages: tests (GPU-marked tests), pipeline (SDXL + Flux steps), profile / profile-percall (SDXL step
+#           host/GPU profile, merged-weight cache on / off),
+#           llm (decode / prefill), llm-profile (the same + host profiles of eager decode steps), load (SDXL-size adapter load), fused (layer paths), delta (delta kernels)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -14,8 +15,11 @@ for stage in "$@"; do
     tests) TAIL=15 step 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
-    profile) TAIL=60 FDLORA_MERGE_CACHE=0 step 120 python3 benchmarks/profile_step.py --model sdxl --depth 2 --out "$OUT/results/profile_sdxl.json" ;;
+    profile) TAIL=70 step 150 python3 benchmarks/profile_step.py --model sdxl --depth 6 --out "$OUT/results/profile_sdxl.json" ;;
+    profile-percall) TAIL=70 step 120 python3 benchmarks/profile_step.py --model sdxl --depth 2 --merge-cache 0 \
+        --out "$OUT/results/profile_sdxl_percall.json" ;;
     llm) step 240 python3 benchmarks/bench_llm.py --out "$OUT/results/llm.json" ;;
+    llm-profile) TAIL=150 step 240 python3 benchmarks/bench_llm.py --profile --reps 10 --out "$OUT/results/llm_profile.json" ;;
     load) TAIL=80 step 240 python3 benchmarks/bench_load.py --profile --out "$OUT/results/load.json" ;;
     fused) step 300 python3 benchmarks/bench_fused.py --out "$OUT/results/fused.json" ;;
     delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;

@@ -23,7 +23,7 @@ import fdlora  # noqa: E402
 from fdlora.kernels.triton import lora_linear_dispatch as D  # noqa: E402
 
 
-def host_and_gpu_ms(fn, n=5):
+def host_and_gpu_ms(fn, n=15):
     """(host ms to enqueue one call, wall ms of one call including the GPU), medians."""
     fn()
     torch.cuda.synchronize()
@@ -41,8 +41,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="sdxl")
     ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--merge-cache", default="auto", help='fdlora.set_merge_cache limit ("0": the per-call paths)')
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    fdlora.set_merge_cache(a.merge_cache)
     from peft import LoraConfig
 
     from fdlora.pipelines.peft import adapter_from_peft
@@ -55,9 +57,12 @@ def main() -> None:
     fd = copy.deepcopy(base)
     h = fdlora.inject(fd, targets, max_slots=4, max_rank=16)
     h.add_adapter(ad, "a")
-    res = {"model": a.model, "depth": a.depth, "layers": len(h.layers), "device": torch.cuda.get_device_name()}
+    folded = bp.fold(base, [(ad, 1.0)])
+    res = {"model": a.model, "depth": a.depth, "layers": len(h.layers), "device": torch.cuda.get_device_name(),
+           "merge_cache": a.merge_cache}
     with torch.inference_mode():
-        for name, m in (("base", base), ("peft", peft_m), ("fdlora", fd)):
+        for name, m in (("base", base), ("merged", folded), ("peft", peft_m), ("fdlora", fd), ("base", base),
+                        ("fdlora", fd)):
             res[name] = host_and_gpu_ms(lambda m=m: m(**inputs))
             print(f"{name:8s} host enqueue {res[name][0]:8.2f} ms   wall {res[name][1]:8.2f} ms")
         res["plans"] = {str((p.M, p.K, p.N, p.S, p.R, p.G)): str(v) for p, v in D._PLANS.items()}
