@@ -6,11 +6,12 @@ It keeps a host copy of every adapter it was given (pinned when the model is on 
 evicted from the GPU comes back without touching the disk. Eviction takes the least recently used
 resident adapter that the current request does not need and that is not active; `set_adapters` may
 evict the adapters it is about to deactivate. Loads go through `handle.plan`, which validates every
-shape against the target modules before `commit` writes anything, so a failed load leaves the model
-unchanged (an eviction made room first: invisible in outputs, undone on demand).
+shape against the target modules before anything is evicted or written, so a failed load leaves the
+model and the pool unchanged (`check` validates; `make_room` evicts; `commit` writes).
 
-`add_to_pools` loads the per-component adapters of one source into a pipeline's pools: it plans
-every component before committing any, so a bad text-encoder part leaves the UNet untouched too.
+`add_to_pools` loads the per-component adapters of one source into a pipeline's pools: it checks
+every component before evicting or committing anything, so a bad text-encoder part leaves the UNet
+untouched too.
 """
 
 from __future__ import annotations
@@ -70,9 +71,13 @@ class AdapterPool:
 
     def plan(self, name: str, adapter: LoraAdapter, *, validate: bool = True,
              evict_active: bool = False) -> tuple[Any, LoraAdapter]:
-        """Make room (an inactive LRU adapter may leave its slot; an active one too with `evict_active`, for a
-        load that activates only the new adapter) and check everything about loading `adapter`; no adapter
-        weight is written until `commit`."""
+        """`check`, then `make_room`: what `commit` needs to load `adapter` under `name`."""
+        with self._lock:
+            return self.make_room(self.check(name, adapter, validate=validate), evict_active=evict_active)
+
+    def check(self, name: str, adapter: LoraAdapter, *, validate: bool = True) -> tuple[Any, LoraAdapter]:
+        """Check everything about loading `adapter` (shapes, targets, ranks, finite values with `validate`)
+        and copy it to the device; changes nothing in the model or the pool."""
         with self._lock:
             if name in self._host:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
@@ -80,8 +85,14 @@ class AdapterPool:
             host = self.align(adapter)
             if self.pin and not packed_pinned(host):  # stage() needs one pinned buffer
                 host = pack_adapters({"": host})[""]
-            self._make_room({name}, evict_active=evict_active)
             return self._plan(name, host, validate), host
+
+    def make_room(self, checked: tuple[Any, LoraAdapter], *, evict_active: bool = False) -> tuple[Any, LoraAdapter]:
+        """Free a slot for a checked load if none is (evicting the least recently used inactive adapter; an
+        active one too with `evict_active`, for a load that activates only the new adapter)."""
+        with self._lock:
+            self._make_room({checked[0].name}, evict_active=evict_active)
+            return checked
 
     def commit(self, planned: tuple[Any, LoraAdapter], *, activate: bool = False) -> None:
         plan, host = planned
@@ -104,8 +115,9 @@ class AdapterPool:
             self._sync()
             for n in names:
                 if n not in self._recent:
+                    plan = self._plan(n, self._host[n], False)
                     self._make_room(set(names), evict_active=evict_active)
-                    self.handle.commit(self._plan(n, self._host[n], False), activate=False)
+                    self.handle.commit(plan, activate=False)
                     self.reloads += 1
                 self._recent[n] = None
                 self._recent.move_to_end(n)
@@ -177,11 +189,13 @@ class AdapterPool:
         )
 
     def _plan(self, name: str, host: LoraAdapter, check_finite: bool):
-        """handle.plan for `host`. On CUDA the packed host copy goes to the device in one transfer (NaN-checked
-        there) and `commit` fills the banks from it in one launch (fdlora.layers.bulk)."""
-        staged = stage(host, self.device, check_finite=check_finite) if self.device.type == "cuda" else None
-        return dataclasses.replace(self.handle.plan(host, name, validate=check_finite and staged is None),
-                                   staged=staged)
+        """handle.plan for `host`, taking no slot yet (commit does). On CUDA the packed host copy goes to the
+        device in one transfer (NaN-checked there) and `commit` fills the banks from it in one launch
+        (fdlora.layers.bulk)."""
+        on_cuda = self.device.type == "cuda"
+        plan = self.handle.plan(host, name, validate=check_finite and not on_cuda, slot=False)
+        staged = stage(host, self.device, check_finite=check_finite) if on_cuda else None
+        return dataclasses.replace(plan, staged=staged)
 
     def align(self, adapter: LoraAdapter) -> LoraAdapter:
         """`adapter` with module paths fitted to this model (see `align_paths`)."""
@@ -220,8 +234,9 @@ def add_to_pools(pools: Mapping[str, AdapterPool], adapters: Mapping[str, LoraAd
     if missing:
         raise TargetError(f"the adapter has weights for {missing} but there is no pool (model) for "
                           f"{'them' if len(missing) > 1 else 'it'}; pools: {sorted(pools)}.")
-    plans = [(pools[c], pools[c].plan(name, a, validate=validate)) for c, a in adapters.items()]
-    for pool, plan in plans:
+    checked = [(pools[c], pools[c].check(name, a, validate=validate)) for c, a in adapters.items()]
+    ready = [(pool, pool.make_room(plan)) for pool, plan in checked]
+    for pool, plan in ready:
         pool.commit(plan, activate=activate)
 
 

@@ -7,6 +7,7 @@ as it was. `restore()` puts the original module objects back: the base model is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -101,46 +102,62 @@ class FdLoraHandle:
         """
         return self.commit(self.plan(adapter, name, validate=validate), activate=activate)
 
-    def plan(self, adapter: LoraAdapter, name: str | None = None, *, validate: bool = True) -> LoadPlan:
-        """Check everything about loading `adapter` and say how; raises on any problem, changes nothing."""
+    def plan(self, adapter: LoraAdapter, name: str | None = None, *, validate: bool = True,
+             slot: bool = True) -> LoadPlan:
+        """Check everything about loading `adapter` and say how; raises on any problem (naming every module
+        that cannot take it), changes nothing. With `slot=False` the plan does not need a free slot yet (a
+        pool checks first and makes room after): `commit` takes one."""
         self._alive()
         name = name or adapter.name or f"default_{len(self.state.slots.by_name)}"
-        slot = self.state.slots.check_new(name)
+        self.state.slots.check_name(name)
         what = f"adapter {name!r}"
-        to_wrap = []
+        to_wrap, problems = [], []
         for path, m in adapter.modules.items():
-            layer = self.layers.get(path)
-            if layer is None:
-                try:
-                    base = self.model.get_submodule(path)
-                except AttributeError:
-                    base = None
-                spec = None if base is None else spec_of(base)
-                if spec is None:
-                    raise TargetError(
-                        f"{what} targets {path!r}, which is "
-                        + ("not a module of this model" if base is None else f"a {type(base).__name__}")
-                        + f". {self._unmatched_hint(adapter)}"
-                    )
-                check_fits(spec, m, path, what)
-                to_wrap.append(path)
-            else:
-                layer.check(m, what)
-            if padded_rank(m.rank) > self.max_rank:
-                raise CapacityError(
-                    f"{what}: {path} has rank {m.rank}, above this model's rank capacity {self.max_rank}. "
-                    f"Raise max_rank (fdlora.inject(..., max_rank={padded_rank(m.rank)}) or "
-                    f"handle.grow(max_rank={padded_rank(m.rank)}))."
-                )
+            try:
+                if self._check_module(path, m, what):
+                    to_wrap.append(path)
+            except FdLoraError as e:
+                problems.append(e)
+        if problems:
+            raise _all_of(problems, what, self._unmatched_hint(adapter))
         if validate:
             adapter.check_finite()
         if to_wrap:
             self._reshapeable(f"wrap {len(to_wrap)} more modules for {what}")
-        return LoadPlan(name, slot, adapter, to_wrap)
+        return LoadPlan(name, self.state.slots.check_new(name) if slot else -1, adapter, to_wrap)
+
+    def _check_module(self, path: str, m, what: str) -> bool:
+        """Raise if module `path` cannot take LoRA `m`; True if it still has to be wrapped."""
+        layer = self.layers.get(path)
+        if layer is None:
+            try:
+                base = self.model.get_submodule(path)
+            except AttributeError:
+                base = None
+            spec = None if base is None else spec_of(base)
+            if spec is None:
+                raise TargetError(f"{what} targets {path!r}, which is "
+                                  + ("not a module of this model." if base is None else f"a {type(base).__name__}."))
+            check_fits(spec, m, path, what)
+        else:
+            layer.check(m, what)
+        if padded_rank(m.rank) > self.max_rank:
+            raise CapacityError(
+                f"{what}: {path} has rank {m.rank}, above this model's rank capacity {self.max_rank}. "
+                f"Raise max_rank (fdlora.inject(..., max_rank={padded_rank(m.rank)}) or "
+                f"handle.grow(max_rank={padded_rank(m.rank)}))."
+            )
+        return layer is None
 
     def commit(self, plan: LoadPlan, *, activate: bool = True) -> int:
         """Carry out a `plan` from `plan()`: wrap, write the banks, register the name."""
-        self.state.slots.check_new(plan.name)
+        slot = self.state.slots.check_new(plan.name)
+        if plan.slot >= 0:
+            slot = plan.slot
+            if slot in self.state.slots.by_name.values():
+                raise CapacityError(f"slot {slot} of the plan for {plan.name!r} was taken since; plan again.")
+        else:
+            plan = dataclasses.replace(plan, slot=slot)
         wrapped = self.wrap(plan.to_wrap)
         scaling = self.state.table.scaling
         try:
@@ -338,3 +355,16 @@ class FdLoraHandle:
         return (f"FdLoraHandle({type(self.model).__name__}, layers={len(self.layers)}, "
                 f"slots={self.state.slots.capacity}, rank_capacity={self.max_rank}, backends={backends}, "
                 f"adapters={self.list_adapters()}, active={self.active_adapters()})")
+
+
+def _all_of(problems: list[FdLoraError], what: str, hint: str) -> FdLoraError:
+    """One error for every module that cannot take the adapter (of the first problem's type)."""
+    first = problems[0]
+    targets = any(isinstance(e, TargetError) for e in problems)
+    if len(problems) == 1:
+        return type(first)(f"{first} {hint}" if targets else str(first))
+    shown = "\n".join(f"  - {e}" for e in problems[:12])
+    more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+    return type(first)(f"{what}: {len(problems)} modules cannot take it:\n{shown}{more}" + (f"\n{hint}" if targets
+                                                                                         else ""))
+

@@ -62,11 +62,15 @@ class SlotTable:
         used = set(self.by_name.values())
         return [s for s in range(self.capacity) if s not in used]
 
-    def check_new(self, name: str) -> int:
+    def check_name(self, name: str) -> None:
         if name in self.by_name:
             raise DuplicateAdapterError(
                 f"an adapter named {name!r} is already loaded; delete it first or pick another adapter_name."
             )
+
+    def check_new(self, name: str) -> int:
+        """A free slot for a new adapter `name` (raises if the name is taken or every slot is used)."""
+        self.check_name(name)
         free = self.free()
         if not free:
             raise CapacityError(

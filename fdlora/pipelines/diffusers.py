@@ -135,13 +135,14 @@ class FdLoraPipelineMixin:
                 elif need > h.max_rank and not h.state.static:
                     logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
                     h.grow(max_rank=need)
-                pool = AdapterPool.of(h)  # a full pool makes room by evicting its least recently used adapter
-                try:
-                    plans.append((comp, h, pool, fresh, pool.plan(name, adapter, validate=validate,
-                                                                  evict_active=True)))
-                except Exception:
-                    self._fd_reactivate(before)
-                    raise
+                pool = AdapterPool.of(h)
+                plans.append((comp, h, pool, fresh, pool.check(name, adapter, validate=validate)))
+            try:  # every component checked: now full pools make room (evicting their least recently used)
+                plans = [(comp, h, pool, fresh, pool.make_room(plan, evict_active=True))
+                         for comp, h, pool, fresh, plan in plans]
+            except Exception:
+                self._fd_reactivate(before)
+                raise
             extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
             done: list[tuple[FdLoraHandle, AdapterPool, bool]] = []
             try:

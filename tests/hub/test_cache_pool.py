@@ -214,6 +214,23 @@ def test_add_to_pools_is_all_or_nothing(five):
     assert all(p.handle.active_adapters() == ["style"] for p in pools.values())
 
 
+def test_a_failed_load_evicts_nothing(five):
+    pools = {"unet": AdapterPool(FdLoraHandle(Net(), max_slots=2)), "text_encoder": AdapterPool(FdLoraHandle(Net()))}
+    unet = pools["unet"]
+    unet.add("a0", five["a0"])
+    unet.add("a1", five["a1"])  # full, a0 inactive: the next good load would evict it
+    before = tiny.snapshot(unet.handle.model)
+    bad = LoraAdapter({"layers.0.q_proj": module(8), "layers.2.fc": module(8)})
+    for load in (lambda: unet.add("a2", bad),  # bad shapes
+                 lambda: add_to_pools(pools, {"unet": five["a2"], "text_encoder": bad}, "a2")):  # bad elsewhere
+        with pytest.raises(AdapterShapeError, match=r"2 modules(?s:.*)layers\.0\.q_proj(?s:.*)layers\.2\.fc"):
+            load()
+        assert unet.resident() == ["a0", "a1"] and unet.evictions == 0 and unet.known() == ["a0", "a1"]
+        assert tiny.same_snapshot(before, tiny.snapshot(unet.handle.model))
+    unet.add("a2", five["a2"])  # a good one still makes room
+    assert unet.resident() == ["a1", "a2"] and unet.evictions == 1
+
+
 def module(k: int) -> ModuleLora:
     return ModuleLora(torch.ones(2, k), torch.ones(16, 2))
 
