@@ -156,9 +156,16 @@ def main() -> None:
 
     pools = {c: AdapterPool(FdLoraHandle(m, max_slots=2, max_rank=rank)) for c, m in fd_models.items()}
 
-    def fd_load(name: str, ram) -> dict:
+    phases: dict[str, list[dict[str, float]]] = {"hub_cache": [], "ram_cache": []}
+
+    def fd_load(name: str, ram, record: str | None = None):
         adapters, report = load_adapters(REPO, cache=ram)
+        t = time.perf_counter()
         add_to_pools(pools, adapters, name, activate=True)
+        sync()
+        if record:  # where the time goes: load_adapters' own phases, then the pools (check, stage, commit)
+            phases[record].append({**{k: v * 1e3 for k, v in report.seconds.items()},
+                                   "pools": (time.perf_counter() - t) * 1e3})
         return report
 
     # --- verify: fd-lora and diffusers+PEFT give the same outputs --------------------------------
@@ -190,12 +197,12 @@ def main() -> None:
 
     def fd_hub_cache() -> str:
         name = f"fd{next(step)}"
-        fd_load(name, AdapterCache())  # an empty RAM cache: read + convert + pin
+        fd_load(name, AdapterCache(), "hub_cache")  # an empty RAM cache: read + convert + pin
         return name
 
     def fd_ram_cache() -> str:
         name = f"fd{next(step)}"
-        fd_load(name, ram)
+        fd_load(name, ram, "ram_cache")
         return name
 
     def fd_delete(name: str) -> None:
@@ -255,6 +262,8 @@ def main() -> None:
         "verify_max_rel_error": errors, "build_models_s": build_s,
         "fdlora_hub_cache_ms": hub_ms, "fdlora_ram_cache_ms": ram_ms, "diffusers_peft_load_lora_weights_ms": diff_ms,
         "all_ms": {"hub_cache": hub_all, "ram_cache": ram_all, "diffusers": diff_all},
+        "phases_median_ms": {w: {k: statistics.median(p[k] for p in runs[1:]) for k in runs[-1]}
+                             for w, runs in phases.items() if len(runs) > 1},  # (runs[0]: the warm-up)
         "hub_cache_GBps": len(data) / 1e9 / (hub_ms / 1e3),
         "speedup_vs_diffusers": {"hub_cache": diff_ms / hub_ms, "ram_cache": diff_ms / ram_ms},
         "targets_ms": {"hub_cache": 100.0, "ram_cache": 20.0},
@@ -264,6 +273,8 @@ def main() -> None:
     print(f"  fd-lora from the local Hub cache : {hub_ms:8.1f} ms  (target <= 100 ms)")
     print(f"  fd-lora from the RAM cache       : {ram_ms:8.1f} ms  (target <= 20 ms)")
     print(f"  diffusers+PEFT load_lora_weights : {diff_ms:8.1f} ms")
+    for w, ph in result["phases_median_ms"].items():
+        print(f"  {w} phases (median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2))

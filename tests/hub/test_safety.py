@@ -215,6 +215,21 @@ def test_fuzz_corrupt_bytes(tmp_path_factory, cut, flip, byte):
         pass
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_one_buffer_read_in_parallel_chunks(tmp_path, monkeypatch, chunk):
+    """Large files are read by several threads in chunks: the bytes are the file's, whatever the chunking."""
+    from fdlora.hub import safefile
+
+    monkeypatch.setattr(safefile, "READ_CHUNK", chunk)
+    data = bytes(range(256)) * 41 + b"tail"
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    buf = torch.zeros(len(data), dtype=torch.uint8)
+    assert safefile.read_into(str(path), buf) == len(data) and bytes(buf.numpy()) == data
+    longer = torch.zeros(len(data) + 9, dtype=torch.uint8)  # a file that shrank: fewer bytes, caller raises
+    assert safefile.read_into(str(path), longer) == len(data)
+
+
 def test_one_buffer_read_equals_safetensors(tmp_path):
     """read_weights(pin=True) (the whole file in one buffer, tensors as views) gives what safetensors gives."""
     g = torch.Generator().manual_seed(0)
