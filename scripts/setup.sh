@@ -9,7 +9,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 extras="dev"
-[ "$(uname -s)" = "Linux" ] && extras="dev,triton"
+[ "$(uname -s)" = "Linux" ] && extras="dev,triton,quant"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
 # The demo's browser test drives Debian's chromium through Playwright (no `playwright install`).
 # Best effort: without /usr/bin/chromium that test skips and says so.

@@ -28,8 +28,8 @@ def uses_bitsandbytes(model: nn.Module) -> bool:
 def require_bitsandbytes(why: str) -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UnsupportedFeatureError(
-            f"{why} needs bitsandbytes, which is not installed. Install it with `{INSTALL}` "
-            "(CUDA, and recent releases also run on CPU), then load the model again."
+            f"{why} needs bitsandbytes, which is not installed. Install it with `{INSTALL}` or "
+            "`pip install fd-lora[quant]` (CUDA, and releases from 0.46 also run on CPU), then load the model again."
         )
 
 

@@ -13,38 +13,49 @@ import tempfile
 import pytest
 import torch
 import transformers
-from peft import PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 import fdlora
 from fdlora import errors
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.layers.fused import FusedLoraLinear
-from pipelines_tf.models import built, ids
+from pipelines_tf.models import ids, randomize_lora
 
 
 @pytest.fixture(scope="module")
-def llama_dir():
+def llama_dirs():
+    """(base dir, PEFT adapter dir) of a small Llama wide enough for bitsandbytes' CPU 4-bit kernels
+    (every in_features a multiple of their block size, 64)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = transformers.LlamaForCausalLM(cfg).eval()
     d = tempfile.mkdtemp()
-    built("llama").base.save_pretrained(d)
-    return d
+    base.save_pretrained(d + "/base")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights=False), adapter_name="two")
+    randomize_lora(peft_model)
+    peft_model.save_pretrained(d)
+    return d + "/base", d + "/two"
 
 
 QUANT = {
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float32),
     "int8": dict(load_in_8bit=True),
 }
 
 
 @pytest.mark.parametrize("kind", list(QUANT))
-def test_bitsandbytes_base_matches_peft(kind, llama_dir):
+def test_bitsandbytes_base_matches_peft(kind, llama_dirs):
     bnb = pytest.importorskip("bitsandbytes")
     q = transformers.BitsAndBytesConfig(**QUANT[kind])
+    base_dir, adapter = llama_dirs
 
     def load():
-        return transformers.AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=q, device_map="cpu")
+        return transformers.AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=q, device_map="cpu")
 
-    adapter = built("llama").dirs["two"]
     peft_model = PeftModel.from_pretrained(load(), adapter).eval()
     model = fdlora.load_fd_lora(load(), adapter, "two")
     layer = model.get_submodule("model.layers.0.self_attn.q_proj")
