@@ -227,7 +227,7 @@ def _cached_listing(repo: str, sha: str, cache_dir, subfolder: str | None) -> li
     cached it wins anyway, and the scan of the whole cache is skipped.
     """
     from huggingface_hub import get_cached_repo_tree, scan_cache_dir, try_to_load_from_cache
-    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError, CacheNotFound
 
     try:
         return [f.path for f in get_cached_repo_tree(repo, revision=sha, cache_dir=cache_dir)]
@@ -237,8 +237,11 @@ def _cached_listing(repo: str, sha: str, cache_dir, subfolder: str | None) -> li
         file = posixpath.join(subfolder, name) if subfolder else name
         if isinstance(try_to_load_from_cache(repo, file, cache_dir=cache_dir, revision=sha), str):
             return [file]
-    info = scan_cache_dir(cache_dir)
-    for cached in info.repos:
+    try:
+        repos = scan_cache_dir(cache_dir).repos
+    except CacheNotFound:  # no cache folder at all: nothing is cached
+        repos = frozenset()
+    for cached in repos:
         if cached.repo_id == repo and cached.repo_type == "model":
             for rev in cached.revisions:
                 if rev.commit_hash == sha:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 from support import loras, tiny
 
-from fdlora.errors import UnsupportedFeatureError
-from fdlora.hub import AdapterPool, load_adapters
+from fdlora.errors import UnsupportedFeatureError, UnusedKeysError
+from fdlora.hub import AdapterCache, AdapterPool, load_adapters
 from fdlora.layers import FdLoraHandle
 
 IDS = torch.tensor([[0, 5, 7, 9, 1]])
@@ -145,17 +145,27 @@ def test_fan_in_fan_out_conv1d_matches_peft(tmp_path):
         close(fd_model(gpt2(), adapters["model"])(ids).last_hidden_state, ref, gpt2()(ids).last_hidden_state)
 
 
-@pytest.mark.parametrize("how", ["config", "keys"])
+DORA = {  # how a file says it is a DoRA -> what the refusal must say
+    "config": "DoRA", "keys": "DoRA", "kohya": "kohya file is a DoRA", "kohya-flux": "Flux LoRA is a DoRA"}
+KOHYA_NAMES = {"kohya": "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
+               "kohya-flux": "lora_unet_double_blocks_0_img_attn_proj"}
+
+
+@pytest.mark.parametrize("how", list(DORA))
 def test_dora_is_refused_naming_dora(how, tmp_path):
     lora = loras.make_lora({"layers.0.q_proj": (16, 16)})
     files = loras.peft_files(lora, use_dora=how == "config")
     if how == "keys":
         sd = loras.peft_state(lora, "base_model.model.")
         sd["base_model.model.layers.0.q_proj.lora_magnitude_vector"] = torch.ones(16)
-        from safetensors.torch import save
         files["adapter_model.safetensors"] = save(sd)
+    elif how in KOHYA_NAMES:  # kohya DoRA: a dora_scale [1, in] next to lora_down / lora_up / alpha
+        (A, B), name = lora.weights["layers.0.q_proj"], KOHYA_NAMES[how]
+        sd = {f"{name}.lora_down.weight": A, f"{name}.lora_up.weight": B, f"{name}.alpha": torch.tensor(4.0),
+              f"{name}.dora_scale": torch.ones(1, 16)}
+        files = {"lora.safetensors": save(sd)}
     write(files, tmp_path)
-    with pytest.raises(UnsupportedFeatureError, match="DoRA"):
+    with pytest.raises(UnsupportedFeatureError, match=DORA[how]):
         load_adapters(tmp_path, cache=None)
 
 
@@ -253,26 +263,78 @@ def flux():
     return tiny.flux_transformer()
 
 
-@pytest.mark.parametrize("layout", ["kohya", "comfy", "xlabs"])
+# Modules diffusers' lora_transformer_ ("mixture") converter maps: it names a block's ff / proj_mlp / proj_out
+# LoRA after the whole block (transformer_blocks.0), which neither diffusers nor fd-lora can load into a model.
+FLUX_MIXTURE = ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_k_proj",
+                "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.to_add_out",
+                "single_transformer_blocks.0.attn.to_v", "x_embedder", "context_embedder", "proj_out")
+
+
+def per_module_alphas(lora: loras.Lora) -> loras.Lora:
+    """Alphas 1, 2, 8, 1, ... by module, so a module given another's alpha shows in the output."""
+    lora.alphas = {p: (1.0, 2.0, 8.0)[i % 3] for i, p in enumerate(lora.weights)}
+    return lora
+
+
+def flux_lora(flux, paths, seed: int) -> loras.Lora:
+    shapes = tiny.shapes(flux, tuple(paths))
+    return loras.make_lora({p: shapes[p] for p in paths}, rank=4, seed=seed)
+
+
+def flux_layout_file(layout: str, flux) -> dict[str, bytes]:
+    if layout == "kohya-mixture":
+        return loras.flux_mixture_file(per_module_alphas(flux_lora(flux, FLUX_MIXTURE, seed=12)))
+    if layout == "ai-toolkit":  # transformer.<path>.lora_A/B.weight + transformer.<path>.alpha
+        paths = [*loras.FLUX_BFL, "transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_k"]
+        return loras.diffusers_files({"transformer": per_module_alphas(flux_lora(flux, paths, seed=13))},
+                                     network_alphas=True)
+    lora = flux_lora(flux, loras.FLUX_BFL, seed=10)
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(6, 32, generator=g) / 6, torch.randn(96, 6, generator=g))
+    if layout == "xlabs":
+        return loras.xlabs_file(lora.weights["transformer_blocks.0.attn.to_out.0"], qkv)
+    return loras.flux_kohya_file(lora, qkv=qkv, alpha=2.0, comfy=layout == "comfy")
+
+
+@pytest.mark.parametrize("layout", ["kohya", "comfy", "xlabs", "kohya-mixture", "ai-toolkit"])
+@pytest.mark.filterwarnings("ignore:While injecting the PEFT")  # the reference: PEFT's target "proj_out" also
+# wraps single_transformer_blocks.0.proj_out, with no weights for it (an unused, zero-B layer)
 def test_flux_layouts_match_diffusers(layout, flux, tmp_path):
     from diffusers.loaders import FluxLoraLoaderMixin
 
-    lora = loras.make_lora({p: tiny.shapes(flux, (p,))[p] for p in loras.FLUX_BFL}, rank=4, seed=10)
-    g = torch.Generator().manual_seed(11)
-    qkv = (torch.randn(6, 32, generator=g) / 6, torch.randn(96, 6, generator=g))
-    files = {"kohya": lambda: loras.flux_kohya_file(lora, qkv=qkv, alpha=2.0),
-             "comfy": lambda: loras.flux_kohya_file(lora, qkv=qkv, alpha=2.0, comfy=True),
-             "xlabs": lambda: loras.xlabs_file(lora.weights["transformer_blocks.0.attn.to_out.0"], qkv)}[layout]()
+    files = flux_layout_file(layout, flux)
     write(files, tmp_path)
     path = tmp_path / next(iter(files))
     adapters, report = load_adapters(path, cache=None)
-    assert report.format == ("flux-xlabs" if layout == "xlabs" else "flux-kohya")
+    assert report.format == {"xlabs": "flux-xlabs", "ai-toolkit": "diffusers"}.get(layout, "flux-kohya")
     assert report.keys_matched == report.keys_total and set(adapters) == {"transformer"}
+    sd, alphas = FluxLoraLoaderMixin.lora_state_dict(str(path), return_alphas=True)
     ref = copy.deepcopy(flux)
-    ref.load_lora_adapter(FluxLoraLoaderMixin.lora_state_dict(str(path)), prefix="transformer", adapter_name="x")
+    FluxLoraLoaderMixin.load_lora_into_transformer(sd, alphas, ref, adapter_name="x")
     inputs = tiny.flux_inputs(flux)
     with torch.no_grad():
         close(fd_model(flux, adapters["transformer"])(**inputs).sample, ref(**inputs).sample, flux(**inputs).sample)
+
+
+@pytest.mark.parametrize("layout", ["kohya", "kohya-mixture"])
+def test_flux_kohya_text_encoder_matches_diffusers(layout, flux, clip_te, tmp_path):
+    """The lora_te1_ (CLIP-L) part of a kohya Flux file, against diffusers' converter and its text-encoder loader."""
+    from diffusers.loaders import FluxLoraLoaderMixin
+
+    te = per_module_alphas(loras.make_lora(te_paths(clip_te), rank=4, seed=14))
+    den = flux_lora(flux, ["transformer_blocks.0.attn.to_out.0"], seed=15)
+    files = loras.flux_kohya_file(den, alpha=2.0, te=te) if layout == "kohya" else loras.flux_mixture_file(den, te=te)
+    write(files, tmp_path)
+    path = tmp_path / next(iter(files))
+    adapters, report = load_adapters(path, cache=None)
+    assert report.format == "flux-kohya" and report.keys_matched == report.keys_total
+    assert report.components == {"transformer": 1, "text_encoder": len(te.weights)}
+    sd, alphas = FluxLoraLoaderMixin.lora_state_dict(str(path), return_alphas=True)
+    ref = copy.deepcopy(clip_te)
+    FluxLoraLoaderMixin.load_lora_into_text_encoder(sd, alphas, ref, prefix="text_encoder", adapter_name="x")
+    with torch.no_grad():
+        close(fd_model(clip_te, adapters["text_encoder"])(IDS).last_hidden_state, ref(IDS).last_hidden_state,
+              clip_te(IDS).last_hidden_state)
 
 
 def test_flux_drops_are_reported(tmp_path):
@@ -319,6 +381,21 @@ def test_report_prints_what_and_why(sd15_unet, tmp_path):
         assert needle in text, text
     meta = json.loads(json.dumps(report.configs))  # the report is plain data
     assert isinstance(meta, dict)
+
+
+def test_strict_raises_on_dropped_keys(tmp_path):
+    """A module with lora_A but no lora_B is dropped (not unused); strict=True refuses it, from the RAM cache too."""
+    lora = loras.make_lora({"transformer_blocks.0.attn.to_q": (8, 8), "transformer_blocks.0.attn.to_k": (8, 8)})
+    sd = loras.peft_state(lora, "transformer.")
+    del sd["transformer.transformer_blocks.0.attn.to_k.lora_B.weight"]
+    save_file(sd, tmp_path / "pytorch_lora_weights.safetensors")
+    ram = AdapterCache(max_bytes=1 << 30)
+    adapters, report = load_adapters(tmp_path, cache=ram)
+    assert set(adapters["transformer"].modules) == {"transformer_blocks.0.attn.to_q"} and report.keys_unused == {}
+    assert list(report.keys_dropped) == ["transformer.transformer_blocks.0.attn.to_k.lora_A.weight"]  # file's spelling
+    with pytest.raises(UnusedKeysError, match=r"0 keys are unused, 1 dropped:\n  transformer\..*to_k.lora_A.weight"):
+        load_adapters(tmp_path, strict=True, cache=ram)
+    assert ram.hits == 1  # the strict load was answered by the cache, and still refused
 
 
 def test_state_dict_source_with_config():

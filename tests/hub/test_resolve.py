@@ -15,6 +15,7 @@ from support import hubcache, loras
 
 from fdlora.errors import ResolveError
 from fdlora.hub import AdapterCache, load_adapters
+from fdlora.hub import resolve as resolve_module
 from fdlora.hub.resolve import choose_weight_file, resolve
 
 SHAPES = {"blocks.0.to_q": (8, 8), "blocks.1.to_q": (8, 8)}
@@ -83,6 +84,12 @@ def fixture_repo(fmt: str) -> tuple[dict[str, bytes], str, dict[str, int]]:
     return {**files, "README.md": b"# a fixture"}, chosen, components
 
 
+REASONS = {  # what each detector's reason must name: the evidence specific to its format
+    "peft": "adapter_config.json", "diffusers": "save_lora_weights", "kohya": "SGM block names",
+    "flux-kohya": "lora_unet_double_blocks_0_", "flux-xlabs": ".processor.",
+}
+
+
 @pytest.mark.parametrize("fmt", ["peft", "diffusers", "kohya", "flux-kohya", "flux-xlabs"])
 def test_every_format_through_the_hub(hub, fmt):
     files, chosen, components = fixture_repo(fmt)
@@ -90,6 +97,7 @@ def test_every_format_through_the_hub(hub, fmt):
     adapters, report = load_adapters(repo, revision="v1", cache=None)
     assert (report.format, report.file, report.sha, report.components) == (fmt, chosen, commit, components)
     assert all(a.provenance.revision == commit and a.provenance.file == chosen for a in adapters.values())
+    assert isinstance(report.format_reason, str) and REASONS[fmt] in report.format_reason, report.format_reason
 
 def test_revisions_tags_and_pinning(hub):
     repo, c1 = hub.publish(lora_files(1), refs=("main", "v1"))
@@ -126,6 +134,69 @@ def test_branch_load_from_ram_cache_only_resolves(hub):
     mark = hub.mark()
     load_adapters(repo, revision=commit, cache=ram)
     assert hub.since(mark) == []
+
+
+# --- diffusers' Hub keywords ----------------------------------------------------------------------
+def test_token_goes_with_every_request(hub):
+    repo, _ = hub.publish(lora_files(20, "peft"))  # PEFT: the config download takes the token too
+    mark = hub.mark()
+    load_adapters(repo, token="hf_xyz", cache=None)
+    requests = hub.since(mark)
+    assert any(m == "GET" and "/resolve/" in p for m, p, _ in requests)
+    assert [r.authorization for r in requests] == ["Bearer hf_xyz"] * len(requests)
+    other, _ = hub.publish(lora_files(20, "peft"))
+    mark = hub.mark()
+    load_adapters(other, cache=None)
+    assert {r.authorization for r in hub.since(mark)} == {None}  # the header came from token=, not the client
+
+
+def test_cache_dir_holds_the_download(hub, tmp_path):
+    from huggingface_hub import constants
+
+    files = lora_files(21)
+    repo, commit = hub.publish(files)
+    _, report = load_adapters(repo, cache_dir=tmp_path, cache=None)
+    folder = f"models--{repo.replace('/', '--')}"
+    cached = tmp_path / folder / "snapshots" / commit / report.file
+    assert cached.read_bytes() == files[report.file]
+    assert not os.path.exists(os.path.join(constants.HF_HUB_CACHE, folder))
+
+
+@pytest.mark.parametrize("pinned,cache_folder", [(False, "empty"), (True, "empty"), (True, "missing")],
+                         ids=["branch", "sha", "sha-no-cache-folder"])
+def test_local_files_only_uncached_raises_without_requests(hub, tmp_path, pinned, cache_folder):
+    repo, commit = hub.publish(lora_files(22))
+    cache_dir = tmp_path if cache_folder == "empty" else tmp_path / "missing"
+    mark = hub.mark()
+    with pytest.raises(ResolveError, match="local Hugging Face cache"):
+        load_adapters(repo, revision=commit if pinned else None, cache_dir=cache_dir, local_files_only=True,
+                      cache=None)
+    assert hub.since(mark) == []
+
+
+def test_local_files_only_cached_loads_without_requests(hub, tmp_path, monkeypatch):
+    repo, commit = hub.publish(lora_files(23, "peft"))
+    online, _ = load_adapters(repo, cache_dir=tmp_path, cache=None)
+    monkeypatch.setattr(resolve_module, "_LISTINGS", {})  # forget the listing, as a new process would
+    mark = hub.mark()
+    offline, report = load_adapters(repo, cache_dir=tmp_path, local_files_only=True, cache=None)
+    assert hub.since(mark) == []
+    assert (report.sha, report.file, report.format) == (commit, "adapter_model.safetensors", "peft")
+    assert torch.equal(first_A(online), first_A(offline))
+
+
+def test_force_download_refetches_and_bypasses_the_ram_cache(hub):
+    repo, commit = hub.publish(lora_files(24))
+    ram = AdapterCache(max_bytes=1 << 30)
+    load_adapters(repo, revision=commit, cache=ram)
+    mark = hub.mark()
+    _, forced = load_adapters(repo, revision=commit, cache=ram, force_download=True)
+    gets = [p for m, p, _ in hub.since(mark) if m == "GET" and "/resolve/" in p]
+    assert [p.rsplit("/", 1)[-1] for p in gets] == ["pytorch_lora_weights.safetensors"]
+    assert not forced.from_cache and ram.hits == 0
+    mark = hub.mark()
+    _, again = load_adapters(repo, revision=commit, cache=ram)
+    assert again.from_cache and hub.since(mark) == []
 
 
 def test_only_the_chosen_files_are_fetched(hub):

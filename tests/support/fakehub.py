@@ -16,7 +16,8 @@ Endpoints (enough for huggingface_hub 1.x and 2.x `hf_hub_download`, `snapshot_d
 
 No xet headers are ever sent, so clients use plain HTTP downloads. It binds 127.0.0.1 on an
 ephemeral port; use it as a context manager. `log` records (method, path, status) of every request,
-which is how tests assert that a cached, sha-pinned load makes no request at all.
+which is how tests assert that a cached, sha-pinned load makes no request at all; each entry also
+carries the request's `authorization` header (None when absent).
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ from fdlora.hub.localcache import LFS_EXT, git_blob_sha1
 
 API = re.compile(r"/api/(models|datasets)/([^/]+/[^/]+)(?:/(revision|tree|paths-info|refs)(?:/([^/]+)(/.*)?)?)?")
 RESOLVE = re.compile(r"/(?:(datasets)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)")
+
+
+class Request(tuple):
+    """A log entry: the 3-tuple (method, path, status), plus the Authorization header it carried."""
+
+    def __new__(cls, method: str | None, path: str, status: int | None, authorization: str | None = None):
+        entry = super().__new__(cls, (method, path, status))
+        entry.authorization = authorization
+        return entry
 
 
 class Store:
@@ -86,7 +96,9 @@ class Handler(BaseHTTPRequestHandler):
     _body = b""
 
     def log_message(self, fmt, *args):  # a structured log instead of stderr noise
-        self.server.log.append((self.command, self.path, self._status))
+        headers = getattr(self, "headers", None)  # absent when the request line itself was malformed
+        auth = headers.get("Authorization") if headers is not None else None
+        self.server.log.append(Request(self.command, self.path, self._status, auth))
 
     # --- helpers -----------------------------------------------------------------------------
     def _send(self, status, body=b"", ctype="application/json", headers=None, head=False):
@@ -274,7 +286,7 @@ class FakeHub:
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
 
     @property
-    def log(self) -> list[tuple[str, str, int | None]]:
+    def log(self) -> list[Request]:
         return self.httpd.log
 
     def __enter__(self) -> FakeHub:

@@ -3,8 +3,8 @@
 `make_lora` draws weights for given module shapes; the writers lay the same weights out as
 PEFT (adapter_config.json + adapter_model.safetensors), diffusers (pytorch_lora_weights.safetensors,
 with or without the lora_adapter_metadata header), kohya SD1.5/SDXL (diffusers or SGM block names,
-LoCon conv keys, per-module .alpha), and kohya / XLabs Flux. Each returns {file name: bytes}, ready
-for `hubcache.populate` or a directory.
+LoCon conv keys, per-module .alpha), and kohya (sd-scripts, ComfyUI, lora_transformer_ mixture) /
+XLabs Flux. Each returns {file name: bytes}, ready for `hubcache.populate` or a directory.
 """
 
 from __future__ import annotations
@@ -136,11 +136,12 @@ FLUX_BFL = {  # diffusers FluxTransformer2DModel path (block 0) -> original (BFL
 
 
 def flux_kohya_file(lora: Lora, qkv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    alpha: float | None = None, comfy: bool = False) -> dict[str, bytes]:
+                    alpha: float | None = None, comfy: bool = False, te: Lora | None = None) -> dict[str, bytes]:
     """kohya Flux: modules of FLUX_BFL from `lora`, plus an optional fused img qkv LoRA (A, B [3*D, r]).
 
     sd-scripts names are lora_unet_double_blocks_0_img_attn_proj; `comfy` writes ComfyUI's
-    diffusion_model.double_blocks.0.img_attn.proj instead."""
+    diffusion_model.double_blocks.0.img_attn.proj instead. `te` adds CLIP-L keys (lora_te1_..., with
+    their alphas), as sd-scripts writes them."""
     sd = {}
     items = [(FLUX_BFL[p], A, B) for p, (A, B) in lora.weights.items()]
     if qkv is not None:
@@ -151,7 +152,22 @@ def flux_kohya_file(lora: Lora, qkv: tuple[torch.Tensor, torch.Tensor] | None = 
         sd[f"{name}.lora_up.weight"] = B
         if alpha is not None:
             sd[f"{name}.alpha"] = torch.tensor(alpha)
+    if te is not None:
+        sd.update(kohya_state({"text_encoder": te}, kind="sdxl"))  # CLIP-L is lora_te1_, like SDXL's first encoder
     return {"flux_lora.safetensors": save(sd)}
+
+
+def flux_mixture_file(lora: Lora, te: Lora | None = None) -> dict[str, bytes]:
+    """The kohya "mixture" Flux layout: diffusers module paths with underscores under lora_transformer_
+    (lora_transformer_transformer_blocks_0_attn_to_q), every module with its .alpha; `te` adds lora_te1_ keys."""
+    sd = {}
+    for p, (A, B) in lora.weights.items():
+        name = "lora_transformer_" + p.replace(".", "_")
+        sd[f"{name}.lora_down.weight"], sd[f"{name}.lora_up.weight"] = A, B
+        sd[f"{name}.alpha"] = torch.tensor(lora.alpha(p))
+    if te is not None:
+        sd.update(kohya_state({"text_encoder": te}, kind="sdxl"))
+    return {"flux_mixture.safetensors": save(sd)}
 
 
 def xlabs_file(proj: tuple[torch.Tensor, torch.Tensor], qkv: tuple[torch.Tensor, torch.Tensor]) -> dict[str, bytes]:

@@ -45,7 +45,10 @@ def convert(raw: Raw, opts: Options) -> Converted:
             out.unused[k] = f"no component prefix ({', '.join(COMPONENTS)}) in a diffusers-layout file"
     for comp, sd in groups.items():
         cfg = None if meta is None else {k[len(comp) + 1:]: v for k, v in meta.items() if k.startswith(comp + ".")}
-        out.merge(convert_component(comp, sd, config=cfg or None))
+        part = convert_component(comp, sd, config=cfg or None)
+        part.unused = {f"{comp}.{k}": why for k, why in part.unused.items()}  # as the file spells them
+        part.dropped = {f"{comp}.{k}": why for k, why in part.dropped.items()}
+        out.merge(part)
     if meta is not None:
         out.notes.append(f"alphas from the {METADATA_KEY!r} header")
     return out
