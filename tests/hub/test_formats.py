@@ -337,6 +337,22 @@ def test_flux_kohya_text_encoder_matches_diffusers(layout, flux, clip_te, tmp_pa
               clip_te(IDS).last_hidden_state)
 
 
+def test_flux_mixture_modules_mapped_onto_one_are_dropped(flux, tmp_path):
+    """diffusers' converter maps a lora_transformer_ block's ff.net.0.proj and ff.net.2 both onto the bare block
+    name: neither can be applied faithfully, so both are dropped with the reason; the rest loads."""
+    paths = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.ff.net.0.proj", "transformer_blocks.0.ff.net.2"]
+    files = loras.flux_mixture_file(flux_lora(flux, paths, seed=16))
+    write(files, tmp_path)
+    adapters, report = load_adapters(tmp_path / next(iter(files)), cache=None)
+    dropped = [k for k in report.keys_dropped if "same module" in report.keys_dropped[k]]
+    assert sorted({k.split(".")[0] for k in dropped}) == ["lora_transformer_transformer_blocks_0_ff_net_0_proj",
+                                                         "lora_transformer_transformer_blocks_0_ff_net_2"]
+    assert list(adapters["transformer"].modules) == ["transformer_blocks.0.attn.to_q"]
+    assert report.keys_matched == 3  # to_q's lora_down, lora_up, alpha
+    with pytest.raises(UnusedKeysError):
+        load_adapters(tmp_path / next(iter(files)), cache=None, strict=True)
+
+
 def test_flux_drops_are_reported(tmp_path):
     sd = {"lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": torch.randn(2, 32),
           "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight": torch.randn(32, 2),

@@ -11,7 +11,9 @@
   diffusers format. BFL Control LoRAs (which widen ``x_embedder``) raise UnsupportedFeatureError.
 
 diffusers' kohya converter drops unknown ``lora_unet_`` modules silently, so fd-lora feeds it one
-module at a time and reports every module it returns nothing for; T5, ``position_embedding``,
+module at a time and reports every module it returns nothing for, and drops (with the reason) modules
+it maps onto the same target (``lora_transformer_`` files: a block's ff / proj_mlp / proj_out all
+land on the bare block name there, and one would silently overwrite the other); T5, ``position_embedding``,
 ``diff``/``diff_b`` and ``text_projection`` keys are dropped (as diffusers does) with that reason.
 """
 
@@ -76,8 +78,8 @@ def convert_kohya(raw: Raw, opts: Options) -> Converted:
             groups.setdefault(MODULE_SUFFIX.sub("", k), {})[k] = v
         else:
             out.unused[k] = "not a kohya key (lora_down / lora_up / alpha)"
-    converted: dict[str, torch.Tensor] = {}
-    matched = 0
+    results: dict[str, dict[str, torch.Tensor]] = {}  # module name -> its converted keys
+    owner: dict[str, str] = {}  # converted key -> the module name it came from
     for name, group in groups.items():
         try:
             got = _convert_kohya_flux_lora_to_diffusers(dict(group))
@@ -86,10 +88,20 @@ def convert_kohya(raw: Raw, opts: Options) -> Converted:
             continue
         if not got:
             out.dropped.update(dict.fromkeys(group, f"{name}: diffusers' Flux converter has no mapping for it"))
-        matched += len(group) if got else 0
-        converted.update(got)
+            continue
+        clash = sorted({owner[k] for k in got if k in owner})
+        if clash:  # two modules mapped onto one: neither can be applied faithfully
+            for other in [name, *clash]:
+                out.dropped.update(dict.fromkeys(groups[other], f"{other}: diffusers' Flux converter maps it onto "
+                                                 f"the same module as {[n for n in [name, *clash] if n != other]}"))
+                for k in results.pop(other, {}):
+                    owner.pop(k, None)
+            continue
+        results[name] = got
+        owner.update(dict.fromkeys(got, name))
+    converted = {k: v for got in results.values() for k, v in got.items()}
     out.merge(_components(converted, "alphas folded into the weights by diffusers' converter (scale 1)"))
-    out.matched = matched  # count input keys, not the (split) converted ones
+    out.matched = sum(len(groups[n]) for n in results)  # count input keys, not the (split) converted ones
     return out
 
 
