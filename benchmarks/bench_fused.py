@@ -370,9 +370,13 @@ def main() -> None:
     ap.add_argument("--git-sha", default=None)
     ap.add_argument("--only", default=None, help="comma list of model names or loras to keep")
     ap.add_argument("--check-dispatch", type=Path, default=None, help="results JSON to re-judge the model on")
+    ap.add_argument("--dispatch", choices=["model", "measure"], default=None,
+                    help="FDLORA_DISPATCH for this run (measure: the op times close paths on its first call)")
     a = ap.parse_args()
     if a.check_dispatch:
         return check_dispatch(a.check_dispatch, a.out)
+    if a.dispatch:
+        os.environ["FDLORA_DISPATCH"] = a.dispatch
 
     import triton
 
@@ -395,6 +399,7 @@ def main() -> None:
         "gpu_slug": re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-"),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(), "git_sha": sha, "dtype": "bfloat16",
+        "dispatch": os.environ.get("FDLORA_DISPATCH", "model"),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "timing": (f"GPU time: CUDA graph of {ROTATE} rotating input sets x 3, median of 7 replays per call; "
                    "eager_us: triton.testing.do_bench median with host launch cost, L2 flushed"),

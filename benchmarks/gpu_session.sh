@@ -2,8 +2,9 @@
 # One device call; GPU results land in $OUT/results/*.json (copy them to benchmarks/results/<gpu>/).
 #   bash benchmarks/gpu_session.sh tests pipeline profile     # stages, in order
 #   stages: tests (GPU-marked tests), pipeline (SDXL + Flux steps), profile / profile-percall (SDXL step
-#           host/GPU profile, merged-weight cache on / off),
-#           llm (decode / prefill), llm-profile (the same + host profiles of eager decode steps), load (SDXL-size adapter load), fused (layer paths), delta (delta kernels)
+#           host/GPU profile, merged-weight cache on / off), llm (decode / prefill), llm-profile (the same
+#           + host profiles of eager decode steps), load (SDXL-size adapter load), fused / fused-measure
+#           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -22,6 +23,7 @@ for stage in "$@"; do
     llm-profile) TAIL=150 step 240 python3 benchmarks/bench_llm.py --profile --reps 10 --out "$OUT/results/llm_profile.json" ;;
     load) TAIL=80 step 240 python3 benchmarks/bench_load.py --profile --out "$OUT/results/load.json" ;;
     fused) step 300 python3 benchmarks/bench_fused.py --out "$OUT/results/fused.json" ;;
+    fused-measure) step 300 python3 benchmarks/bench_fused.py --dispatch measure --out "$OUT/results/fused_measured.json" ;;
     delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;
   esac
 done

@@ -42,3 +42,12 @@ def merge_cache_limit() -> str:
     """`FDLORA_MERGE_CACHE`: byte budget per device of merged-weight copies (fdlora.layers.merged):
     "auto" (default), a byte count such as 8e9, a share of device memory such as 25%, or 0 to turn it off."""
     return os.environ.get(MERGE_CACHE_VAR, "auto").strip().lower() or "auto"
+
+
+DISPATCH_VAR = "FDLORA_DISPATCH"
+
+
+def dispatch_measure() -> bool:
+    """`FDLORA_DISPATCH`: "model" (default: the cost model of fdlora.kernels.triton.lora_linear_dispatch) or
+    "measure" (the first eager call of an ambiguous layer shape times the close candidates on the GPU)."""
+    return os.environ.get(DISPATCH_VAR, "model").strip().lower() == "measure"

@@ -316,6 +316,87 @@ def test_dispatch_model_picks_what_the_h100_measured(M, K, N, S, R, G, expected)
     D.clear()
 
 
+def test_dispatch_measures_close_candidates_once(monkeypatch) -> None:
+    """FDLORA_DISPATCH=measure: the first plan of a shape whose modelled paths are close times exactly those,
+    keeps the fastest by the timer, and is cached; clear-cut shapes, the default mode, calls without a runner
+    and a failing timer all leave the choice to the model."""
+    try:
+        from fdlora.kernels.triton import lora_linear_dispatch as D
+    except ImportError as e:
+        pytest.skip(f"triton not importable: {e}")
+    if not D.delta_available():
+        pytest.skip("the Triton lora_delta op is not importable here")
+    close = D.Problem(4608, 12288, 3072, 1, 64, torch.bfloat16, "cuda", 132, 1)  # merged vs cublas_delta
+    clear = D.Problem(8192, 1280, 1280, 1, 16, torch.bfloat16, "cuda", 132, 1)  # merged by far
+    us = D.estimate(close)
+    near = [k for k in sorted(us, key=us.get) if us[k] <= min(us.values()) * (1 + D.AMBIGUOUS)]
+    assert len(near) >= 2, us
+    ran, timed = [], []
+
+    def run(path):
+        ran.append(path)
+
+    def timer(fn):  # the model's last close candidate is the fastest "on the GPU"
+        fn()
+        timed.append(ran[-1])
+        return 1.0 if ran[-1] == near[-1] else 2.0
+
+    D.clear()
+    try:
+        assert D.plan(close, run, timer).path == near[0] and not ran  # default: the model alone
+        D.clear()
+        monkeypatch.setenv("FDLORA_DISPATCH", "measure")
+        got = D.plan(close, run, timer)
+        assert got.path == near[-1] and sorted(timed) == sorted(near) and "measured" in got.reasons[0]
+        assert D.plan(close, run, timer) is got and len(timed) == len(near)  # cached: measured once
+        assert D.plan(clear, run, timer).path == "merged" and len(timed) == len(near)  # not ambiguous
+        D.clear()
+        assert D.plan(close).path == near[0]  # no runner (compiling, capturing): the model
+
+        def broken(fn):
+            raise RuntimeError("capture refused")
+
+        D.clear()
+        got = D.plan(close, run, broken)
+        assert got.path == near[0] and "measuring failed" in got.reasons[-1]
+    finally:
+        D.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_measured_dispatch_times_on_the_gpu_and_matches_the_oracle(L, monkeypatch) -> None:
+    """FDLORA_DISPATCH=measure on a real ambiguous shape: the first call times the close paths with CUDA
+    graphs, the result equals the reference, and the plan says it was measured."""
+    from fdlora.kernels.triton import lora_linear_dispatch as D
+
+    monkeypatch.setenv("FDLORA_DISPATCH", "measure")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, K, N, R = 4608, 12288, 3072, 64
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    W = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    A = (torch.randn(1, R, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    B = (torch.randn(N, 1, R, device="cuda", generator=g) * 0.05).bfloat16()
+    scale, gw = torch.ones(1, device="cuda"), torch.ones(1, 1, device="cuda")
+    ranks = torch.full((1,), R, dtype=torch.int32, device="cuda")
+    D.clear()
+    try:
+        with torch.inference_mode():
+            y = L.lora_linear(x, W, None, A, B, scale, gw, ranks)
+            want = ref.lora_linear(x, W, None, A, B, scale, gw, ranks)
+        plan = D.plan(D.Problem(M, K, N, 1, R, torch.bfloat16, "cuda", D_sms(), 1))
+        assert "measured" in plan.reasons[0], str(plan)
+        torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    finally:
+        D.clear()
+
+
+def D_sms() -> int:
+    from fdlora.kernels.triton import config
+
+    return config.sm_count(torch.cuda.current_device())
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d-views"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)

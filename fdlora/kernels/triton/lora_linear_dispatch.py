@@ -22,14 +22,24 @@ comes from the cost model `estimate` (microseconds, constants fitted to H100 mea
 every path at the SDXL / Flux / decode shapes); benchmarks/bench_fused.py re-measures every path
 and checks that the modelled choice is within 3% of the measured best. `record` lets a caller
 that measured override the model for one shape.
+
+With FDLORA_DISPATCH=measure, the first eager CUDA call of a shape where the model's best paths lie
+within `AMBIGUOUS` of each other times those paths on the call's own inputs and keeps the fastest:
+GPU time only (each path captured once in a CUDA graph and replayed between CUDA events), since
+host-inclusive wall time ranks paths by launch overhead instead (a rejected first try:
+benchmarks/results/nvidia-h100-80gb-hbm3/fused_measured_dispatch_rejected.json). Calls that cannot
+time (compiling, capturing, fake tensors) use the model; a failed measurement falls back to it.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from ... import env
 
 PATHS = ("fused", "fused_pre", "cublas_delta", "merged", "reference")
 
@@ -126,15 +136,55 @@ def _fastest(how: str, us: dict[str, float]) -> tuple[str, tuple[str, ...]]:
     return order[0], (f"{how}: " + ", ".join(f"{k} {us[k]:.1f}us" for k in order),)
 
 
-def plan(p: Problem) -> Plan:
-    """The path for `p`: a recorded measurement if there is one, else the cost model. Cached per shape."""
+AMBIGUOUS = 0.15  # modelled paths within this share of the best are timed when measuring (the model errs ~10%)
+MEASURE_REPS = 10
+
+
+def graph_us(fn: Callable[[], object], reps: int = MEASURE_REPS) -> float:
+    """GPU microseconds of one `fn()`: warmed up on a side stream (autotuning, compiles), captured once in a
+    CUDA graph, replayed `reps` times between CUDA events; the best of three rounds."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
+
+
+def plan(p: Problem, run: Callable[[str], object] | None = None,
+         timer: Callable[[Callable[[], object]], float] = graph_us) -> Plan:
+    """The path for `p`, decided once per shape and cached: a recorded measurement if there is one; else the
+    cost model, or with FDLORA_DISPATCH=measure and `run` (path -> runs it on the call's real inputs) the
+    fastest of the model's close candidates by `timer`."""
     got = _PLANS.get(p)
     if got is not None:
         return got
     if p.device != "cuda":  # CPU: the Triton interpreter (tests); the fused kernel is what they test
         got = Plan("fused", (f"device {p.device}: Triton interpreter, fused kernel",))
     else:
-        got = Plan(*_fastest("cost model", estimate(p)))
+        us = estimate(p)
+        got = Plan(*_fastest("cost model", us))
+        close = [k for k in sorted(us, key=us.get) if us[k] <= us[got.path] * (1 + AMBIGUOUS)]
+        if run is not None and len(close) > 1 and env.dispatch_measure():
+            try:
+                timed = {k: timer(lambda k=k: run(k)) for k in close}
+            except Exception as e:  # capture refused, out of memory, ...: the model decides
+                got = Plan(got.path, got.reasons + (f"measuring failed ({type(e).__name__}: {e})"[:200],))
+            else:
+                got = Plan(_fastest("measured", timed)[0], _fastest("measured", timed)[1] + got.reasons)
     _PLANS[p] = got
     return got
 
