@@ -98,6 +98,11 @@ def adapter_from_state(model: nn.Module, config: object, tensors: dict[str, torc
         raise TargetError(f"{what}: none of its {len(parts)} LoRA modules is targeted by its own LoraConfig "
                           f"(target_modules={config.target_modules!r}); adapter_config.json does not fit the weights.")
     check_wrappable(model, paths, what)
+    with_bias = bool(getattr(config, "lora_bias", False))
+    stray = [p for p in paths if "B.bias" in parts[p]] if not with_bias else []
+    if stray:
+        warnings.warn(f"{what}: the file has lora_B.bias for {stray[:4]} (+{max(0, len(stray) - 4)}), but its "
+                      "LoraConfig has lora_bias=False; PEFT ignores them, and so does fd-lora.", stacklevel=3)
     modules = {}
     for path in paths:
         w = parts[path]
@@ -109,7 +114,7 @@ def adapter_from_state(model: nn.Module, config: object, tensors: dict[str, torc
                 f"{what}: {path} has rank {w['A.weight'].shape[0]} in the weights but {r} in its LoraConfig "
                 "(r / rank_pattern); the adapter_config.json does not belong to these weights."
             )
-        modules[path] = ModuleLora(w["A.weight"], w["B.weight"], alpha, w.get("B.bias"))
+        modules[path] = ModuleLora(w["A.weight"], w["B.weight"], alpha, w.get("B.bias") if with_bias else None)
     saved = _saved_modules(model, config, rest, what)
     if not modules:
         raise FormatError(f"{what} has no LoRA weights (keys: {list(tensors)[:4]}); fd-lora serves LoRA adapters.")

@@ -87,7 +87,10 @@ def save_peft(model: nn.Module, directory: str | os.PathLike, adapter_name: str 
     session = session_of(base)
     weights = _module_weights(h, slot)
     saved = {p: sw.copies[adapter_name] for p, sw in session.saved.items() if adapter_name in sw.copies}
-    config = session.configs.get(adapter_name) or _config_from_banks(base, h, weights, sorted(saved))
+    config = copy_module.copy(session.configs.get(adapter_name) or _config_from_banks(base, h, weights, sorted(saved)))
+    config.inference_mode = True  # what PeftModel.save_pretrained writes, also for configs taken from a live model
+    if config.task_type is None and config.auto_mapping is None:  # AutoPeftModel finds the base class through it
+        config.auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
     with_bias = bool(getattr(config, "lora_bias", False))
     tensors = {}
     for path, (A, B, bias, _) in weights.items():

@@ -10,13 +10,15 @@ above this bound.
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 import fdlora
 from fdlora.testing import EPS, max_err
-from pipelines_tf.models import CASES, built, first_tensor
+from pipelines_tf.models import CASES, built, first_tensor, ids, randomize_lora
 
 IDS = [c.id for c in CASES]
 FACTOR = 4  # two independent fp32 rounding paths through a whole network: eager's error is one sample of it
@@ -45,13 +47,19 @@ def peft_run(peft_model, name, inputs, dtype=torch.float32, **kw):
     return run(peft_model, inputs, dtype, **kw)
 
 
-def check_close(ours, peft, oracle, what=""):
-    """Each tensor within FACTOR x eager's error on it (its own, or eager's worst relative error at its scale)."""
-    assert len(ours) == len(peft) == len(oracle) > 0
-    rel = max(max_err(p, o) / float(o.abs().max().clamp_min(1e-30)) for p, o in zip(peft, oracle))
-    for i, (f, p, o) in enumerate(zip(ours, peft, oracle)):
+def check_close(ours, peft, oracle, what="", also=()):
+    """Each tensor within FACTOR x eager's error on it (its own, or eager's worst relative error at its scale).
+
+    `also`: more eager fp32 results of the same computation (e.g. the rows of a mixed batch run one by one);
+    eager's error is then the worst of its samples, a steadier estimate where a network amplifies rounding (T5).
+    """
+    samples = [peft, *also]
+    assert len(ours) == len(oracle) > 0 and all(len(s) == len(oracle) for s in samples)
+    errs = [max(max_err(s[i], o) for s in samples) for i, o in enumerate(oracle)]
+    rel = max(e / float(o.abs().max().clamp_min(1e-30)) for e, o in zip(errs, oracle))
+    for i, (f, o) in enumerate(zip(ours, oracle)):
         scale = float(o.abs().max())
-        limit = FACTOR * max(max_err(p, o), rel * scale) + 4 * EPS[torch.float32] * scale + 1e-12
+        limit = FACTOR * max(errs[i], rel * scale) + 4 * EPS[torch.float32] * scale + 1e-12
         err = max_err(f, o)
         assert err <= limit, f"{what} tensor {i}: fd-lora err {err:.3g} > {limit:.3g} (eager rel err {rel:.3g})"
 
@@ -97,3 +105,57 @@ def test_mixed_rows_equal_single_runs(case):
     with torch.no_grad():  # a "__base__" row is the base model, bit for bit
         assert torch.equal(first_tensor(model(**base_row, adapter_names=["__base__"])),
                            first_tensor(b.base(**base_row)))
+
+
+OPS = ("lora_delta", "lora_delta_rows", "lora_linear", "lora_conv_delta")  # every op a fused forward may call
+
+
+def counting(op, name, owner, calls):
+    """`op`, recording (name, the fused layer it serves, args) of each call; a layer is known by its bank's A."""
+    def counted(*args):
+        layer = [owner[a.untyped_storage().data_ptr()] for a in args
+                 if torch.is_tensor(a) and a.untyped_storage().data_ptr() in owner]
+        calls.append((name, layer[0] if layer else None, args))
+        return op(*args)
+    return counted
+
+
+def test_mixed_batch_is_one_op_per_layer(monkeypatch):
+    """3 adapters + "__base__" in one batch: one backend op call per fused layer, carrying every adapter's rows
+    (no Python loop over adapters), and the result is PEFT's."""
+    b = built("llama")
+    peft_model = copy.deepcopy(b.peft)
+    third = get_peft_model(copy.deepcopy(b.base), LoraConfig(r=2, lora_alpha=4, init_lora_weights=False,
+                                                             target_modules=["q_proj", "v_proj", "down_proj"]))
+    randomize_lora(third, seed=4)
+    folder = tempfile.mkdtemp()
+    third.save_pretrained(folder)
+    peft_model.load_adapter(folder, adapter_name="three")
+    peft_model.eval()
+    model = fdlora.load_fd_lora(copy.deepcopy(b.base), b.dirs["one"], "one")
+    fdlora.load_fd_lora(model, b.dirs["two"], "two")
+    fdlora.load_fd_lora(model, folder, "three")
+    layers = fdlora.handle(model).layers
+    owner = {layer.bank.A.untyped_storage().data_ptr(): path for path, layer in layers.items()}
+    calls = []
+    for ops in {id(layer._ops): layer._ops for layer in layers.values()}.values():
+        for name in OPS:
+            if hasattr(ops, name):
+                monkeypatch.setattr(ops, name, counting(getattr(ops, name), name, owner, calls))
+    names = ["three", "one", "__base__", "two"]
+    inputs = {"input_ids": ids(4)}
+    ours = run(model, inputs, adapter_names=names)
+    monkeypatch.undo()
+    assert sorted(path for _, path, _ in calls) == sorted(layers)  # exactly one call per fused layer
+    q = "model.layers.0.self_attn.q_proj"  # every adapter targets it: the one call holds all three, one per row
+    (op, _, args), = [c for c in calls if c[1] == q]
+    assert op == "lora_delta"
+    slot = fdlora.handle(model).state.slots.slot
+    expect = torch.zeros(4, args[5].shape[1])
+    for row, name in enumerate(names):
+        if name != "__base__":
+            expect[row, slot(name)] = 1.0
+    assert torch.equal(args[5], expect)  # group_weight [rows, slots]: one-hot per sample, zero for the base
+    oracle = copy.deepcopy(peft_model).double()
+    check_close(ours, peft_run(peft_model, "one", inputs, adapter_names=names),
+                peft_run(oracle, "one", inputs, torch.float64, adapter_names=names), "mixed")

@@ -43,18 +43,32 @@ def test_greedy_mixed_equals_separate(case_id):
         separate = one_by_one(model, prompts, NAMES, **kw)
     for i, s in enumerate(separate):
         assert torch.equal(mixed[i:i + 1, : s.shape[1]], s), f"row {i} ({NAMES[i]})"
-    assert len({tuple(s[0].tolist()) for s in separate}) == 3  # the three adapters really differ
+    with torch.no_grad():  # the per-row choice matters: each row's first-step logits change with its adapter
+        logits = {n: model.generate(prompts, adapter_names=[n] * 3, max_new_tokens=1, do_sample=False,
+                                    return_dict_in_generate=True, output_logits=True).logits[0] for n in NAMES}
+    for i in range(3):
+        others = [n for n in NAMES if n != NAMES[i]]
+        assert all(not torch.allclose(logits[NAMES[i]][i], logits[n][i]) for n in others), f"row {i}"
 
 
-def test_greedy_matches_peft_adapter_names():
-    model = fd_model("llama")
-    peft_model = built("llama").peft
+@pytest.mark.parametrize("case_id", ["llama", "qwen2", "mistral"])
+def test_greedy_matches_peft_adapter_names(case_id):
+    """Same tokens and, step by step, the same logits as PEFT's generate(adapter_names=...)."""
+    model = fd_model(case_id)
+    peft_model = built(case_id).peft
     prompts = ids(3, 5, seed=8)
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
-        ours = model.generate(prompts, adapter_names=NAMES, max_new_tokens=6, do_sample=False)
-        theirs = peft_model.generate(input_ids=prompts, adapter_names=NAMES, max_new_tokens=6, do_sample=False,
-                                     pad_token_id=0)
-    assert torch.equal(ours, theirs)
+        ours = model.generate(prompts, adapter_names=NAMES, **kw)
+        theirs = peft_model.generate(input_ids=prompts, adapter_names=NAMES, pad_token_id=0, **kw)
+        with peft_model.disable_adapter():
+            base = peft_model.generate(input_ids=prompts, pad_token_id=0, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    got, want, plain = (torch.stack(out.logits, 1) for out in (ours, theirs, base))  # [B, steps, vocab]
+    tol = 1e-5 * float(want.abs().max())
+    assert torch.allclose(got, want, rtol=0, atol=tol)
+    for i, name in enumerate(NAMES):  # each adapter row really differs from the base, the base row does not
+        assert (name == "__base__") == torch.allclose(want[i], plain[i], rtol=0, atol=100 * tol), name
 
 
 def test_beams_and_return_sequences_follow_the_batch():
