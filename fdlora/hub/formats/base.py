@@ -201,10 +201,12 @@ def config_rules(config: dict[str, Any], where: str) -> tuple[AlphaRule, Callabl
 def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str) -> Converted:
     """PEFT-form keys + a LoraConfig dict -> modules, with every field that changes the math applied."""
     alpha_of, rank_of, untargeted = config_rules(config, where)
-    keep, skipped = {}, {}
+    keep, skipped, verdict = {}, {}, {}
     for key, t in sd.items():
         m = PEFT_KEY.fullmatch(key)
-        why = untargeted(m["path"]) if m else None
+        if m and m["path"] not in verdict:  # once per module (its lora_A and lora_B keys share it)
+            verdict[m["path"]] = untargeted(m["path"])
+        why = verdict[m["path"]] if m else None
         (skipped if why else keep)[key] = why or t
     out = build_modules(keep, alpha_of, where=where, rank_of=rank_of, lora_bias=bool(config.get("lora_bias", True)))
     out.unused.update(skipped)
