@@ -192,9 +192,8 @@ class AdapterPool:
         """handle.plan for `host`, taking no slot yet (commit does). On CUDA the packed host copy goes to the
         device in one transfer (NaN-checked there) and `commit` fills the banks from it in one launch
         (fdlora.layers.bulk)."""
-        on_cuda = self.device.type == "cuda"
-        plan = self.handle.plan(host, name, validate=check_finite and not on_cuda, slot=False)
-        staged = stage(host, self.device, check_finite=check_finite) if on_cuda else None
+        staged = stage(host, self.device, check_finite=check_finite) if self.device.type == "cuda" else None
+        plan = self.handle.plan(host, name, validate=check_finite and staged is None, slot=False)
         return dataclasses.replace(plan, staged=staged)
 
     def align(self, adapter: LoraAdapter) -> LoraAdapter:

@@ -151,13 +151,11 @@ class FdLoraHandle:
 
     def commit(self, plan: LoadPlan, *, activate: bool = True) -> int:
         """Carry out a `plan` from `plan()`: wrap, write the banks, register the name."""
-        slot = self.state.slots.check_new(plan.name)
-        if plan.slot >= 0:
-            slot = plan.slot
-            if slot in self.state.slots.by_name.values():
-                raise CapacityError(f"slot {slot} of the plan for {plan.name!r} was taken since; plan again.")
-        else:
-            plan = dataclasses.replace(plan, slot=slot)
+        free = self.state.slots.check_new(plan.name)  # the name is still new and a slot is free
+        if plan.slot < 0:  # planned without a slot (a pool made room after checking)
+            plan = dataclasses.replace(plan, slot=free)
+        elif plan.slot in self.state.slots.by_name.values():
+            raise CapacityError(f"slot {plan.slot} of the plan for {plan.name!r} was taken since; plan again.")
         wrapped = self.wrap(plan.to_wrap)
         scaling = self.state.table.scaling
         try:
@@ -358,13 +356,12 @@ class FdLoraHandle:
 
 
 def _all_of(problems: list[FdLoraError], what: str, hint: str) -> FdLoraError:
-    """One error for every module that cannot take the adapter (of the first problem's type)."""
+    """One error for every module that cannot take the adapter (of the first problem's type); the hint
+    about another model goes with it when a module was missing or not wrappable."""
     first = problems[0]
-    targets = any(isinstance(e, TargetError) for e in problems)
+    hint = hint if any(isinstance(e, TargetError) for e in problems) else ""
     if len(problems) == 1:
-        return type(first)(f"{first} {hint}" if targets else str(first))
+        return type(first)(f"{first} {hint}".rstrip())
     shown = "\n".join(f"  - {e}" for e in problems[:12])
     more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
-    return type(first)(f"{what}: {len(problems)} modules cannot take it:\n{shown}{more}" + (f"\n{hint}" if targets
-                                                                                         else ""))
-
+    return type(first)(f"{what}: {len(problems)} modules cannot take it:\n{shown}{more}\n{hint}".rstrip())

@@ -164,6 +164,11 @@ def graph_us(fn: Callable[[], object], reps: int = MEASURE_REPS) -> float:
     return best
 
 
+def decided(p: Problem) -> Plan | None:
+    """The cached plan for `p`, if one was made (the per-call fast path: no runner, no timing)."""
+    return _PLANS.get(p)
+
+
 def plan(p: Problem, run: Callable[[str], object] | None = None,
          timer: Callable[[Callable[[], object]], float] = graph_us) -> Plan:
     """The path for `p`, decided once per shape and cached: a recorded measurement if there is one; else the
@@ -184,7 +189,8 @@ def plan(p: Problem, run: Callable[[str], object] | None = None,
             except Exception as e:  # capture refused, out of memory, ...: the model decides
                 got = Plan(got.path, got.reasons + (f"measuring failed ({type(e).__name__}: {e})"[:200],))
             else:
-                got = Plan(_fastest("measured", timed)[0], _fastest("measured", timed)[1] + got.reasons)
+                path, why = _fastest("measured", timed)
+                got = Plan(path, why + got.reasons)
     _PLANS[p] = got
     return got
 
