@@ -3,17 +3,18 @@
 #   bash benchmarks/gpu_session.sh tests pipeline profile     # stages, in order
 #   stages: tests (GPU-marked tests), pipeline (SDXL + Flux steps), profile / profile-percall (SDXL step
 #           host/GPU profile, merged-weight cache on / off), llm (decode / prefill), llm-profile (the same
-#           + host profiles of eager decode steps), load (SDXL-size adapter load), fused / fused-measure
+#           + host profiles of eager decode steps), layer (host time of one fused layer's eager forward), load (SDXL-size adapter load), fused / fused-measure
 #           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name --format=csv,noheader
-step() { local t=$1; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[transformers\]\|Warning\|warnings.warn" | tail -${TAIL:-40}; }
+step() { local t=$1 s=$SECONDS; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[transformers\]\|Warning\|warnings.warn" | tee -a "$OUT/log.txt" | tail -${TAIL:-40}; echo "== took $((SECONDS - s)) s"; }
 for stage in "$@"; do
   case $stage in
-    tests) TAIL=15 step 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
+    layer) TAIL=3 step 120 python3 benchmarks/profile_layer.py --out "$OUT/results/layer_host.json" ;;
+    tests) TAIL=15 step 420 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
     profile) TAIL=70 step 150 python3 benchmarks/profile_step.py --model sdxl --depth 6 --out "$OUT/results/profile_sdxl.json" ;;
