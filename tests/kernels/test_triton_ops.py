@@ -99,6 +99,35 @@ def test_delta_matches_oracle_gpu_only(tops, case: Case) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["fused", "split", "rows"])
+def test_eager_relaunch_skips_the_autotuner_and_keeps_the_result(tops, monkeypatch, mode: str, device: str) -> None:
+    """A second eager launch of a tuned shape goes straight to the chosen config: same output, no autotuner call."""
+    skip_unless(device)
+    from triton.runtime.autotuner import Autotuner
+
+    from fdlora.kernels.triton import config
+
+    monkeypatch.setattr(config, "_CHOSEN", {})
+    calls = []
+    run = Autotuner.run
+    monkeypatch.setattr(Autotuner, "run", lambda self, *a, **k: calls.append(self) or run(self, *a, **k))
+    case = Case(f"relaunch-{mode}", "rows" if mode == "rows" else "blend", 20, 40, 36, 32, (16, 8),
+                (1.0, 0.5), split=None if mode == "rows" else mode == "split")
+    outs, tuner_calls = [], []
+    for _ in range(2):
+        d = make_inputs(case, device)
+        y_before = d["y"].cpu().clone()
+        _run(tops, case, d)
+        _check(case, d, y_before)
+        outs.append(d["y"].cpu())
+        tuner_calls.append(len(calls))
+    kernels = 2 if mode == "split" else 1  # split: shrink, then expand-add
+    assert tuner_calls == [kernels, kernels], "only the first launch of each kernel goes through the autotuner"
+    assert len(config._CHOSEN) == kernels
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_shrink_and_expand_add_match_reference(tops, device: str, dtype: str) -> None:
     skip_unless(device)

@@ -11,6 +11,7 @@ import functools
 
 import torch
 import triton
+from torch._library.triton import is_wrap_triton_enabled, wrap_triton
 
 from ... import env
 from ...errors import FdLoraError
@@ -83,6 +84,29 @@ def kernels(fn, table: dict[str, list[triton.Config]], key: list[str], **autotun
 
 def pick(table: dict, M: int):
     return table[(M <= FEW_ROWS, AUTOTUNE)]
+
+
+_CHOSEN: dict[tuple, triton.Config] = {}  # (autotuner, tuning key) -> the config it chose
+
+
+def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
+    """Launch the autotuned kernel of `table` for M rows.
+
+    Traced calls (wrap_triton enabled: torch.compile, the torch.ops path) go through wrap_triton. Plain eager
+    launches go through the autotuner once per `key` (the tuning key: M bucket, K, N, tiles, dtypes) and then
+    launch the jitted kernel with the config it chose: the autotuner's per-call key building over every
+    argument costs more host time than a decode-sized kernel runs (benchmarks/profile_layer.py).
+    """
+    tuner = pick(table, M)
+    if is_wrap_triton_enabled():
+        wrap_triton(tuner)[grid](*args, **kwargs)
+        return
+    config = _CHOSEN.get((tuner, key))
+    if config is None:
+        tuner[grid](*args, **kwargs)
+        _CHOSEN[(tuner, key)] = tuner.best_config
+    else:
+        tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
 
 
 def check_blocks(configs: list[triton.Config], **extra: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from . import config as C
 from .dispatch import delta_plan
@@ -108,7 +108,8 @@ def launch_fused(
     def grid(meta):
         return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms), 1)
 
-    wrap_triton(C.pick(_KERNELS, M))[grid](
+    C.launch(
+        _KERNELS, M, grid, (C.bucket(M), K, N, RMAX, S, y.dtype, A.dtype),
         y, x, A, B, scale, group_weight, ranks,
         M, K, N, S, R, M // G, C.bucket(M),
         *C.strides(y), *C.strides(x), *C.strides(A), *C.strides(B), *C.strides(scale), *C.strides(group_weight),

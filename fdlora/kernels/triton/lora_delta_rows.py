@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from . import config as C
 from .tiles import expand_add_tiles, shrink_tile
@@ -109,7 +109,8 @@ def lora_delta_rows(
     def grid(meta):
         return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms, per_block=slots_used), S)
 
-    wrap_triton(C.pick(_KERNELS, M))[grid](
+    C.launch(
+        _KERNELS, M, grid, (C.bucket(M), K, N, RMAX, y.dtype, A.dtype),
         y, x, A, B, scale, row_slot, ranks,
         M, K, N, C.bucket(M),
         *C.strides(y), *C.strides(x), *C.strides(A), *C.strides(B), *C.strides(scale), *C.strides(row_slot),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from . import config as C
 from .tiles import expand_add_tiles, pack_block, packed_columns
@@ -102,7 +102,8 @@ def launch_expand_add(
     def grid(meta):
         return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms), 1)
 
-    wrap_triton(C.pick(_KERNELS, M))[grid](
+    C.launch(
+        _KERNELS, M, grid, (C.bucket(M), N, RMAX, S, y.dtype, B.dtype, has_ranks),
         y, h3, B, scale, group_weight, ranks,
         M, N, S, R, h3.shape[0], M // G, C.bucket(M),
         *C.strides(y), *C.strides(h3), *C.strides(B), *C.strides(scale), *C.strides(group_weight),

@@ -292,7 +292,7 @@ def launch_lora_linear(
     flags = dict(S_PAD=C.slot_pad(S), RMAX=RMAX, MORE=width > RMAX, PRE=pre, HAS_BIAS=bias is not None,
                  EVEN_K=K % MAX_BK == 0, **C.dot_flags(A.dtype))
     if config is None:
-        wrap_triton(C.pick(_KERNELS, M))[grid](*args, **flags)
+        C.launch(_KERNELS, M, grid, (C.bucket(M), K, N, RMAX, pre, x.dtype, bias is not None), *args, **flags)
     else:
         meta = dict(config.kwargs)
         wrap_triton(_JIT)[grid(meta)](

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from . import config as C
 from .tiles import shrink_tile
@@ -80,7 +80,9 @@ def launch_shrink(
     if skip:
         ranks = ranks.contiguous()
     dummy = h  # never read when not skipping
-    wrap_triton(C.pick(_KERNELS, M))[lambda meta: (triton.cdiv(M, meta["BM"]), S * triton.cdiv(R, RC), P)](
+    C.launch(
+        _KERNELS, M, lambda meta: (triton.cdiv(M, meta["BM"]), S * triton.cdiv(R, RC), P),
+        (C.bucket(M), K, RC, A.dtype, skip),
         h, x, A, scale if skip else dummy, ranks if skip else dummy,
         M, K, R, C.bucket(M),
         *C.strides(h), *C.strides(x), *C.strides(A), C.strides(scale)[0] if skip else 0,
