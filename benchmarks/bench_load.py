@@ -240,6 +240,7 @@ def main() -> None:
             fd_delete(name)
             print(f"== profile {load.__name__}")
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+            pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
     hub_ms, hub_all = timed(fd_hub_cache, fd_delete, a.repeats)
     ram_ms, ram_all = timed(fd_ram_cache, fd_delete, a.repeats)
     diff_ms, diff_all = timed(diffusers_load, pipe.delete_adapters, max(3, a.repeats // 2))

@@ -73,7 +73,7 @@ class AdapterCache:
 
     def put(self, key: CacheKey, adapters: dict[str, LoraAdapter], report: LoadReport) -> dict[str, LoraAdapter]:
         """Store (pinned when enabled) and return the adapters the caller should use from now on."""
-        nbytes = sum(a.nbytes() for a in adapters.values())
+        nbytes = report.nbytes or sum(a.nbytes() for a in adapters.values())
         if nbytes > self.max_bytes:
             return adapters
         if self.pin and not all(packed_pinned(a) for a in adapters.values()):
@@ -111,8 +111,9 @@ def default_cache() -> AdapterCache | None:
 
 
 def _fresh(adapters: dict[str, LoraAdapter]) -> dict[str, LoraAdapter]:
-    """New adapter objects (callers may rename them) over the same cached tensors."""
-    return {c: LoraAdapter(dict(a.modules), a.use_rslora, a.name, a.provenance) for c, a in adapters.items()}
+    """New adapter objects (callers may rename them) over the same cached tensors (and their known span)."""
+    return {c: keep_span(a, LoraAdapter(dict(a.modules), a.use_rslora, a.name, a.provenance))
+            for c, a in adapters.items()}
 
 
 def pack_adapters(adapters: dict[str, LoraAdapter], pin: bool = True) -> dict[str, LoraAdapter]:
@@ -172,11 +173,28 @@ def _span(tensors: list[torch.Tensor]) -> tuple[int, int, int] | None:
     return start, lo, hi
 
 
+def span_of(adapter: LoraAdapter) -> tuple[int, int, int] | None:
+    """`_span` of the adapter's tensors, computed once per module set: a 1000-module adapter costs ~2000
+    tensor queries, and the RAM cache hands out the same tensors on every hit (`_fresh` and `align_paths`
+    carry the result over to the new adapter objects they make)."""
+    got = adapter.__dict__.get("_span")
+    if got is None or got[0] is not adapter.modules or got[1] != len(adapter.modules):
+        got = adapter.__dict__["_span"] = (adapter.modules, len(adapter.modules), _span(_tensors(adapter)))
+    return got[2]
+
+
+def keep_span(old: LoraAdapter, new: LoraAdapter) -> LoraAdapter:
+    """Give `new` (same module tensors as `old`, maybe other paths) `old`'s computed span; returns `new`."""
+    got = old.__dict__.get("_span")
+    if got is not None and got[0] is old.modules and got[1] == len(old.modules) == len(new.modules):
+        new.__dict__["_span"] = (new.modules, len(new.modules), got[2])
+    return new
+
+
 def packed_pinned(adapter: LoraAdapter) -> bool:
     """Every tensor a contiguous view into one page-locked buffer (`pack_adapters`, or the file read pinned):
     ready for `stage`, no packing needed."""
-    tensors = _tensors(adapter)
-    return tensors[0].is_pinned() and _span(tensors) is not None
+    return next(iter(adapter.modules.values())).A.is_pinned() and span_of(adapter) is not None
 
 
 def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: bool = False) -> Staged | None:
@@ -186,15 +204,16 @@ def stage(adapter: LoraAdapter, device: torch.device | str, *, check_finite: boo
     one dtype); the modules are then marked checked. A hit (possibly in alignment padding) is settled by
     the exact host check, which raises with the module's path.
     """
-    tensors = _tensors(adapter)
-    span = _span(tensors)
+    span = span_of(adapter)
     if span is None:
         return None
+    first = next(iter(adapter.modules.values())).A
     start, lo, hi = span  # only the bytes this adapter's tensors span (a file read pinned holds every component's)
     lo, hi = lo - start, hi - start
-    host = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())[lo:hi]
+    host = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())[lo:hi]
     staged = Staged(host.to(device, non_blocking=host.is_pinned()), start + lo)
     if check_finite and not all(m.finite for m in adapter.modules.values()):
+        tensors = _tensors(adapter)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) == 1:
             size = tensors[0].element_size()

@@ -29,7 +29,7 @@ from ..errors import FormatError
 from . import formats
 from .adapter import LoraAdapter, Provenance
 from .cache import AdapterCache, CacheKey, default_cache
-from .report import LoadReport, group_stats
+from .report import LoadReport
 from .resolve import Resolved, fetch, resolve
 from .safefile import read_weights
 
@@ -98,7 +98,6 @@ def load_adapters(
         source=r.source, kind=r.kind, revision=r.revision, sha=r.sha, file=r.file, file_choice=r.choice,
         format=fmt.name, format_reason=why, also_matched=others,
         components={c: len(a.modules) for c, a in adapters.items()},
-        groups=[g for c, a in adapters.items() for g in group_stats(c, a.modules)],
         rslora={c: a.use_rslora for c, a in adapters.items()}, configs=conv.configs,
         keys_total=len(raw.tensors), keys_matched=conv.matched, keys_unused=conv.unused,
         keys_dropped=conv.dropped, notes=conv.notes, dtype=str(dtype).removeprefix("torch.") if dtype else None,
@@ -110,6 +109,7 @@ def load_adapters(
                           f"{len(raw.tensors)} keys: {dict(list(reasons.items())[:8])}.")
     if key is not None:
         adapters = ram.put(key, adapters, report)
+    report.modules_of = {c: a.modules for c, a in adapters.items()}  # (the cached tensors once put)
     report.seconds = {"resolve": t1 - t0, "fetch": t2 - t1, "read": t3 - t2, "convert": time.perf_counter() - t3}
     return _finish(adapters, report, name, strict, check_finite)
 

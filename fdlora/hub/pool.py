@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
 from .adapter import LoraAdapter
-from .cache import pack_adapters, packed_pinned, stage
+from .cache import keep_span, pack_adapters, packed_pinned, stage
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -223,7 +223,7 @@ def align_paths(adapter: LoraAdapter, names: frozenset[str] | set[str]) -> LoraA
         mods[path] = m
     if len(mods) != len(adapter.modules):
         raise TargetError("two module paths of the adapter map to the same module once text_model. is fitted.")
-    return LoraAdapter(mods, adapter.use_rslora, adapter.name, adapter.provenance)
+    return keep_span(adapter, LoraAdapter(mods, adapter.use_rslora, adapter.name, adapter.provenance))
 
 
 def add_to_pools(pools: Mapping[str, AdapterPool], adapters: Mapping[str, LoraAdapter], name: str, *,

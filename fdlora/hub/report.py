@@ -41,7 +41,8 @@ class LoadReport:
     format_reason: str = ""
     also_matched: list[str] = field(default_factory=list)
     components: dict[str, int] = field(default_factory=dict)  # component -> module count
-    groups: list[GroupStats] = field(default_factory=list)
+    # component -> modules, summarised into `groups` on first read (loads that nobody prints skip the work)
+    modules_of: dict[str, dict[str, ModuleLora]] = field(default_factory=dict, repr=False, compare=False)
     rslora: dict[str, bool] = field(default_factory=dict)
     configs: dict[str, dict] = field(default_factory=dict)
     keys_total: int = 0
@@ -57,6 +58,14 @@ class LoadReport:
     @property
     def modules(self) -> int:
         return sum(self.components.values())
+
+    @property
+    def groups(self) -> list[GroupStats]:
+        """Rank and alpha per module group (`group_of`), per component."""
+        got = self.__dict__.get("_groups")
+        if got is None:
+            got = self.__dict__["_groups"] = [g for c, mods in self.modules_of.items() for g in group_stats(c, mods)]
+        return got
 
     def check_strict(self) -> None:
         """Raise `UnusedKeysError` listing every unused or dropped key (what `strict=True` does)."""

@@ -77,12 +77,13 @@ class AdapterBank(nn.Module):
         """Host bookkeeping after slot `slot` was written with `rank` (0: cleared)."""
         self.used[slot] = rank > 0
         self.host_ranks[slot] = rank
-        self.version += 1
+        self.__dict__["version"] += 1  # (not through nn.Module.__setattr__: loads mark ~1000 banks)
 
     def addresses(self) -> tuple:
         """(A slot 0, A slot stride, B slot 0, B slot stride, N, B row stride, ranks slot 0, ranks slot stride,
         dtype, device): addresses in bytes (row stride in elements) for the bulk writer (fdlora.layers.bulk)."""
-        A, B, ranks = self.A, self.B, self.ranks
+        buffers = self._buffers
+        A, B, ranks = buffers["A"], buffers["B"], buffers["ranks"]
         key = (A.data_ptr(), B.data_ptr(), ranks.data_ptr())
         got = self.__dict__.get("_addresses")
         if got is None or got[0] != key:

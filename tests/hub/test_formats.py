@@ -7,11 +7,14 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save, save_file
 from support import loras, tiny
 
 from fdlora.errors import UnsupportedFeatureError, UnusedKeysError
 from fdlora.hub import AdapterCache, AdapterPool, load_adapters
+from fdlora.hub.formats.base import PEFT_KEY, peft_key
 from fdlora.layers import FdLoraHandle
 
 IDS = torch.tensor([[0, 5, 7, 9, 1]])
@@ -431,3 +434,11 @@ def test_reads_back_what_it_was_given(tmp_path):
     assert m.A.dtype == torch.bfloat16 and torch.equal(m.A, load_file(tmp_path / "adapter_model.safetensors")[
         "base_model.model.layers.0.q_proj.lora_A.weight"])
     assert h["model"].modules["layers.0.q_proj"].B.dtype == torch.float16 and r.dtype == "float16"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", ".", "_", "lora_A", "lora_B", "weight", "bias", ".lora_A.weight",
+                                 ".lora_B.bias", "lora_B.weight"]), max_size=8).map("".join))
+def test_peft_key_splits_keys_as_the_peft_key_pattern(key):
+    m = PEFT_KEY.fullmatch(key)
+    assert peft_key(key) == (None if m is None else (m["path"], m["part"]))

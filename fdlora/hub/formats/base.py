@@ -9,7 +9,10 @@ module's alpha becomes `ModuleLora`s, and every key that did not become one is a
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +25,17 @@ from ..adapter import ModuleLora
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 MODEL = "model"  # the component of a single-model adapter whose target cannot be told from its keys
 PEFT_KEY = re.compile(r"(?P<path>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias)")
+_PEFT_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
+
+
+def peft_key(key: str) -> tuple[str, str] | None:
+    """(module path, part) of a PEFT-form key (`PEFT_KEY`'s match, by string operations: a load splits
+    every key of the file a few times), or None."""
+    if not key.endswith(_PEFT_SUFFIXES):
+        return None
+    head, _, tail = key.rpartition(".")
+    path, _, lora = head.rpartition(".")
+    return (path, f"{lora}.{tail}") if path else None
 AlphaRule = Callable[[str, int], float]  # (module path, rank) -> alpha
 
 # LoraConfig fields that change what a loaded adapter computes and that fd-lora does not implement
@@ -90,14 +104,14 @@ def build_modules(sd: dict[str, torch.Tensor], alpha_of: AlphaRule, *, where: st
     out = Converted()
     parts: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in sd.items():
-        m = PEFT_KEY.fullmatch(key)
+        m = peft_key(key)
         if m is None:
             _classify_other(key, out, where)
             continue
-        if m["part"] == "lora_B.bias" and not lora_bias:
+        if m[1] == "lora_B.bias" and not lora_bias:
             out.unused[key] = "a lora_B bias, but the config has lora_bias=False (PEFT would not load it)"
             continue
-        parts.setdefault(m["path"], {})[m["part"]] = (key, t)
+        parts.setdefault(m[0], {})[m[1]] = (key, t)
     mods: dict[str, ModuleLora] = {}
     for path, p in parts.items():
         if "lora_A.weight" not in p or "lora_B.weight" not in p:
@@ -171,13 +185,14 @@ def config_rules(config: dict[str, Any], where: str) -> tuple[AlphaRule, Callabl
     rank_pattern = dict(fields.get("rank_pattern") or {})
     alpha_pattern = dict(fields.get("alpha_pattern") or {})
     targets = fields.get("target_modules")
-    cfg = None
+    cfg, verdicts = None, {}
     if targets is not None and targets != "all-linear":
         kw = {k: fields.get(k) for k in ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")}
         try:
             cfg = LoraConfig(**{k: v for k, v in kw.items() if v is not None})
         except (TypeError, ValueError) as e:
             raise FormatError(f"{where}: the LoraConfig targeting fields are invalid: {e}") from None
+        verdicts = _verdicts(json.dumps(kw, sort_keys=True, default=repr))
 
     def alpha_of(path: str, rank: int) -> float:
         return float(alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), path), lora_alpha))
@@ -188,14 +203,33 @@ def config_rules(config: dict[str, Any], where: str) -> tuple[AlphaRule, Callabl
     def untargeted(path: str) -> str | None:
         if cfg is None:
             return None
+        if path in verdicts:
+            return verdicts[path]
         hit = check_target_module_exists(cfg, path)
+        why = None
         if type(hit).__name__ == "_ExcludedModule":  # falsy, so test it first
-            return "its module is excluded by the config's exclude_modules (PEFT would not load it)"
-        if not hit:
-            return "its module is not matched by the config's target_modules (PEFT would not load it)"
-        return None
+            why = "its module is excluded by the config's exclude_modules (PEFT would not load it)"
+        elif not hit:
+            why = "its module is not matched by the config's target_modules (PEFT would not load it)"
+        verdicts[path] = why
+        return why
 
     return alpha_of, rank_of, untargeted
+
+
+_VERDICTS: OrderedDict[str, dict[str, str | None]] = OrderedDict()  # targeting fields -> {module path: verdict}
+_VERDICTS_LOCK = threading.Lock()
+
+
+def _verdicts(targeting: str) -> dict[str, str | None]:
+    """PEFT's targeting verdicts per module path for one set of targeting fields, kept across loads: adapters
+    for one base model share their module paths and usually their target lists (a few recent sets kept)."""
+    with _VERDICTS_LOCK:
+        got = _VERDICTS.pop(targeting, None)
+        _VERDICTS[targeting] = got = {} if got is None else got
+        while len(_VERDICTS) > 16:
+            _VERDICTS.popitem(last=False)
+    return got
 
 
 def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str) -> Converted:
@@ -203,10 +237,10 @@ def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str)
     alpha_of, rank_of, untargeted = config_rules(config, where)
     keep, skipped, verdict = {}, {}, {}
     for key, t in sd.items():
-        m = PEFT_KEY.fullmatch(key)
-        if m and m["path"] not in verdict:  # once per module (its lora_A and lora_B keys share it)
-            verdict[m["path"]] = untargeted(m["path"])
-        why = verdict[m["path"]] if m else None
+        m = peft_key(key)
+        if m and m[0] not in verdict:  # once per module (its lora_A and lora_B keys share it)
+            verdict[m[0]] = untargeted(m[0])
+        why = verdict[m[0]] if m else None
         (skipped if why else keep)[key] = why or t
     out = build_modules(keep, alpha_of, where=where, rank_of=rank_of, lora_bias=bool(config.get("lora_bias", True)))
     out.unused.update(skipped)

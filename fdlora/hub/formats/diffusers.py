@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import FormatError
-from .base import COMPONENTS, PEFT_KEY, Converted, Options, Raw, build_modules, from_config
+from .base import COMPONENTS, Converted, Options, Raw, build_modules, from_config, peft_key
 
 METADATA_KEY = "lora_adapter_metadata"
 DENOISERS = ("unet", "transformer")
@@ -90,7 +90,7 @@ def convert_component(comp: str, sd: dict[str, torch.Tensor], *, config: dict[st
 
 def to_peft_keys(sd: dict[str, torch.Tensor], comp: str) -> dict[str, torch.Tensor]:
     """Rename diffusers' older key spellings to PEFT's with diffusers' own converters (as its loaders do)."""
-    odd = [k for k in sd if not PEFT_KEY.fullmatch(k) and not k.endswith(".alpha")]
+    odd = [k for k in sd if not peft_key(k) and not k.endswith(".alpha")]
     if not odd:
         return sd
     from diffusers.utils.state_dict_utils import (

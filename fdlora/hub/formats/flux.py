@@ -48,7 +48,7 @@ def detect_kohya(raw: Raw) -> str | None:
 
 
 def detect_xlabs(raw: Raw) -> str | None:
-    hit = next((k for k in raw.tensors if XLABS.fullmatch(k)), None)
+    hit = next((k for k in raw.tensors if ".processor." in k and XLABS.fullmatch(k)), None)
     return f"XLabs processor keys (e.g. {hit!r})" if hit else None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from .base import COMPONENTS, MODEL, PEFT_KEY, Converted, Options, Raw, build_modules, from_config, strip_prefix
+from .base import COMPONENTS, MODEL, Converted, Options, Raw, build_modules, from_config, peft_key, strip_prefix
 
 PREFIX = "base_model.model."
 UNET = re.compile(r"(down_blocks|up_blocks|mid_block|conv_in|conv_out|time_embedding|add_embedding)\.")
@@ -32,8 +32,10 @@ def detect(raw: Raw) -> str | None:
 
 
 def detect_bare(raw: Raw) -> str | None:
-    n = sum(PEFT_KEY.fullmatch(k) is not None and not k.startswith(PREFIX) for k in raw.tensors)
-    if n and not any(k.split(".")[0] in COMPONENTS for k in raw.tensors):
+    if any(k.partition(".")[0] in COMPONENTS for k in raw.tensors):  # (cheap test first: a prefixed file)
+        return None
+    n = sum(peft_key(k) is not None and not k.startswith(PREFIX) for k in raw.tensors)
+    if n:
         return f"{n} keys are <module>.lora_A/lora_B without a component prefix (a model-level PEFT state dict)"
     return None
 
@@ -65,7 +67,7 @@ def convert_bare(raw: Raw, opts: Options) -> Converted:
 
 
 def _convert(sd, config, opts: Options) -> Converted:
-    paths = [m["path"] for k in sd if (m := PEFT_KEY.fullmatch(k))]
+    paths = [m[0] for k in sd if (m := peft_key(k))]
     comp, why = (opts.component, "component= given") if opts.component else guess_component(paths)
     if config is not None:
         out = from_config(sd, config, comp)
