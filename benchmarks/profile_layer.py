@@ -8,8 +8,8 @@ Small row counts keep the GPU ahead of the host, so wall time per call is host t
 from __future__ import annotations
 
 import argparse
-import cProfile
 import contextlib
+import cProfile
 import io
 import json
 import pstats
@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fdlora  # noqa: E402
 from fdlora.pipelines.peft import adapter_from_peft  # noqa: E402
-
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run (torch backend)
 
@@ -128,11 +127,11 @@ def main() -> None:
                "samples": h.per_sample(["a0", "a1"] * (batch // 2)),
                "rows": h.per_row([f"a{i % 4}" for i in range(batch * seq)])}[mode]
         with torch.inference_mode(), ctx:
-            t = {"nn.Linear": host_us(lambda: F.linear(x, lin.base.weight, lin.base.bias)),
-                 "fused layer": host_us(lambda: lin(x))}
+            t = {"nn.Linear": host_us(lambda x=x, lin=lin: F.linear(x, lin.base.weight, lin.base.bias)),
+                 "fused layer": host_us(lambda x=x, lin=lin: lin(x))}
             times[label] = t
             print(f"== {label}: " + ", ".join(f"{k} {v:.1f} us" for k, v in t.items()))
-            res["profiles"][label] = profile(lambda: lin(x))
+            res["profiles"][label] = profile(lambda x=x, lin=lin: lin(x))
             print(res["profiles"][label][:3000])
     res["host_us"] = times
     if a.out:
