@@ -117,6 +117,30 @@ def test_peft_config_fields_match_peft(kw, tmp_path):
         close(fd_model(Net(), adapters["model"])(x), ref(x), Net()(x))
 
 
+@pytest.mark.filterwarnings("ignore:.*invalid shape")
+def test_lora_b_biases_under_a_config_without_lora_bias_are_left_out_as_peft_does(tmp_path):
+    """lora_bias defaults to False in LoraConfig: PEFT loads no lora_B bias then, and neither does fd-lora."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(2)
+    src = get_peft_model(Net(), LoraConfig(init_lora_weights=False, r=4, target_modules=["q_proj"], lora_bias=True))
+    for n, p in src.named_parameters():
+        if "lora_B" in n and n.endswith("bias"):
+            p.data.normal_()
+    src.save_pretrained(tmp_path)
+    cfg_path = tmp_path / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["lora_bias"]  # a config written before the field existed
+    cfg_path.write_text(json.dumps(cfg))
+    ref = PeftModel.from_pretrained(Net(), tmp_path)
+    adapters, report = load_adapters(tmp_path, cache=None)
+    assert all(m.bias is None for m in adapters["model"].modules.values())
+    assert report.keys_unused and all("lora_bias=False" in why for why in report.keys_unused.values())
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        close(fd_model(Net(), adapters["model"])(x), ref(x), Net()(x))
+
+
 def test_peft_keys_outside_the_config_targets_are_reported_unused(tmp_path):
     lora = loras.make_lora({"layers.0.q_proj": (16, 16), "layers.0.fc": (16, 16), "layers.1.q_proj": (16, 16)})
     write(loras.peft_files(lora, target_modules=["q_proj", "fc"], exclude_modules=["layers.0.fc"],

@@ -101,30 +101,38 @@ def test_delta_matches_oracle_gpu_only(tops, case: Case) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["fused", "split", "rows"])
 def test_eager_relaunch_skips_the_autotuner_and_keeps_the_result(tops, monkeypatch, mode: str, device: str) -> None:
-    """A second eager launch of a tuned shape goes straight to the chosen config: same output, no autotuner call."""
+    """A second eager launch of a tuned shape goes straight to the chosen config, and (on the GPU) a third one with
+    the same specialization straight to the compiled kernel: same output, no autotuner or binder call."""
     skip_unless(device)
     from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
 
     from fdlora.kernels.triton import config
 
     monkeypatch.setattr(config, "_CHOSEN", {})
-    calls = []
-    run = Autotuner.run
+    monkeypatch.setattr(config, "_COMPILED", {})
+    calls, jit_calls = [], []
+    run, jit_run = Autotuner.run, JITFunction.run
     monkeypatch.setattr(Autotuner, "run", lambda self, *a, **k: calls.append(self) or run(self, *a, **k))
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: jit_calls.append(self) or jit_run(self, *a, **k))
     case = Case(f"relaunch-{mode}", "rows" if mode == "rows" else "blend", 20, 40, 36, 32, (16, 8),
                 (1.0, 0.5), split=None if mode == "rows" else mode == "split")
-    outs, tuner_calls = [], []
-    for _ in range(2):
+    outs, tuner_calls, jitted = [], [], []
+    for _ in range(3):
         d = make_inputs(case, device)
         y_before = d["y"].cpu().clone()
         _run(tops, case, d)
         _check(case, d, y_before)
         outs.append(d["y"].cpu())
         tuner_calls.append(len(calls))
+        jitted.append(len(jit_calls))
     kernels = 2 if mode == "split" else 1  # split: shrink, then expand-add
-    assert tuner_calls == [kernels, kernels], "only the first launch of each kernel goes through the autotuner"
+    assert tuner_calls == [kernels] * 3, "only the first launch of each kernel goes through the autotuner"
     assert len(config._CHOSEN) == kernels
-    assert torch.equal(outs[0], outs[1])
+    if device == "cuda":
+        assert len(config._COMPILED) == kernels
+        assert jitted[2] == jitted[1], "the third launch goes to the compiled kernel directly"
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("device", DEVICES)

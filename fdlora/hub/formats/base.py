@@ -242,7 +242,7 @@ def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str)
             verdict[m[0]] = untargeted(m[0])
         why = verdict[m[0]] if m else None
         (skipped if why else keep)[key] = why or t
-    out = build_modules(keep, alpha_of, where=where, rank_of=rank_of, lora_bias=bool(config.get("lora_bias", True)))
+    out = build_modules(keep, alpha_of, where=where, rank_of=rank_of, lora_bias=bool(config.get("lora_bias", False)))
     out.unused.update(skipped)
     out.rslora[where] = bool(config.get("use_rslora", False))
     out.configs[where] = {k: config[k] for k in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",

@@ -87,15 +87,21 @@ def pick(table: dict, M: int):
 
 
 _CHOSEN: dict[tuple, triton.Config] = {}  # (autotuner, tuning key) -> the config it chose
+_COMPILED: dict[tuple, tuple] = {}  # (autotuner, tuning key) -> (specialization, compiled kernel) of the last launch
+_I32 = (-(2 ** 31), 2 ** 31)
+_current_device = getattr(torch._C, "_cuda_getDevice", lambda: -1)  # (torch.cuda.current_device minus its checks)
 
 
 def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
     """Launch the autotuned kernel of `table` for M rows.
 
     Traced calls (wrap_triton enabled: torch.compile, the torch.ops path) go through wrap_triton. Plain eager
-    launches go through the autotuner once per `key` (the tuning key: M bucket, K, N, tiles, dtypes) and then
-    launch the jitted kernel with the config it chose: the autotuner's per-call key building over every
-    argument costs more host time than a decode-sized kernel runs (benchmarks/profile_layer.py).
+    launches go through the autotuner once per `key` (the tuning key: M bucket, K, N, tiles, dtypes), then
+    through the jitted kernel with the config it chose, which compiles (or finds) the kernel for the
+    arguments' specialization; while later calls have that same specialization (`_specialization`, at least
+    as fine as Triton's own) the compiled kernel is launched directly. Both shortcuts skip per-call work
+    (the autotuner's key building, the binder, the cache lookup) that costs more host time than a
+    decode-sized kernel runs (benchmarks/profile_layer.py).
     """
     tuner = pick(table, M)
     if is_wrap_triton_enabled():
@@ -105,8 +111,65 @@ def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
     if config is None:
         tuner[grid](*args, **kwargs)
         _CHOSEN[(tuner, key)] = tuner.best_config
-    else:
-        tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
+        return
+    jitted = tuner.fn
+    merged = {**kwargs, **config.all_kwargs()}
+    bound = None if INTERPRET else _bound(jitted, args, merged)
+    spec = None if bound is None else _specialization(jitted, bound[0])
+    spec = None if spec is None else (spec, bound[1])
+    full = None if bound is None else bound[0]
+    got = _COMPILED.get((tuner, key))
+    if spec is not None and got is not None and got[0] == spec:
+        named = dict(zip(jitted.arg_names, full))
+        g = grid(named) if callable(grid) else grid
+        got[1][(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)](*full)
+        return
+    kernel = jitted[grid](*args, **merged)
+    if spec is not None and hasattr(kernel, "__getitem__") and hasattr(kernel, "packed_metadata"):
+        _COMPILED[(tuner, key)] = (spec, kernel)
+
+
+def _bound(jitted, args: tuple, kwargs: dict) -> tuple[list, tuple] | None:
+    """(every parameter's value in order, as Triton's binder passes them on; the compile options among
+    `kwargs`, e.g. num_warps), or None if a parameter has no value."""
+    names = jitted.arg_names
+    params = jitted.signature.parameters
+    full = list(args)
+    for name in names[len(args):]:
+        if name in kwargs:
+            full.append(kwargs[name])
+        elif params[name].default is not params[name].empty:
+            full.append(params[name].default)
+        else:
+            return None
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
+    return full, options
+
+
+def _specialization(jitted, full: list) -> tuple | None:
+    """What Triton specializes a launch on, or finer: the current device; constexpr values; tensor dtypes,
+    devices and 16-byte alignment; for integers their width class and, unless `do_not_specialize`, == 1 and
+    divisibility by 16; bool values; None. Anything else: None (no direct launch)."""
+    flags = jitted.__dict__.get("_fdlora_flags")
+    if flags is None:
+        flags = jitted.__dict__["_fdlora_flags"] = [(p.is_constexpr, p.do_not_specialize) for p in jitted.params]
+    out = [_current_device()]
+    add = out.append
+    tensor = torch.Tensor
+    for (const, nospec), v in zip(flags, full):
+        t = type(v)
+        if const or v is None or t is bool:
+            add(v)
+        elif t is int:
+            small = _I32[0] <= v < _I32[1]
+            add(small if nospec else (small, v == 1, v % 16 == 0, v >= 0))
+        elif isinstance(v, tensor):
+            add((v.dtype, v.device, v.data_ptr() % 16 == 0))
+        elif t is float:
+            add(float)
+        else:
+            return None
+    return tuple(out)
 
 
 def check_blocks(configs: list[triton.Config], **extra: int) -> None:
@@ -134,27 +197,37 @@ def strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(v) for v in t.stride())
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (triton.cdiv is a ConstexprFunction: slow to call from Python per launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side triton.next_power_of_2 for n >= 1 (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def bucket(M: int) -> int:
     """Autotune key for M: powers of two up to 16384, so a new sequence length rarely re-tunes."""
-    return min(triton.next_power_of_2(max(M, 1)), 16384)
+    return min(next_pow2(max(M, 1)), 16384)
 
 
 def rank_tile(width: int) -> int:
     """Packed rank columns per pass for a rank axis of `width` columns (16..MAX_RANK_TILE)."""
-    return min(MAX_RANK_TILE, max(MIN_BLOCK, triton.next_power_of_2(width)))
+    return min(MAX_RANK_TILE, max(MIN_BLOCK, next_pow2(width)))
 
 
 def n_split(meta: dict, M: int, N: int, sms: int, per_block: int = 1) -> int:
     """Programs sharing one row block's N sweep (each recomputes its h): enough programs for about
     64 rows per SM overall (small BM runs several programs per SM), at most NSPLIT, at most the
     N tiles. per_block: programs a row block already has on another grid axis (per-row slots)."""
-    m_blocks = triton.cdiv(M, meta["BM"])
+    m_blocks = cdiv(M, meta["BM"])
     want = round(sms * 64 / meta["BM"] / (m_blocks * per_block))
-    return max(1, min(want, meta["NSPLIT"], triton.cdiv(N, meta["BN"])))
+    return max(1, min(want, meta["NSPLIT"], cdiv(N, meta["BN"])))
 
 
 def slot_pad(S: int) -> int:
-    return max(2, triton.next_power_of_2(S))
+    return max(2, next_pow2(S))
 
 
 @functools.cache

@@ -106,7 +106,7 @@ def launch_fused(
     ranks = ranks.contiguous()
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms), 1)
+        return (C.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms), 1)
 
     C.launch(
         _KERNELS, M, grid, (C.bucket(M), K, N, RMAX, S, y.dtype, A.dtype),

@@ -107,7 +107,7 @@ def lora_delta_rows(
     slots_used = min(S, M)
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms, per_block=slots_used), S)
+        return (C.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms, per_block=slots_used), S)
 
     C.launch(
         _KERNELS, M, grid, (C.bucket(M), K, N, RMAX, y.dtype, A.dtype),

@@ -100,7 +100,7 @@ def launch_expand_add(
     ranks = ranks.contiguous() if has_ranks else scale
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms), 1)
+        return (C.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms), 1)
 
     C.launch(
         _KERNELS, M, grid, (C.bucket(M), N, RMAX, S, y.dtype, B.dtype, has_ranks),

@@ -279,7 +279,7 @@ def launch_lora_linear(
     h = launch_shrink(x, A, scale, ranks) if pre else scale.view(1, 1, -1)  # not read unless PRE
 
     def grid(meta):
-        tiles = triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])
+        tiles = C.cdiv(M, meta["BM"]) * C.cdiv(N, meta["BN"])
         return (min(tiles, sms) if meta["PERSISTENT"] else tiles,)
 
     args = (

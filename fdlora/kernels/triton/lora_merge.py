@@ -89,7 +89,7 @@ def launch_merge(
     RC = C.MIN_BLOCK  # rank chunks of 16: wider ones spill registers at this tile (ptxas, sm_90)
     blocks = BLOCKS["interpret" if C.INTERPRET else "gpu"]
     C.check_blocks([], RC=RC, BN=blocks["BN"], BK=blocks["BK"])
-    grid = (triton.cdiv(N, blocks["BN"]) * triton.cdiv(K, blocks["BK"]), G, 1)
+    grid = (C.cdiv(N, blocks["BN"]) * C.cdiv(K, blocks["BK"]), G, 1)
     wrap_triton(lora_merge_kernel)[grid](
         out, W, A, B, scale, group_weight, ranks.contiguous(),
         N, K, S, R,

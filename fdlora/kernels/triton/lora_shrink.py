@@ -13,7 +13,6 @@ shrink kernel.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 from torch.library import triton_op
 
@@ -60,8 +59,8 @@ def k_splits(M: int, K: int, S: int, R: int, sms: int) -> int:
     """Partial sums P: enough programs to cover the GPU when rows are few, each K slice >= 256."""
     if C.INTERPRET:
         return 2 if K > 64 else 1  # exercise the partial-sum path in CPU tests
-    progs = triton.cdiv(M, 16 if M <= C.FEW_ROWS else 64) * S * triton.cdiv(R, C.rank_tile(R))
-    return max(1, min(triton.cdiv(K, 256), sms // progs))
+    progs = C.cdiv(M, 16 if M <= C.FEW_ROWS else 64) * S * C.cdiv(R, C.rank_tile(R))
+    return max(1, min(C.cdiv(K, 256), sms // progs))
 
 
 def launch_shrink(
@@ -81,7 +80,7 @@ def launch_shrink(
         ranks = ranks.contiguous()
     dummy = h  # never read when not skipping
     C.launch(
-        _KERNELS, M, lambda meta: (triton.cdiv(M, meta["BM"]), S * triton.cdiv(R, RC), P),
+        _KERNELS, M, lambda meta: (C.cdiv(M, meta["BM"]), S * C.cdiv(R, RC), P),
         (C.bucket(M), K, RC, A.dtype, skip),
         h, x, A, scale if skip else dummy, ranks if skip else dummy,
         M, K, R, C.bucket(M),
