@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from support import loras, tiny
 
 from fdlora.errors import UnsupportedFeatureError, UnusedKeysError
 from fdlora.hub import AdapterCache, AdapterPool, load_adapters
-from fdlora.hub.formats.base import PEFT_KEY, peft_key
+from fdlora.hub.formats.base import peft_key
 from fdlora.layers import FdLoraHandle
 
 IDS = torch.tensor([[0, 5, 7, 9, 1]])
@@ -460,9 +461,12 @@ def test_reads_back_what_it_was_given(tmp_path):
     assert h["model"].modules["layers.0.q_proj"].B.dtype == torch.float16 and r.dtype == "float16"
 
 
+PEFT_KEY = re.compile(r"(?P<path>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias)")
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from(["a", "b", ".", "_", "lora_A", "lora_B", "weight", "bias", ".lora_A.weight",
                                  ".lora_B.bias", "lora_B.weight"]), max_size=8).map("".join))
 def test_peft_key_splits_keys_as_the_peft_key_pattern(key):
-    m = PEFT_KEY.fullmatch(key)
+    m = PEFT_KEY.fullmatch(key)  # the pattern the loaders used before peft_key
     assert peft_key(key) == (None if m is None else (m["path"], m["part"]))

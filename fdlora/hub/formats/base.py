@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,13 +23,12 @@ from ..adapter import ModuleLora
 
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 MODEL = "model"  # the component of a single-model adapter whose target cannot be told from its keys
-PEFT_KEY = re.compile(r"(?P<path>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias)")
 _PEFT_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
 
 
 def peft_key(key: str) -> tuple[str, str] | None:
-    """(module path, part) of a PEFT-form key (`PEFT_KEY`'s match, by string operations: a load splits
-    every key of the file a few times), or None."""
+    """(module path, part) of a PEFT-form key ``<path>.lora_A.weight | .lora_B.weight | .lora_B.bias`` with a
+    non-empty path, or None. String operations, not a regex: a load splits every key of the file a few times."""
     if not key.endswith(_PEFT_SUFFIXES):
         return None
     head, _, tail = key.rpartition(".")
@@ -235,12 +233,10 @@ def _verdicts(targeting: str) -> dict[str, str | None]:
 def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str) -> Converted:
     """PEFT-form keys + a LoraConfig dict -> modules, with every field that changes the math applied."""
     alpha_of, rank_of, untargeted = config_rules(config, where)
-    keep, skipped, verdict = {}, {}, {}
+    keep, skipped = {}, {}
     for key, t in sd.items():
         m = peft_key(key)
-        if m and m[0] not in verdict:  # once per module (its lora_A and lora_B keys share it)
-            verdict[m[0]] = untargeted(m[0])
-        why = verdict[m[0]] if m else None
+        why = untargeted(m[0]) if m else None  # (memoized per module path)
         (skipped if why else keep)[key] = why or t
     out = build_modules(keep, alpha_of, where=where, rank_of=rank_of, lora_bias=bool(config.get("lora_bias", False)))
     out.unused.update(skipped)

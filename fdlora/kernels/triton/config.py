@@ -114,10 +114,12 @@ def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
         return
     jitted = tuner.fn
     merged = {**kwargs, **config.all_kwargs()}
+    spec = full = None
     bound = None if INTERPRET else _bound(jitted, args, merged)
-    spec = None if bound is None else _specialization(jitted, bound[0])
-    spec = None if spec is None else (spec, bound[1])
-    full = None if bound is None else bound[0]
+    if bound is not None:
+        full, options = bound
+        args_spec = _specialization(jitted, full)
+        spec = None if args_spec is None else (args_spec, options)
     got = _COMPILED.get((tuner, key))
     if spec is not None and got is not None and got[0] == spec:
         named = dict(zip(jitted.arg_names, full))
