@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
+from . import dense
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
 from .state import Mode, ModelState
@@ -282,7 +283,12 @@ class FusedLoraLinear(_FusedLora):
             y = self._merged_forward(x)
             if y is not None:
                 return y
-        if self.state.mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole:
+        mode = self.state.mode
+        if (mode is Mode.SAMPLES or mode is Mode.ROWS) and not self._skip():
+            y = dense.forward(self, x, args, kwargs)  # eager decode sizes: cuBLAS, fewer host microseconds
+            if y is not None:
+                return y
+        if mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole:
             A, B, ranks, S = self._bank()
             x2 = x.reshape(-1, self.in_features).to(A.dtype)
             scale, gw = self._weights(x, x2.shape[0])

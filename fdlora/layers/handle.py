@@ -268,18 +268,18 @@ class FdLoraHandle:
         self.state.mode = Mode.BLEND
 
     # --- per-sample / per-row scopes ------------------------------------------------------------
-    def _weight_row(self, spec: SampleSpec) -> torch.Tensor:
-        row = torch.zeros(self.state.slots.capacity)
-        if spec is None or spec == "__base__":
-            return row
-        items = {spec: 1.0} if isinstance(spec, str) else spec
-        for n, w in items.items():
-            row[self.state.slots.slot(n)] = float(w)
-        return row
-
     def sample_weights(self, adapters: Sequence[SampleSpec]) -> torch.Tensor:
-        """[G, S] weights for per-sample specs (a name, None / "__base__", or {name: weight} each)."""
-        return torch.stack([self._weight_row(a) for a in adapters])
+        """[G, S] weights for per-sample specs (a name, None / "__base__", or {name: weight} each).
+        Built as one host list (a decode step calls this once per token)."""
+        slot, S = self.state.slots.slot, self.state.slots.capacity
+        rows = []
+        for spec in adapters:
+            row = [0.0] * S
+            if not (spec is None or spec == "__base__"):
+                for n, w in ({spec: 1.0} if isinstance(spec, str) else spec).items():
+                    row[slot(n)] = float(w)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.float32).view(len(rows), S)
 
     @contextlib.contextmanager
     def per_sample(self, adapters: Sequence[SampleSpec] | Mapping[int, Sequence[SampleSpec]]) -> Iterator[None]:

@@ -150,6 +150,7 @@ class ModelState:
         self.layout_version = 0  # bumped when tables reallocate; layers re-point their views
         self._group_weight: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._row_slot: dict[torch.device, torch.Tensor] = {}
+        self._row_onehot: dict[torch.device, torch.Tensor] = {}  # [M, S] fp32 from _row_slot (fdlora.layers.dense)
         self._ones: dict[torch.device, torch.Tensor] = {}
 
     def any_active(self) -> bool:
@@ -195,6 +196,7 @@ class ModelState:
         return t
 
     def set_row_slot(self, rs: torch.Tensor) -> None:
+        self._row_onehot = {}
         for d in list(self._row_slot) or [rs.device]:
             t = self._row_slot.get(d)
             if t is None or t.shape != rs.shape:
@@ -207,4 +209,13 @@ class ModelState:
         if t is None:
             src = next(iter(self._row_slot.values()))
             t = self._row_slot[device] = src.to(device)
+        return t
+
+    def row_onehot(self, device: torch.device) -> torch.Tensor:
+        """[M, S] fp32: 1 where row m uses slot s (none for -1), made once per set_row_slot."""
+        t = self._row_onehot.get(device)
+        S = self.slots.capacity
+        if t is None or t.shape[1] != S:
+            rs = self.row_slot(device).long()
+            t = self._row_onehot[device] = (rs[:, None] == torch.arange(S, device=device)).float()
         return t
