@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import dense
+from . import decode
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
 from .state import Mode, ModelState
@@ -285,7 +285,7 @@ class FusedLoraLinear(_FusedLora):
                 return y
         mode = self.state.mode
         if (mode is Mode.SAMPLES or mode is Mode.ROWS) and not self._skip():
-            y = dense.forward(self, x, args, kwargs)  # eager decode sizes: cuBLAS, fewer host microseconds
+            y = decode.forward(self, x, args, kwargs)  # eager decode: one kept-ready launch
             if y is not None:
                 return y
         if mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole:

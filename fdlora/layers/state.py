@@ -150,7 +150,8 @@ class ModelState:
         self.layout_version = 0  # bumped when tables reallocate; layers re-point their views
         self._group_weight: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._row_slot: dict[torch.device, torch.Tensor] = {}
-        self._row_onehot: dict[torch.device, torch.Tensor] = {}  # [M, S] fp32 from _row_slot (fdlora.layers.dense)
+        self._rows_host: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # batch -> sample_rows' host form
+        self._rows_dev: dict[tuple[int, torch.device], tuple] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}
 
     def any_active(self) -> bool:
@@ -181,6 +182,8 @@ class ModelState:
                 else:
                     fresh[(b, d)] = gw.to(d, torch.float32).clone()
         self._group_weight = fresh
+        self._rows_host = {b: as_rows(gw.cpu()) for b, gw in by_batch.items()}
+        self._rows_dev = {}
 
     def group_weight(self, batch: int, rows: int, device: torch.device) -> torch.Tensor | None:
         """The [G, S] weights for an input of `batch` samples and `rows` flattened rows, or None."""
@@ -196,7 +199,6 @@ class ModelState:
         return t
 
     def set_row_slot(self, rs: torch.Tensor) -> None:
-        self._row_onehot = {}
         for d in list(self._row_slot) or [rs.device]:
             t = self._row_slot.get(d)
             if t is None or t.shape != rs.shape:
@@ -211,11 +213,29 @@ class ModelState:
             t = self._row_slot[device] = src.to(device)
         return t
 
-    def row_onehot(self, device: torch.device) -> torch.Tensor:
-        """[M, S] fp32: 1 where row m uses slot s (none for -1), made once per set_row_slot."""
-        t = self._row_onehot.get(device)
-        S = self.slots.capacity
-        if t is None or t.shape[1] != S:
-            rs = self.row_slot(device).long()
-            t = self._row_onehot[device] = (rs[:, None] == torch.arange(S, device=device)).float()
-        return t
+    def sample_rows(self, batch: int, device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The per-sample weights of `batch` samples as per-row slots, when every sample has at most one
+        adapter and every adapter one weight (PEFT's adapter_names): (row_slot [G] int32, per layer its [S]
+        fp32 scales alpha/r * weight), on `device`; made once per set_sample_weights and table version.
+        None for specs with blends or one adapter at several weights."""
+        host = self._rows_host.get(batch)
+        if host is None or host[1].shape[0] != self.table.shape[1]:  # (a grow since: the regular path)
+            return None
+        got = self._rows_dev.get((batch, device))
+        if got is None or got[0] != self.table.version:
+            rs, w = host
+            scales = (self.table.scaling * self.table.multiplier * w).to(device)  # [L, S]
+            got = self._rows_dev[(batch, device)] = (self.table.version, rs.to(device), scales.unbind(0))
+        return got[1], got[2]
+
+
+def as_rows(gw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """[G, S] per-sample weights -> (slot of each sample [G] int32, -1 for none; weight of each slot [S]), or
+    None when a sample blends adapters or an adapter has different weights in different samples."""
+    on = gw != 0
+    if gw.shape[0] == 0 or bool((on.sum(1) > 1).any()):
+        return None
+    w = gw[on.int().argmax(0), torch.arange(gw.shape[1])] * on.any(0)  # each slot's weight in its first sample
+    if not bool(torch.where(on, gw == w, True).all()):
+        return None
+    return torch.where(on.any(1), on.int().argmax(1), -1).to(torch.int32), w

@@ -131,6 +131,48 @@ def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
         _COMPILED[(tuner, key)] = (spec, kernel)
 
 
+class Prepared:
+    """One launch kept ready for repeats (`prepare`): the compiled kernel bound to its grid, and every
+    argument, of which the tensors at positions `swap` are replaced per call. Valid while those
+    tensors keep the shape, strides and dtype they had when it was made (the caller keys on them);
+    a call whose tensors changed 16-byte alignment returns False and launches nothing."""
+
+    __slots__ = ("run", "full", "swap", "aligned")
+
+    def __init__(self, run, full: list, swap: tuple[int, ...]) -> None:
+        self.run, self.full, self.swap = run, full, swap
+        self.aligned = tuple(full[i].data_ptr() % 16 == 0 for i in swap)
+
+    def __call__(self, *tensors: torch.Tensor) -> bool:
+        full = self.full.copy()
+        for i, t, aligned in zip(self.swap, tensors, self.aligned):
+            if (t.data_ptr() % 16 == 0) is not aligned:
+                return False
+            full[i] = t
+        self.run(*full)
+        return True
+
+
+def prepare(table: dict, M: int, grid, key: tuple, swap: tuple[int, ...], *args, **kwargs) -> Prepared | None:
+    """The launch `launch(table, M, grid, key, *args, **kwargs)` just made, kept ready (`Prepared`), or None
+    when it went another way (traced, interpreter, not compiled yet): what a layer replays per call instead
+    of re-deriving the configuration, the specialization and the grid each time."""
+    tuner = pick(table, M)
+    config, got = _CHOSEN.get((tuner, key)), _COMPILED.get((tuner, key))
+    if INTERPRET or is_wrap_triton_enabled() or config is None or got is None:
+        return None
+    jitted = tuner.fn
+    bound = _bound(jitted, args, {**kwargs, **config.all_kwargs()})
+    if bound is None:
+        return None
+    full, options = bound
+    spec = _specialization(jitted, full)
+    if spec is None or (spec, options) != got[0]:
+        return None
+    g = grid(dict(zip(jitted.arg_names, full))) if callable(grid) else grid
+    return Prepared(got[1][(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)], full, swap)
+
+
 def _bound(jitted, args: tuple, kwargs: dict) -> tuple[list, tuple] | None:
     """(every parameter's value in order, as Triton's binder passes them on; the compile options among
     `kwargs`, e.g. num_warps), or None if a parameter has no value."""

@@ -9,7 +9,8 @@ Which kernel runs:
 - lora_delta: fused (one launch, lora_delta.py) or split (lora_shrink + lora_expand_add) by the
   static rule in dispatch.py: split up to 256 rows (decode, small batches), where the fused
   kernel's per-program re-reads of A dominate; fused above (diffusion sizes).
-- lora_delta_rows: always one launch (lora_delta_rows.py).
+- lora_delta_rows: always one launch (lora_delta_rows.py); `prepare_delta_rows` also returns that launch
+  kept ready, which eager decode layers replay (fdlora.layers.fused).
 - lora_shrink / lora_expand_add: the two halves, also usable on their own.
 Conv LoRA stays on the torch backend (the registry says so: kinds={"linear"}).
 
@@ -98,6 +99,26 @@ def lora_delta_rows(
         with set_wrap_triton_enabled(False):
             return _rows.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
+
+
+def prepare_delta_rows(
+    y: torch.Tensor,  # [M, N], updated in place
+    x: torch.Tensor,  # [M, K]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    scale: torch.Tensor,  # [S] fp32
+    row_slot: torch.Tensor,  # [M] int32, -1 = none
+    ranks: torch.Tensor,  # [S] int32
+):
+    """lora_delta_rows now, and for plain eager calls the same launch kept ready, else None: `ready(y, x, scale,
+    row_slot)` replays it on new tensors of the same shapes, strides and dtypes (False, launching nothing, if
+    their alignment changed). An eager decode step replays one launch per layer without re-deriving it
+    (fdlora.kernels.triton.config.Prepared, fdlora.layers.decode)."""
+    if _direct(y, x, A, B, scale, row_slot, ranks):
+        with set_wrap_triton_enabled(False):
+            return _rows.prepare_rows(y, x, A, B, scale, row_slot, ranks)
+    torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
+    return None
 
 
 def lora_linear(

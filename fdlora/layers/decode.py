@@ -1,0 +1,71 @@
+"""Eager decode: per-row and per-sample adapters through one kept-ready Triton launch per layer.
+
+Why: an eager decode step is host-bound (a 4-layer Llama-3-8B step spends ~10 ms of host time on
+~6 ms of GPU work), so what a LoRA layer adds is its host time. Deriving a Triton launch (operand
+checks, tuning key, specialization, grid: ~60-90 us) costs more than the launch itself, and the
+cuBLAS forms are no cheaper: on the H100 host an mm with an fp32 output costs ~45 us of host time,
+and scale + cast + addmm_ add three more ops (measured, benchmarks/results/.../llm_profile_dense.json).
+So the layer keeps the per-row kernel's launch ready (fdlora.kernels.triton.config.Prepared) and
+replays it: base GEMM + one launch whose only new arguments are y, x, the scales and the row slots.
+
+When (`forward`, from FusedLoraLinear.forward): eager (not compiling, not frozen: frozen models are
+captured or compiled and keep the traced ops), CUDA, a backend with `prepare_delta_rows`, and
+- per-row mode (fdlora.per_row), or
+- per-sample mode with one row per sample (a decode step) where every sample has at most one adapter
+  and every adapter one weight (PEFT's adapter_names; ModelState.sample_rows), which is per-row mode
+  with per-layer scales alpha/r * weight.
+Anything else (blends per sample, prefill, autograd, an alignment change) takes the regular ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .state import Mode
+
+RETRIES = 3  # calls that may try to keep a launch ready (the first launch of a shape goes through the autotuner)
+
+
+def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The layer's output through the per-row kernel, or None when this call does not take this path."""
+    st = layer.state
+    prepare = getattr(layer._ops, "prepare_delta_rows", None)
+    if prepare is None or not x.is_cuda or st.static or torch.compiler.is_compiling():
+        return None
+    K = layer.in_features
+    M = x.numel() // K if K else 0
+    if st.mode is Mode.ROWS:
+        row_slot = st.row_slot(x.device)
+        if row_slot.shape[0] != M:
+            return None  # the regular path raises the clear error
+        scale = layer.scale_unit
+    else:
+        got = st.sample_rows(M, x.device)
+        if got is None:
+            return None
+        row_slot, scales = got
+        scale = scales[layer.index]
+    bank = layer.bank
+    A = bank._buffers["A"]
+    base = layer.base
+    if type(base) is nn.Linear and not (args or kwargs):
+        p = base._parameters
+        y = F.linear(x, p["weight"], p["bias"])
+    else:
+        y = base(x, *args, **kwargs).contiguous()
+    x2, y2 = x.reshape(M, K).to(A.dtype), y.view(M, layer.out_features)
+    key = (M, x2.stride(0), x2.stride(1), x2.dtype, y2.dtype, bank.version, A.data_ptr())
+    kept = layer.__dict__.get("_decode")
+    if kept is not None and kept[0] == key and kept[1] is not None and kept[1](y2, x2, scale, row_slot):
+        pass
+    elif kept is not None and kept[0] == key and kept[2] >= RETRIES:
+        layer._ops.lora_delta_rows(y2, x2, A, bank.B, scale, row_slot, bank.ranks)
+    else:
+        tries = kept[2] + 1 if kept is not None and kept[0] == key else 1
+        ready = prepare(y2, x2, A, bank.B, scale, row_slot, bank.ranks)
+        layer.__dict__["_decode"] = (key, ready, tries)
+    if bank._buffers["bias"] is not None:
+        layer._add_bias(y2, scale, layer.blend_weight, row_slot)
+    return y
