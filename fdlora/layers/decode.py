@@ -42,13 +42,13 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
             return None  # the regular path raises the clear error
         scale = layer.scale_unit
     else:
-        got = st.sample_rows(M, x.device)
+        got = st.sample_rows(M, x.device) if x.shape[0] == M else None  # one row per sample only
         if got is None:
             return None
         row_slot, scales = got
         scale = scales[layer.index]
     bank = layer.bank
-    A = bank._buffers["A"]
+    A, B, ranks = bank._buffers["A"], bank._buffers["B"], bank._buffers["ranks"]
     base = layer.base
     if type(base) is nn.Linear and not (args or kwargs):
         p = base._parameters
@@ -58,14 +58,13 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
     x2, y2 = x.reshape(M, K).to(A.dtype), y.view(M, layer.out_features)
     key = (M, x2.stride(0), x2.stride(1), x2.dtype, y2.dtype, bank.version, A.data_ptr())
     kept = layer.__dict__.get("_decode")
-    if kept is not None and kept[0] == key and kept[1] is not None and kept[1](y2, x2, scale, row_slot):
+    ready, tries = kept[1:] if kept is not None and kept[0] == key else (None, 0)
+    if ready is not None and ready(y2, x2, scale, row_slot):
         pass
-    elif kept is not None and kept[0] == key and kept[2] >= RETRIES:
-        layer._ops.lora_delta_rows(y2, x2, A, bank.B, scale, row_slot, bank.ranks)
+    elif tries >= RETRIES:  # no launch to keep (traced ops, interpreter) or alignment keeps changing
+        layer._ops.lora_delta_rows(y2, x2, A, B, scale, row_slot, ranks)
     else:
-        tries = kept[2] + 1 if kept is not None and kept[0] == key else 1
-        ready = prepare(y2, x2, A, bank.B, scale, row_slot, bank.ranks)
-        layer.__dict__["_decode"] = (key, ready, tries)
+        layer.__dict__["_decode"] = (key, prepare(y2, x2, A, B, scale, row_slot, ranks), tries + 1)
     if bank._buffers["bias"] is not None:
         layer._add_bias(y2, scale, layer.blend_weight, row_slot)
     return y

@@ -136,6 +136,35 @@ def test_eager_relaunch_skips_the_autotuner_and_keeps_the_result(tops, monkeypat
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_prepared_rows_launch_replays_on_new_tensors(tops, monkeypatch, device: str) -> None:
+    """prepare_delta_rows: the launch kept ready (GPU; None under the interpreter) replays on new y, x, scale and
+    row_slot with the regular op's exact result, and refuses (launching nothing) a y of another alignment."""
+    skip_unless(device)
+    from fdlora.kernels.triton import config
+
+    monkeypatch.setattr(config, "_CHOSEN", {})
+    monkeypatch.setattr(config, "_COMPILED", {})
+    case = Case("prepared-rows", "rows", 20, 40, 36, 32, (16, 8), (1.0, 0.5))
+    d = make_inputs(case, device)
+    args = (d["A"], d["B"], d["scale"], d["row_slot"], d["ranks"])
+    readies = [tops.prepare_delta_rows(d["y"], d["x"], *args) for _ in range(2)]  # 1st: through the autotuner
+    if device == "cpu":
+        assert readies == [None, None]
+        return
+    ready = readies[1]
+    assert ready is not None
+    for seed in (1, 2):
+        e = make_inputs(case, device, seed=seed)
+        y_regular = e["y"].clone()
+        tops.lora_delta_rows(y_regular, e["x"], d["A"], d["B"], e["scale"], e["row_slot"], d["ranks"])  # same bank
+        assert ready(e["y"], e["x"], e["scale"], e["row_slot"]) is True
+        assert torch.equal(e["y"], y_regular)
+    odd = torch.zeros(e["y"].numel() + 1, device=device, dtype=e["y"].dtype)[1:].view_as(e["y"])
+    assert ready(odd, e["x"], e["scale"], e["row_slot"]) is False
+    assert not odd.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_shrink_and_expand_add_match_reference(tops, device: str, dtype: str) -> None:
     skip_unless(device)

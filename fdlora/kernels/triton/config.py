@@ -140,8 +140,9 @@ class Prepared:
     __slots__ = ("run", "full", "swap", "aligned")
 
     def __init__(self, run, full: list, swap: tuple[int, ...]) -> None:
-        self.run, self.full, self.swap = run, full, swap
         self.aligned = tuple(full[i].data_ptr() % 16 == 0 for i in swap)
+        self.run, self.swap = run, swap
+        self.full = [None if i in swap else v for i, v in enumerate(full)]  # keeps no per-call tensor alive
 
     def __call__(self, *tensors: torch.Tensor) -> bool:
         full = self.full.copy()
