@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call; GPU results land in $OUT/results/*.json (copy them to benchmarks/results/<gpu>/).
 #   bash benchmarks/gpu_session.sh tests pipeline profile     # stages, in order
-#   stages: tests (GPU-marked tests), dense (GPU-marked layer tests), pipeline (SDXL + Flux steps), profile / profile-percall (SDXL step
+#   stages: tests (GPU-marked tests), layers (GPU-marked layer + transformers tests), pipeline (SDXL + Flux steps), profile / profile-percall (SDXL step
 #           host/GPU profile, merged-weight cache on / off), llm (decode / prefill), llm-profile (the same
 #           + host profiles of eager decode steps), layer (host time of one fused layer's eager forward), load (SDXL-size adapter load), fused / fused-measure
 #           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels)
@@ -15,7 +15,7 @@ for stage in "$@"; do
   case $stage in
     layer) TAIL=3 step 120 python3 benchmarks/profile_layer.py --out "$OUT/results/layer_host.json" ;;
     tests) TAIL=15 step 420 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
-    dense) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines_tf ;;
+    layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines_tf ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
     profile) TAIL=70 step 150 python3 benchmarks/profile_step.py --model sdxl --depth 6 --out "$OUT/results/profile_sdxl.json" ;;

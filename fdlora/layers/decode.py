@@ -14,7 +14,8 @@ captured or compiled and keep the traced ops), CUDA, a backend with `prepare_del
 - per-sample mode with one row per sample (a decode step) where every sample has at most one adapter
   and every adapter one weight (PEFT's adapter_names; ModelState.sample_rows), which is per-row mode
   with per-layer scales alpha/r * weight.
-Anything else (blends per sample, prefill, autograd, an alignment change) takes the regular ops.
+Anything else (blends per sample, prefill) takes the regular paths; where no launch can be kept (autograd,
+tracing modes) or the inputs' alignment keeps changing, the per-row op runs as a plain call after RETRIES.
 """
 
 from __future__ import annotations

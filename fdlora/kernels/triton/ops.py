@@ -10,7 +10,7 @@ Which kernel runs:
   static rule in dispatch.py: split up to 256 rows (decode, small batches), where the fused
   kernel's per-program re-reads of A dominate; fused above (diffusion sizes).
 - lora_delta_rows: always one launch (lora_delta_rows.py); `prepare_delta_rows` also returns that launch
-  kept ready, which eager decode layers replay (fdlora.layers.fused).
+  kept ready, which eager decode layers replay (fdlora.layers.decode).
 - lora_shrink / lora_expand_add: the two halves, also usable on their own.
 Conv LoRA stays on the torch backend (the registry says so: kinds={"linear"}).
 
