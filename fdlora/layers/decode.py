@@ -21,8 +21,6 @@ tracing modes) or the inputs' alignment keeps changing, the per-row op runs as a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .state import Mode
 
@@ -50,12 +48,11 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
         scale = scales[layer.index]
     bank = layer.bank
     A, B, ranks = bank._buffers["A"], bank._buffers["B"], bank._buffers["ranks"]
-    base = layer.base
-    if type(base) is nn.Linear and not (args or kwargs):
-        p = base._parameters
-        y = F.linear(x, p["weight"], p["bias"])
+    if layer._plain and not (args or kwargs):  # nn.Linear / Conv1D: the GEMM without the module call
+        p = layer.base._parameters
+        y = layer._with_weight(x, p["weight"], p["bias"])
     else:
-        y = base(x, *args, **kwargs).contiguous()
+        y = layer.base(x, *args, **kwargs).contiguous()
     x2, y2 = x.reshape(M, K).to(A.dtype), y.view(M, layer.out_features)
     key = (M, x2.stride(0), x2.stride(1), x2.dtype, y2.dtype, bank.version, A.data_ptr())
     kept = layer.__dict__.get("_decode")

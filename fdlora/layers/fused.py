@@ -283,12 +283,12 @@ class FusedLoraLinear(_FusedLora):
             y = self._merged_forward(x)
             if y is not None:
                 return y
-        mode = self.state.mode
-        if (mode is Mode.SAMPLES or mode is Mode.ROWS) and not self._skip():
+        mode, skip = self.state.mode, self._skip()
+        if (mode is Mode.SAMPLES or mode is Mode.ROWS) and not skip:
             y = decode.forward(self, x, args, kwargs)  # eager decode: one kept-ready launch
             if y is not None:
                 return y
-        if mode in (Mode.BLEND, Mode.SAMPLES) and not self._skip() and self._whole:
+        if mode in (Mode.BLEND, Mode.SAMPLES) and not skip and self._whole:
             A, B, ranks, S = self._bank()
             x2 = x.reshape(-1, self.in_features).to(A.dtype)
             scale, gw = self._weights(x, x2.shape[0])
@@ -297,7 +297,7 @@ class FusedLoraLinear(_FusedLora):
                 self._add_bias(y2, scale, gw, None)
             return y2.view(*x.shape[:-1], self.out_features)
         y = self.base(x, *args, **kwargs)
-        if self._skip():
+        if skip:
             return y
         y = y.contiguous()
         A, B, ranks, S = self._bank()

@@ -92,8 +92,10 @@ _I32 = (-(2 ** 31), 2 ** 31)
 _current_device = getattr(torch._C, "_cuda_getDevice", lambda: -1)  # (torch.cuda.current_device minus its checks)
 
 
-def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
-    """Launch the autotuned kernel of `table` for M rows.
+def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] | None = None,
+           **kwargs) -> Prepared | None:
+    """Launch the autotuned kernel of `table` for M rows; with `keep` (argument positions of tensors that change
+    per call), also return the launch kept ready (`Prepared`) when it went to a compiled kernel, else None.
 
     Traced calls (wrap_triton enabled: torch.compile, the torch.ops path) go through wrap_triton. Plain eager
     launches go through the autotuner once per `key` (the tuning key: M bucket, K, N, tiles, dtypes), then
@@ -101,17 +103,18 @@ def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
     arguments' specialization; while later calls have that same specialization (`_specialization`, at least
     as fine as Triton's own) the compiled kernel is launched directly. Both shortcuts skip per-call work
     (the autotuner's key building, the binder, the cache lookup) that costs more host time than a
-    decode-sized kernel runs (benchmarks/profile_layer.py).
+    decode-sized kernel runs (benchmarks/profile_layer.py). A kept launch skips the rest: its caller replays
+    it instead of calling here (fdlora.layers.decode).
     """
     tuner = pick(table, M)
     if is_wrap_triton_enabled():
         wrap_triton(tuner)[grid](*args, **kwargs)
-        return
+        return None
     config = _CHOSEN.get((tuner, key))
     if config is None:
         tuner[grid](*args, **kwargs)
         _CHOSEN[(tuner, key)] = tuner.best_config
-        return
+        return None
     jitted = tuner.fn
     merged = {**kwargs, **config.all_kwargs()}
     spec = full = None
@@ -122,18 +125,28 @@ def launch(table: dict, M: int, grid, key: tuple, *args, **kwargs) -> None:
         spec = None if args_spec is None else (args_spec, options)
     got = _COMPILED.get((tuner, key))
     if spec is not None and got is not None and got[0] == spec:
-        named = dict(zip(jitted.arg_names, full))
-        g = grid(named) if callable(grid) else grid
-        got[1][(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)](*full)
-        return
-    kernel = jitted[grid](*args, **merged)
-    if spec is not None and hasattr(kernel, "__getitem__") and hasattr(kernel, "packed_metadata"):
+        run = got[1][_grid3(grid, jitted, full)]
+        run(*full)
+    else:
+        kernel = jitted[grid](*args, **merged)
+        if spec is None or not (hasattr(kernel, "__getitem__") and hasattr(kernel, "packed_metadata")):
+            return None
         _COMPILED[(tuner, key)] = (spec, kernel)
+        if keep is None:
+            return None
+        run = kernel[_grid3(grid, jitted, full)]
+    return None if keep is None else Prepared(run, full, keep)
+
+
+def _grid3(grid, jitted, full: list) -> tuple[int, int, int]:
+    """The launch grid as three extents, from the bound arguments when `grid` is a function of them."""
+    g = grid(dict(zip(jitted.arg_names, full))) if callable(grid) else grid
+    return g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
 
 
 class Prepared:
-    """One launch kept ready for repeats (`prepare`): the compiled kernel bound to its grid, and every
-    argument, of which the tensors at positions `swap` are replaced per call. Valid while those
+    """One launch kept ready for repeats (`launch(..., keep=...)`): the compiled kernel bound to its grid, and
+    every argument, of which the tensors at positions `keep` are replaced per call. Valid while those
     tensors keep the shape, strides and dtype they had when it was made (the caller keys on them);
     a call whose tensors changed 16-byte alignment returns False and launches nothing."""
 
@@ -152,26 +165,6 @@ class Prepared:
             full[i] = t
         self.run(*full)
         return True
-
-
-def prepare(table: dict, M: int, grid, key: tuple, swap: tuple[int, ...], *args, **kwargs) -> Prepared | None:
-    """The launch `launch(table, M, grid, key, *args, **kwargs)` just made, kept ready (`Prepared`), or None
-    when it went another way (traced, interpreter, not compiled yet): what a layer replays per call instead
-    of re-deriving the configuration, the specialization and the grid each time."""
-    tuner = pick(table, M)
-    config, got = _CHOSEN.get((tuner, key)), _COMPILED.get((tuner, key))
-    if INTERPRET or is_wrap_triton_enabled() or config is None or got is None:
-        return None
-    jitted = tuner.fn
-    bound = _bound(jitted, args, {**kwargs, **config.all_kwargs()})
-    if bound is None:
-        return None
-    full, options = bound
-    spec = _specialization(jitted, full)
-    if spec is None or (spec, options) != got[0]:
-        return None
-    g = grid(dict(zip(jitted.arg_names, full))) if callable(grid) else grid
-    return Prepared(got[1][(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)], full, swap)
 
 
 def _bound(jitted, args: tuple, kwargs: dict) -> tuple[list, tuple] | None:

@@ -81,7 +81,10 @@ def lora_delta_rows_kernel(
 _KERNELS = C.kernels(lora_delta_rows_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX"], restore_value=["y_ptr"])
 
 
-def _launch_args(
+KEEP = (0, 1, 4, 5)  # y, x, scale, row_slot: the arguments a kept launch takes anew per call
+
+
+def launch_rows(
     y: torch.Tensor,  # [M, N], updated in place
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
@@ -89,8 +92,11 @@ def _launch_args(
     scale: torch.Tensor,  # [S] fp32
     row_slot: torch.Tensor,  # [M] int32, -1 = none
     ranks: torch.Tensor,  # [S] int32
-) -> tuple | None:
-    """(M, grid, tuning key, arguments, constexprs) of the launch, after the operand checks; None if empty."""
+    keep: bool = False,
+) -> C.Prepared | None:
+    """Launch lora_delta_rows; with `keep`, also return the launch kept ready for repeats on other y, x, scale
+    and row_slot of the same shapes, strides and dtypes (a C.Prepared called as ready(y, x, scale, row_slot)),
+    or None (not launched to a compiled kernel yet: the autotuner's first call, the interpreter, tracing)."""
     C.check_operands("lora_delta_rows", y, x, A, B, scale=scale, row_slot=row_slot, ranks=ranks)
     M, N = C.dims(y)
     S, R, K = C.dims(A)
@@ -110,9 +116,13 @@ def _launch_args(
     def grid(meta):
         return (C.cdiv(M, meta["BM"]), C.n_split(meta, M, N, sms, per_block=slots_used), S)
 
-    args = (y, x, A, B, scale, row_slot, ranks, M, K, N, C.bucket(M),
-            *C.strides(y), *C.strides(x), *C.strides(A), *C.strides(B), *C.strides(scale), *C.strides(row_slot))
-    return M, grid, (C.bucket(M), K, N, RMAX, y.dtype, A.dtype), args, dict(RMAX=RMAX, **C.dot_flags(A.dtype))
+    return C.launch(
+        _KERNELS, M, grid, (C.bucket(M), K, N, RMAX, y.dtype, A.dtype),
+        y, x, A, B, scale, row_slot, ranks,
+        M, K, N, C.bucket(M),
+        *C.strides(y), *C.strides(x), *C.strides(A), *C.strides(B), *C.strides(scale), *C.strides(row_slot),
+        keep=KEEP if keep else None, RMAX=RMAX, **C.dot_flags(A.dtype),
+    )
 
 
 def lora_delta_rows(
@@ -124,30 +134,7 @@ def lora_delta_rows(
     row_slot: torch.Tensor,  # [M] int32, -1 = none
     ranks: torch.Tensor,  # [S] int32
 ) -> None:
-    got = _launch_args(y, x, A, B, scale, row_slot, ranks)
-    if got is not None:
-        M, grid, key, args, flags = got
-        C.launch(_KERNELS, M, grid, key, *args, **flags)
-
-
-def prepare_rows(
-    y: torch.Tensor,  # [M, N], updated in place
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    row_slot: torch.Tensor,  # [M] int32, -1 = none
-    ranks: torch.Tensor,  # [S] int32
-) -> C.Prepared | None:
-    """Run lora_delta_rows on these operands (eager, plain tensors) and return the launch kept ready for
-    repeats on other y, x, scale and row_slot of the same shapes, strides and dtypes (a C.Prepared called
-    as ready(y, x, scale, row_slot)), or None."""
-    got = _launch_args(y, x, A, B, scale, row_slot, ranks)
-    if got is None:
-        return None
-    M, grid, key, args, flags = got
-    C.launch(_KERNELS, M, grid, key, *args, **flags)
-    return C.prepare(_KERNELS, M, grid, key, (0, 1, 4, 5), *args, **flags)
+    launch_rows(y, x, A, B, scale, row_slot, ranks)
 
 
 lora_delta_rows_op = triton_op("fdlora::lora_delta_rows", lora_delta_rows, mutates_args={"y"})

@@ -116,7 +116,7 @@ def prepare_delta_rows(
     (fdlora.kernels.triton.config.Prepared, fdlora.layers.decode)."""
     if _direct(y, x, A, B, scale, row_slot, ranks):
         with set_wrap_triton_enabled(False):
-            return _rows.prepare_rows(y, x, A, B, scale, row_slot, ranks)
+            return _rows.launch_rows(y, x, A, B, scale, row_slot, ranks, keep=True)
     torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     return None
 
