@@ -93,7 +93,7 @@ _current_device = getattr(torch._C, "_cuda_getDevice", lambda: -1)  # (torch.cud
 
 
 def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] | None = None,
-           **kwargs) -> Prepared | None:
+           config: triton.Config | None = None, **kwargs) -> Prepared | None:
     """Launch the autotuned kernel of `table` for M rows; with `keep` (argument positions of tensors that change
     per call), also return the launch kept ready (`Prepared`) when it went to a compiled kernel, else None.
 
@@ -104,19 +104,24 @@ def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] |
     as fine as Triton's own) the compiled kernel is launched directly. Both shortcuts skip per-call work
     (the autotuner's key building, the binder, the cache lookup) that costs more host time than a
     decode-sized kernel runs (benchmarks/profile_layer.py). A kept launch skips the rest: its caller replays
-    it instead of calling here (fdlora.layers.decode).
+    it instead of calling here (fdlora.layers.decode). An explicit `config` runs that config, untuned (sweeps).
     """
     tuner = pick(table, M)
+    if config is not None:
+        check_blocks([config])
+        run = wrap_triton(tuner.fn) if is_wrap_triton_enabled() else tuner.fn
+        run[grid](*args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        return None
     if is_wrap_triton_enabled():
         wrap_triton(tuner)[grid](*args, **kwargs)
         return None
-    config = _CHOSEN.get((tuner, key))
-    if config is None:
+    chosen = _CHOSEN.get((tuner, key))
+    if chosen is None:
         tuner[grid](*args, **kwargs)
         _CHOSEN[(tuner, key)] = tuner.best_config
         return None
     jitted = tuner.fn
-    merged = {**kwargs, **config.all_kwargs()}
+    merged = {**kwargs, **chosen.all_kwargs()}
     spec = full = None
     bound = None if INTERPRET else _bound(jitted, args, merged)
     if bound is not None:

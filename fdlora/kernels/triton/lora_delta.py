@@ -96,6 +96,7 @@ def launch_fused(
     scale: torch.Tensor,  # [S] fp32
     group_weight: torch.Tensor,  # [G, S] fp32
     ranks: torch.Tensor,  # [S] int32
+    config: triton.Config | None = None,  # run this config instead of the tuned one (sweeps)
 ) -> None:
     M, N = C.dims(y)
     S, R, K = C.dims(A)
@@ -113,7 +114,7 @@ def launch_fused(
         y, x, A, B, scale, group_weight, ranks,
         M, K, N, S, R, M // G, C.bucket(M),
         *C.strides(y), *C.strides(x), *C.strides(A), *C.strides(B), *C.strides(scale), *C.strides(group_weight),
-        S_PAD=C.slot_pad(S), RMAX=RMAX, **C.dot_flags(A.dtype),
+        config=config, S_PAD=C.slot_pad(S), RMAX=RMAX, **C.dot_flags(A.dtype),
     )
 
 

@@ -93,6 +93,7 @@ def launch_rows(
     row_slot: torch.Tensor,  # [M] int32, -1 = none
     ranks: torch.Tensor,  # [S] int32
     keep: bool = False,
+    config: triton.Config | None = None,  # run this config instead of the tuned one (sweeps)
 ) -> C.Prepared | None:
     """Launch lora_delta_rows; with `keep`, also return the launch kept ready for repeats on other y, x, scale
     and row_slot of the same shapes, strides and dtypes (a C.Prepared called as ready(y, x, scale, row_slot)),
@@ -121,7 +122,7 @@ def launch_rows(
         y, x, A, B, scale, row_slot, ranks,
         M, K, N, C.bucket(M),
         *C.strides(y), *C.strides(x), *C.strides(A), *C.strides(B), *C.strides(scale), *C.strides(row_slot),
-        keep=KEEP if keep else None, RMAX=RMAX, **C.dot_flags(A.dtype),
+        keep=KEEP if keep else None, config=config, RMAX=RMAX, **C.dot_flags(A.dtype),
     )
 
 
