@@ -44,10 +44,16 @@ DELTA = {
         cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=False, NSPLIT=64),
         cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=True, NSPLIT=64),
         cfg(8, 3, BM=64, BN=256, BK=64, PREFETCH=True, NSPLIT=64),
+        # from benchmarks/sweep_delta.py on an H100 (sweep_delta.json): 2 warps on 640-1280-wide SDXL rows,
+        # a longer K step on 5120-deep ones, 64 rows x 256 columns unsplit for rank 64 on Flux
+        cfg(2, 3, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
+        cfg(4, 4, BM=32, BN=128, BK=256, PREFETCH=True, NSPLIT=64),
+        cfg(8, 3, BM=64, BN=256, BK=128, PREFETCH=True, NSPLIT=1),
     ],
     "few": [
         cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False, NSPLIT=32),
-        cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=16),
+        cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=16),  # 4 stages: decode, 8 adapters by row
+        cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=8),
         cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=4),
         cfg(4, 2, BM=16, BN=128, BK=512, PREFETCH=False, NSPLIT=8),
         cfg(8, 3, BM=16, BN=256, BK=512, PREFETCH=False, NSPLIT=4),
