@@ -1,0 +1,116 @@
+"""Every Triton kernel compiles for an H100 (sm_90) on a machine without a GPU.
+
+The CPU interpreter runs the kernels' Python, so it misses what only the compiler checks: a loop
+or branch that changes a variable's type, a tl.dot of the wrong shape, a constexpr that is not
+one. Here each kernel goes through triton.compile to PTX and cubin for sm_90 (Triton ships ptxas),
+with the constexpr sets it launches with: the first config of each table, bf16 and fp32 operands,
+and each mode flag. This catches those errors in CI instead of on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from fdlora import env
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(env.triton_interpret(), reason="the interpreter process compiles nothing"),
+]
+
+FP32 = {"scale_ptr", "gw_ptr", "h_ptr"}
+INT32 = {"ranks_ptr", "slot_ptr"}
+
+
+def compile_sm90(jitted, flags: dict, dtype: str = "bf16", pointers: dict[str, str] | None = None):
+    """triton.compile the jit function for sm_90 with these constexpr values (and num_warps / num_stages
+    among them, as compile options); its metadata."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {k: flags[k] for k in ("num_warps", "num_stages") if k in flags}
+    flags = {k: v for k, v in flags.items() if k not in options}
+    names = jitted.arg_names
+    missing = [p.name for p in jitted.params if p.is_constexpr and p.name not in flags]
+    assert not missing, f"no value for constexpr {missing}"
+
+    def kind(name: str) -> str:
+        if pointers and name in pointers:
+            return pointers[name]
+        if name.endswith("_ptr"):
+            return "*fp32" if name in FP32 else "*i32" if name in INT32 else f"*{dtype}"
+        return "i32"
+
+    sig = {n: "constexpr" if n in flags else kind(n) for n in names}
+    constexprs = {(names.index(k),): v for k, v in flags.items()}
+    src = triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata
+
+
+def first(table: dict, few: bool) -> dict:
+    """The first config of a table (the one tests launch with), with its num_warps / num_stages."""
+    c = table["few" if few else "many"][0]
+    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+@pytest.mark.parametrize("few,dtype,rmax", [(False, "bf16", 64), (True, "bf16", 16), (True, "fp32", 64)])
+def test_delta_kernels_compile(few: bool, dtype: str, rmax: int) -> None:
+    from fdlora.kernels.triton import config as C
+    from fdlora.kernels.triton import lora_delta, lora_delta_rows, lora_expand_add
+
+    blocks = first(C.DELTA, few)
+    dots = {"UPCAST": False, "IEEE": dtype == "fp32"}
+    for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, {}),
+                          (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True})):
+        meta = compile_sm90(module._KERNELS[(few, False)].fn, {**blocks, **dots, "RMAX": rmax, **extra}, dtype)
+        assert meta.name.startswith(module.__name__.rsplit(".", 1)[1])
+
+
+@pytest.mark.parametrize("few", [False, True], ids=["many", "few"])
+def test_shrink_compiles(few: bool) -> None:
+    from fdlora.kernels.triton import config as C
+    from fdlora.kernels.triton import lora_shrink
+
+    blocks = first(C.SHRINK, few)
+    for skip in (False, True):
+        compile_sm90(lora_shrink._KERNELS[(few, False)].fn,
+                     {**blocks, "RC": 64, "HAS_SKIP": skip, "UPCAST": False, "IEEE": False})
+
+
+@pytest.mark.parametrize("pre,persistent", [(False, 0), (True, 0), (False, 1)])
+def test_lora_linear_compiles(pre: bool, persistent: int) -> None:
+    from fdlora.kernels.triton import lora_linear
+
+    c = lora_linear.CONFIGS["many"][0]
+    flags = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages, "PERSISTENT": persistent,
+             "S_PAD": 4, "RMAX": 32, "MORE": not pre, "PRE": pre,
+             "HAS_BIAS": True, "EVEN_K": False, "UPCAST": False, "IEEE": False}
+    compile_sm90(lora_linear._JIT, flags, pointers={"bias_ptr": "*bf16"})
+
+
+def test_merge_and_scatter_compile() -> None:
+    from fdlora.kernels.triton import bank_scatter, lora_merge
+
+    blocks = lora_merge.BLOCKS["gpu"]
+    compile_sm90(lora_merge.lora_merge_kernel, {**blocks, "S_PAD": 4, "RC": 16, "UPCAST": False, "IEEE": False},
+                 pointers={"out_ptr": "*bf16", "w_ptr": "*bf16"})
+    compile_sm90(bank_scatter.bank_scatter_kernel, {"FIELDS": bank_scatter.FIELDS, "BLOCK": bank_scatter.BLOCK},
+                 pointers={"table_ptr": "*i64", "src_like": "*fp32", "dst_like": "*bf16", "rank_like": "*i32"})
+
+
+def test_a_type_change_is_caught() -> None:
+    """The check has teeth: a kernel whose branch turns an fp32 tile into bf16 fails to compile."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bad(x_ptr, FLAG: tl.constexpr):
+        h = tl.zeros((16, 16), dtype=tl.float32)
+        if tl.load(x_ptr) > 0:
+            h = h.to(tl.bfloat16)
+        tl.store(x_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :], h)
+
+    with pytest.raises(Exception, match="h"):
+        compile_sm90(bad, {"FLAG": True}, pointers={"x_ptr": "*fp32"})
