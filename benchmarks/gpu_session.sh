@@ -4,7 +4,8 @@
 #   stages: tests (GPU-marked tests), layers (GPU-marked layer + transformers tests), pipeline (SDXL + Flux steps), profile / profile-percall (SDXL step
 #           host/GPU profile, merged-weight cache on / off), llm (decode / prefill), llm-profile (the same
 #           + host profiles of eager decode steps), layer (host time of one fused layer's eager forward), load (SDXL-size adapter load), fused / fused-measure
-#           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels)
+#           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels),
+#           sweep (every delta config per shape; fused vs split components), probe-tma (Hopper TMA GEMM vs cuBLAS)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -27,5 +28,8 @@ for stage in "$@"; do
     fused) step 300 python3 benchmarks/bench_fused.py --out "$OUT/results/fused.json" ;;
     fused-measure) step 300 python3 benchmarks/bench_fused.py --dispatch measure --out "$OUT/results/fused_measured.json" ;;
     delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;
+    sweep) TAIL=30 step 400 python3 benchmarks/sweep_delta.py --parts decode,diffusion,components \
+        --out "$OUT/results/sweep_delta.json" ;;
+    probe-tma) TAIL=5 step 300 python3 benchmarks/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
   esac
 done

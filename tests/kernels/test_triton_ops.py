@@ -99,6 +99,35 @@ def test_delta_matches_oracle_gpu_only(tops, case: Case) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["blend", "rows"])
+def test_explicit_config_launch_matches_oracle(tops, mode: str, device: str) -> None:
+    """A given config (config.launch(config=...), what benchmarks/sweep_delta.py times) runs and computes the
+    same delta; one with a block under 16 is refused before anything runs, y untouched."""
+    from fdlora.errors import FdLoraError
+    from fdlora.kernels.triton import config as C
+    from fdlora.kernels.triton import lora_delta, lora_delta_rows
+
+    skip_unless(device)
+    case = Case(f"explicit-{mode}", mode, 37, 48, 40, 32, (32, 16), (0.5, 1.0))
+    d = make_inputs(case, device)
+    y_before = d["y"].cpu().clone()
+
+    def launch(config):
+        if mode == "rows":
+            lora_delta_rows.launch_rows(d["y"], d["x"], d["A"], d["B"], d["scale"], d["row_slot"], d["ranks"],
+                                        config=config)
+        else:
+            lora_delta.launch_fused(d["y"], d["x"], d["A"], d["B"], d["scale"], d["group_weight"], d["ranks"],
+                                    config=config)
+
+    with pytest.raises(FdLoraError, match="BK=8"):
+        launch(C.cfg(4, 1, BM=16, BN=16, BK=8, PREFETCH=False, NSPLIT=1))
+    assert torch.equal(d["y"].cpu(), y_before)
+    launch(C.cfg(4, 2, BM=32, BN=32, BK=16, PREFETCH=True, NSPLIT=2))
+    _check(case, d, y_before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["fused", "split", "rows"])
 def test_eager_relaunch_skips_the_autotuner_and_keeps_the_result(tops, monkeypatch, mode: str, device: str) -> None:
     """A second eager launch of a tuned shape goes straight to the chosen config, and (on the GPU) a third one with
