@@ -85,7 +85,7 @@ def sweep_case(family, M, K, N, dtype, case, configs, copy_gbps, gen) -> dict:
             t = gpu_us(lambda yt=yt, config=config: run(yt, config))
             added = None
             if M <= 64:  # decode: what the delta adds to the base GEMM in one graph
-                added = gpu_us(lambda config=config: run(F.linear(x, W), config)) - gpu_us(lambda: F.linear(x, W))
+                added = gpu_us(lambda config=config: run(F.linear(x, W), config)) - t_base
         except Exception as e:  # a config the compiler rejects (shared memory, registers)
             out["configs"].append({"config": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             continue
@@ -134,9 +134,9 @@ def components(family, M, K, N, dtype, case, copy_gbps, gen) -> dict:
         "torch_rmw_y": gpu_us(lambda: yt.mul_(1.0)),
     }
     minimal = e * (M * K + 2 * M * N + T * (K + N))
-    gbps = {"fused": minimal, "split": minimal, "shrink": e * M * K, "expand": 2 * e * M * N,
-            "torch_read_x": e * M * K, "torch_rmw_y": 2 * e * M * N}
-    frac = {k: gbps[k] / (t[k] * 1e-6) / 1e9 / copy_gbps for k in t}
+    traffic = {"fused": minimal, "split": minimal, "shrink": e * M * K, "expand": 2 * e * M * N,
+               "torch_read_x": e * M * K, "torch_rmw_y": 2 * e * M * N}  # bytes each one must move
+    frac = {k: traffic[k] / (t[k] * 1e-6) / 1e9 / copy_gbps for k in t}
     out = {"family": family, "M": M, "K": K, "N": N, "case": case.name, "split_ok": check(got, expected, dtype),
            "P": h.shape[0], "us": t, "frac_copy": frac}
     print(f"{family:5s} {M:6d}x{K:5d}->{N:5d} {case.name:10s} " + " ".join(

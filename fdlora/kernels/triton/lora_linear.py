@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from . import config as C
 from . import lora_linear_dispatch as D
@@ -254,7 +254,7 @@ def _tune_bench(fn, quantiles=None):
 
 
 _KERNELS = C.kernels(lora_linear_kernel, CONFIGS, key=["M_BUCKET", "K", "N", "RMAX", "PRE"], do_bench=_tune_bench)
-_JIT = _KERNELS[(False, False)].fn  # the jitted kernel, for launches with an explicit config
+_JIT = _KERNELS[(False, False)].fn  # the jitted kernel (every autotuner above wraps this one)
 
 
 def launch_lora_linear(
@@ -294,12 +294,8 @@ def launch_lora_linear(
     )
     flags = dict(S_PAD=C.slot_pad(S), RMAX=RMAX, MORE=width > RMAX, PRE=pre, HAS_BIAS=bias is not None,
                  EVEN_K=K % MAX_BK == 0, **C.dot_flags(A.dtype))
-    if config is None:
-        C.launch(_KERNELS, M, grid, (C.bucket(M), K, N, RMAX, pre, x.dtype, bias is not None), *args, **flags)
-    else:
-        meta = dict(config.kwargs)
-        wrap_triton(_JIT)[grid(meta)](
-            *args, **flags, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+    C.launch(_KERNELS, M, grid, (C.bucket(M), K, N, RMAX, pre, x.dtype, bias is not None), *args,
+             config=config, **flags)
     return y
 
 
