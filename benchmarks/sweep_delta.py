@@ -29,25 +29,29 @@ from bench_delta import SHAPES, Case, build, copy_bandwidth, gpu_us, ref_out  # 
 from fdlora.kernels.triton import config as C  # noqa: E402
 
 cfg = C.cfg
+# Session 8 candidates: PREFETCH 2 (first y / B tiles loaded before the shrink, tiles.first_tiles) and deeper
+# pipelines (more K tiles in flight per program); session 7's extras are in sweep_delta.json / sweep_decode.json.
 EXTRA_MANY = [
-    cfg(4, 3, BM=16, BN=128, BK=256, PREFETCH=True, NSPLIT=64),
-    cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=True, NSPLIT=64),
-    cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=True, NSPLIT=1),
-    cfg(8, 3, BM=32, BN=256, BK=256, PREFETCH=True, NSPLIT=64),
-    cfg(8, 4, BM=32, BN=256, BK=128, PREFETCH=True, NSPLIT=1),
-    cfg(8, 3, BM=64, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
+    cfg(2, 3, BM=16, BN=128, BK=128, PREFETCH=2, NSPLIT=64),
+    cfg(2, 5, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
+    cfg(2, 6, BM=16, BN=64, BK=256, PREFETCH=2, NSPLIT=64),
+    cfg(4, 6, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
+    cfg(4, 6, BM=16, BN=256, BK=128, PREFETCH=2, NSPLIT=64),
+    cfg(4, 4, BM=32, BN=128, BK=256, PREFETCH=2, NSPLIT=64),
+    cfg(4, 5, BM=32, BN=128, BK=128, PREFETCH=2, NSPLIT=64),
+    cfg(8, 4, BM=64, BN=256, BK=128, PREFETCH=2, NSPLIT=1),
 ]
-EXTRA_FEW = [
-    cfg(4, 3, BM=16, BN=256, BK=128, PREFETCH=False, NSPLIT=16),
-    cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False, NSPLIT=16),
-    cfg(4, 3, BM=16, BN=512, BK=128, PREFETCH=False, NSPLIT=8),
-    cfg(8, 2, BM=16, BN=256, BK=1024, PREFETCH=False, NSPLIT=16),
-    cfg(8, 3, BM=16, BN=512, BK=512, PREFETCH=False, NSPLIT=8),
-    cfg(8, 4, BM=16, BN=128, BK=512, PREFETCH=False, NSPLIT=32),
-    cfg(4, 2, BM=16, BN=64, BK=1024, PREFETCH=False, NSPLIT=64),
-    cfg(4, 3, BM=16, BN=128, BK=256, PREFETCH=False, NSPLIT=32),
-    cfg(8, 2, BM=16, BN=128, BK=1024, PREFETCH=False, NSPLIT=32),
-    cfg(4, 3, BM=16, BN=64, BK=512, PREFETCH=False, NSPLIT=64),
+EXTRA_FEW = [  # WRAP: the N split's programs of one slot walk K from different starts (tiles.shrink_tile)
+    cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16, WRAP=True),
+    cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=16, WRAP=True),
+    cfg(4, 6, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16, WRAP=True),
+    cfg(4, 6, BM=16, BN=256, BK=128, PREFETCH=2, NSPLIT=16, WRAP=True),
+    cfg(4, 4, BM=16, BN=128, BK=256, PREFETCH=2, NSPLIT=32, WRAP=True),
+    cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=2, NSPLIT=32, WRAP=True),
+    cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=8, WRAP=True),
+    cfg(4, 4, BM=16, BN=64, BK=256, PREFETCH=2, NSPLIT=64, WRAP=True),
+    cfg(2, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16, WRAP=True),
+    cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16),
 ]
 R16 = Case("r16", "blend", 1, 16, (16,), (1.0,))
 R64 = Case("r64", "blend", 1, 64, (64,), (1.0,))
@@ -93,6 +97,10 @@ def sweep_case(family, M, K, N, dtype, case, configs, copy_gbps, gen) -> dict:
         if added is not None:
             row["graph_added_us"] = added
         out["configs"].append(row)
+    if case.mode == "rows":  # the floor of one launch: every program finds no row of its slot and exits
+        none = torch.full_like(row_slot, -1)
+        out["no_rows_graph_added_us"] = gpu_us(
+            lambda: lora_delta_rows.launch_rows(F.linear(x, W), x, A, B, scale, none, ranks)) - t_base
     good = [c for c in out["configs"] if c.get("verified")]
     best = min(good, key=lambda c: c["us"]) if good else None
     out["best"] = best

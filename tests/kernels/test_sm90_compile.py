@@ -55,14 +55,18 @@ def first(table: dict, few: bool) -> dict:
     return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
 
 
-@pytest.mark.parametrize("few,dtype,rmax", [(False, "bf16", 64), (True, "bf16", 16), (True, "fp32", 64)])
-def test_delta_kernels_compile(few: bool, dtype: str, rmax: int) -> None:
+@pytest.mark.parametrize("few,dtype,rmax,prefetch", [
+    (False, "bf16", 64, None), (True, "bf16", 16, None), (True, "fp32", 64, None), (True, "bf16", 16, 2)])
+def test_delta_kernels_compile(few: bool, dtype: str, rmax: int, prefetch) -> None:
     from fdlora.kernels.triton import config as C
     from fdlora.kernels.triton import lora_delta, lora_delta_rows, lora_expand_add
 
     blocks = first(C.DELTA, few)
+    if prefetch is not None:  # 2: first tiles loaded before the shrink (tiles.first_tiles)
+        blocks["PREFETCH"] = prefetch
+    rows_extra = {"WRAP": prefetch is not None}  # the per-row kernel's K walk from a per-program start
     dots = {"UPCAST": False, "IEEE": dtype == "fp32"}
-    for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, {}),
+    for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, rows_extra),
                           (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True})):
         meta = compile_sm90(module._KERNELS[(few, False)].fn, {**blocks, **dots, "RMAX": rmax, **extra}, dtype)
         assert meta.name.startswith(module.__name__.rsplit(".", 1)[1])

@@ -177,9 +177,10 @@ def _row_weights(case, scale, gw, row_slot, ranks) -> torch.Tensor:
 
 
 def _place(t: torch.Tensor, device: str, strided: bool) -> torch.Tensor:
-    """t on device; strided: a view into a wider buffer (row stride > columns, odd offset)."""
+    """A copy of t on device (never t itself: the kernels write y in place, and "clean" must stay clean);
+    strided: a view into a wider buffer (row stride > columns, odd offset)."""
     if not strided:
-        return t.to(device)
+        return t.to(device, copy=True)
     M, C = t.shape
     big = torch.full((M, C + 7), float("nan"), dtype=t.dtype, device=device)
     big[:, 3 : 3 + C] = t.to(device)

@@ -23,7 +23,7 @@ from . import config as C
 from .dispatch import delta_plan
 from .lora_expand_add import launch_expand_add
 from .lora_shrink import launch_shrink
-from .tiles import expand_add_tiles, pack_block, packed_columns, shrink_tile
+from .tiles import expand_add_tiles, first_tiles, pack_block, packed_columns, shrink_tile
 
 
 @triton.jit
@@ -35,11 +35,14 @@ def _pass(
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
+                         BM, BN, RC, PREFETCH == 2)
+    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, 0, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE,
+                    False)
     grp = rows // rows_per_group
     w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=row_on[:, None] & ok[None, :], other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
-    expand_add_tiles(y_ptr, b_ptr, h, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
                      tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from . import config as C
-from .tiles import expand_add_tiles, shrink_tile
+from .tiles import expand_add_tiles, first_tiles, shrink_tile
 
 
 @triton.jit
@@ -28,14 +28,19 @@ def _pass(
     rows, row_on, s, live, c0, sc,
     K, N, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr,
     RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, WRAP: tl.constexpr,
 ):
     r = tl.multiple_of(c0, 16) + tl.arange(0, RC)
     ok = tl.max_constancy(r < live, 16)  # live is a whole number of 16-row granules (bank zero padding)
     slot = s + 0 * r
-    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
+                         BM, BN, RC, PREFETCH == 2)
+    # WRAP: the N split's programs of one slot start their K walk at different points (see shrink_tile)
+    k_first = (tl.program_id(1) * tl.cdiv(K, BK) // tl.num_programs(1)) * BK
+    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, k_first, sxm, sxk, sas, sar, sak, BM, RC, BK,
+                    UPCAST, IEEE, WRAP)
     h = (h * sc).to(b_ptr.dtype.element_ty)
-    expand_add_tiles(y_ptr, b_ptr, h, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
                      tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
 
 
@@ -51,6 +56,7 @@ def lora_delta_rows_kernel(
     sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, ssc, srs,
     RMAX: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
+    WRAP: tl.constexpr = False,
 ):
     s = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -63,19 +69,19 @@ def lora_delta_rows_kernel(
         rest = live - c0
         if RMAX == 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH)
+                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
         elif rest <= 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH)
+                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
         elif RMAX == 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH)
+                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
         elif rest <= 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH)
+                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
         else:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, RMAX, BM, BN, BK, UPCAST, IEEE, PREFETCH)
+                  sas, sar, sak, sbn, sbs, sbr, RMAX, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
 
 
 _KERNELS = C.kernels(lora_delta_rows_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX"], restore_value=["y_ptr"])

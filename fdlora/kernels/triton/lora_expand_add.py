@@ -18,7 +18,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from . import config as C
-from .tiles import expand_add_tiles, pack_block, packed_columns
+from .tiles import expand_add_tiles, first_tiles, pack_block, packed_columns
 
 
 @triton.jit
@@ -30,6 +30,8 @@ def _pass(
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
+                         BM, BN, RC, PREFETCH == 2)
     hp = h_ptr + rows[:, None] * shm + (slot * R + r).to(tl.int64)[None, :] * shc
     m = row_on[:, None] & ok[None, :]
     h = tl.zeros((BM, RC), dtype=tl.float32)
@@ -38,7 +40,7 @@ def _pass(
     grp = rows // rows_per_group
     w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=m, other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
-    expand_add_tiles(y_ptr, b_ptr, h, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
                      tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
 
 

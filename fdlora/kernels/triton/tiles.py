@@ -82,15 +82,24 @@ def shrink_tile(
     x_ptr, a_ptr,
     rows, row_on,  # [BM] int64 row index, rows to compute
     slot, r, ok,  # [RC] slot, rank row, valid column
-    k_lo, k_hi, sxm, sxk, sas, sar, sak,
+    k_lo, k_hi, k_first, sxm, sxk, sas, sar, sak,
     BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    WRAP: tl.constexpr,
 ):
-    """h [BM, RC] fp32 = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi]^T."""
+    """h [BM, RC] fp32 = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi]^T.
+
+    WRAP (k_lo = 0): walk K from k_first (a multiple of BK) round to k_first, so that programs computing
+    the same h (an N split) request different lines of A at any moment instead of the same ones.
+    """
     acc = tl.zeros((BM, RC), dtype=tl.float32)
     x_row = x_ptr + rows * sxm  # [BM]
     a_col = a_ptr + slot.to(tl.int64) * sas + r * sar  # [RC]
+    k_round = tl.cdiv(k_hi, BK) * BK
     for k0 in range(k_lo, k_hi, BK):
-        kk = k0 + tl.arange(0, BK)
+        kb = k0
+        if WRAP:
+            kb = tl.multiple_of(tl.where(k0 + k_first >= k_round, k0 + k_first - k_round, k0 + k_first), BK)
+        kk = kb + tl.arange(0, BK)
         k_in = kk < k_hi
         xt = tl.load(x_row[:, None] + kk[None, :] * sxk, mask=row_on[:, None] & k_in[None, :], other=0.0)
         at = tl.load(a_col[None, :] + kk[:, None] * sak, mask=ok[None, :] & k_in[:, None], other=0.0)
@@ -99,9 +108,33 @@ def shrink_tile(
 
 
 @triton.jit
+def first_tiles(
+    y_ptr, b_ptr,
+    rows, row_on,  # [BM] int64 row index, rows to update
+    slot, r, ok,  # [RC]
+    N, n_first, sym, syn, sbn, sbs, sbr,
+    BM: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, EARLY: tl.constexpr,
+):
+    """With EARLY, the y tile [BM, BN] and B tile [RC, BN] that the N sweep starts at, loaded before the shrink
+    so that their latency overlaps its K loop (decode: a program has one N tile, and this load was the
+    last dependent one on its path); else zeros that expand_add_tiles ignores."""
+    if EARLY:
+        nn = n_first + tl.arange(0, BN)
+        n_in = nn < N
+        y0 = tl.load(y_ptr + rows[:, None] * sym + nn[None, :] * syn, mask=row_on[:, None] & n_in[None, :], other=0.0)
+        b0 = tl.load(b_ptr + slot.to(tl.int64)[:, None] * sbs + r[:, None] * sbr + nn[None, :].to(tl.int64) * sbn,
+                     mask=ok[:, None] & n_in[None, :], other=0.0)
+    else:
+        y0 = tl.zeros((BM, BN), dtype=y_ptr.dtype.element_ty)
+        b0 = tl.zeros((RC, BN), dtype=b_ptr.dtype.element_ty)
+    return y0, b0
+
+
+@triton.jit
 def expand_add_tiles(
     y_ptr, b_ptr,
     h,  # [BM, RC] scaled h, in the dot dtype
+    y0, b0,  # first_tiles: the first N tile's y and B when PREFETCH == 2
     rows, row_on,  # [BM] int64 row index, rows to update
     slot, r, ok,  # [RC]
     N, n_first, n_step, sym, syn, sbn, sbs, sbr,
@@ -109,26 +142,36 @@ def expand_add_tiles(
 ):
     """y[rows, n] += h @ B[n, slot, r]^T for the N tiles n_first, n_first + n_step, ... (fp32 add, one cast).
 
-    PREFETCH loads the next y tile before adding into the current one: the y stream is what bounds
-    this loop, and the compiler's pipeliner only prefetches dot operands, not the accumulator.
+    PREFETCH (1 or 2) loads the next y tile before adding into the current one: the y stream is what
+    bounds this loop, and the compiler's pipeliner only prefetches dot operands, not the accumulator.
+    PREFETCH == 2 also takes the first y and B tiles from first_tiles (loaded before the shrink) and
+    prefetches B one tile ahead too.
     """
     y_row = y_ptr + rows * sym  # [BM]
     b_col = b_ptr + slot.to(tl.int64) * sbs + r * sbr  # [RC]
     nn = n_first + tl.arange(0, BN)
     y_next = tl.zeros((h.shape[0], BN), dtype=y_ptr.dtype.element_ty)
-    if PREFETCH:
+    b_next = b0
+    if PREFETCH == 2:
+        y_next = y0
+    elif PREFETCH:
         y_next = tl.load(y_row[:, None] + nn[None, :] * syn, mask=row_on[:, None] & (nn < N)[None, :], other=0.0)
     for n0 in range(n_first, N, n_step):
         nn = n0 + tl.arange(0, BN)
         n_in = nn < N
         m = row_on[:, None] & n_in[None, :]
         yp = y_row[:, None] + nn[None, :] * syn
+        nx = nn + n_step
         if PREFETCH:
             y_cur = y_next
-            nx = nn + n_step
             y_next = tl.load(y_row[:, None] + nx[None, :] * syn, mask=row_on[:, None] & (nx < N)[None, :], other=0.0)
         else:
             y_cur = tl.load(yp, mask=m, other=0.0)
-        bt = tl.load(b_col[:, None] + nn[None, :].to(tl.int64) * sbn, mask=ok[:, None] & n_in[None, :], other=0.0)
+        if PREFETCH == 2:
+            bt = b_next
+            b_next = tl.load(b_col[:, None] + nx[None, :].to(tl.int64) * sbn, mask=ok[:, None] & (nx < N)[None, :],
+                             other=0.0)
+        else:
+            bt = tl.load(b_col[:, None] + nn[None, :].to(tl.int64) * sbn, mask=ok[:, None] & n_in[None, :], other=0.0)
         acc = mma(h, bt, y_cur.to(tl.float32), UPCAST, IEEE)
         tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m)
