@@ -64,9 +64,9 @@ def test_delta_kernels_compile(few: bool, dtype: str, rmax: int, prefetch) -> No
     blocks = first(C.DELTA, few)
     if prefetch is not None:  # 2: first tiles loaded before the shrink (tiles.first_tiles)
         blocks["PREFETCH"] = prefetch
-    rows_extra = {"WRAP": prefetch is not None}  # the per-row kernel's K walk from a per-program start
+    blocks["WRAP"] = prefetch is not None  # the N split's K walk from per-program starts (tiles.shrink_tile)
     dots = {"UPCAST": False, "IEEE": dtype == "fp32"}
-    for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, rows_extra),
+    for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, {}),
                           (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True})):
         meta = compile_sm90(module._KERNELS[(few, False)].fn, {**blocks, **dots, "RMAX": rmax, **extra}, dtype)
         assert meta.name.startswith(module.__name__.rsplit(".", 1)[1])

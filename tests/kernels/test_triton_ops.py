@@ -124,9 +124,8 @@ def test_explicit_config_launch_matches_oracle(tops, mode: str, device: str) -> 
         launch(C.cfg(4, 1, BM=16, BN=16, BK=8, PREFETCH=False, NSPLIT=1))
     assert torch.equal(d["y"].cpu(), y_before)
     # PREFETCH 2 (first y and B tiles loaded before the shrink): one N tile per program, and two (B prefetched);
-    # WRAP (per-row kernel): the N split's two programs walk K's three tiles from different starts
-    wrap = [{"WRAP": True}] if mode == "rows" else []
-    for prefetch, nsplit, extra in ((True, 2, {}), (2, 2, {}), (2, 1, {}), *((2, 2, w) for w in wrap)):
+    # WRAP: the N split's two programs walk K's three tiles from different starts
+    for prefetch, nsplit, extra in ((True, 2, {}), (2, 2, {}), (2, 1, {}), (2, 2, {"WRAP": True})):
         d["y"].copy_(y_before)
         launch(C.cfg(4, 2, BM=32, BN=32, BK=16, PREFETCH=prefetch, NSPLIT=nsplit, **extra))
         _check(case, d, y_before)

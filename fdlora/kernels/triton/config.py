@@ -47,12 +47,16 @@ DELTA = {
         # from benchmarks/sweep_delta.py on an H100 (sweep_delta.json): 2 warps on 640-1280-wide SDXL rows,
         # a longer K step on 5120-deep ones, 64 rows x 256 columns unsplit for rank 64 on Flux
         cfg(2, 3, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
+        cfg(2, 5, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),  # session 8: SDXL 5120->1280 0.76 -> 0.78
         cfg(4, 4, BM=32, BN=128, BK=256, PREFETCH=True, NSPLIT=64),
         cfg(8, 3, BM=64, BN=256, BK=128, PREFETCH=True, NSPLIT=1),
     ],
     "few": [
         cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False, NSPLIT=32),
         cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=16),  # 4 stages: decode, 8 adapters by row
+        # session 8 (sweep_s8_decode.json): the same with the first y / B tiles loaded before the shrink and the
+        # N split's programs walking K from different starts: decode 8 by row +9.5 -> +9.2 us on the base GEMM
+        cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16, WRAP=True),
         cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=8),
         cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=4),
         cfg(4, 2, BM=16, BN=128, BK=512, PREFETCH=False, NSPLIT=8),

@@ -32,13 +32,14 @@ def _pass(
     rows, row_on, end, width, rk, sc, c0,
     K, N, rows_per_group, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs,
     S_PAD: tl.constexpr, RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, WRAP: tl.constexpr,
 ):
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
     y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
                          BM, BN, RC, PREFETCH == 2)
-    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, 0, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE,
-                    False)
+    k_first = (tl.program_id(1) * tl.cdiv(K, BK) // tl.num_programs(1)) * BK  # WRAP: see shrink_tile
+    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, k_first, sxm, sxk, sas, sar, sak, BM, RC, BK,
+                    UPCAST, IEEE, WRAP)
     grp = rows // rows_per_group
     w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=row_on[:, None] & ok[None, :], other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
@@ -58,6 +59,7 @@ def lora_delta_kernel(
     sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, ssc, sgg, sgs,
     S_PAD: tl.constexpr, RMAX: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
+    WRAP: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_in = rows < M
@@ -69,23 +71,23 @@ def lora_delta_kernel(
         if RMAX == 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
                   sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH)
+                  UPCAST, IEEE, PREFETCH, WRAP)
         elif rest <= 16:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
                   sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH)
+                  UPCAST, IEEE, PREFETCH, WRAP)
         elif RMAX == 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
                   sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH)
+                  UPCAST, IEEE, PREFETCH, WRAP)
         elif rest <= 32:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
                   sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH)
+                  UPCAST, IEEE, PREFETCH, WRAP)
         else:
             _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
                   sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH)
+                  UPCAST, IEEE, PREFETCH, WRAP)
 
 
 _KERNELS = C.kernels(lora_delta_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX", "S_PAD"], restore_value=["y_ptr"])

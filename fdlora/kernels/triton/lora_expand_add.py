@@ -55,6 +55,7 @@ def lora_expand_add_kernel(
     sym, syn, shp, shm, shc, sbn, sbs, sbr, ssc, sgg, sgs,
     S_PAD: tl.constexpr, RMAX: tl.constexpr, HAS_RANKS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
+    WRAP: tl.constexpr = False,  # a DELTA-table flag of the kernels with a shrink; nothing to walk here
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_in = rows < M
