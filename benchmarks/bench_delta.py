@@ -286,6 +286,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="first shape of each family only")
+    ap.add_argument("--only", default="", help="comma-separated FAMILY or FAMILY:M, e.g. llm:16 (default: all)")
     ap.add_argument("--sha", default=None, help="git sha (the GPU machine may have no .git)")
     a = ap.parse_args()
 
@@ -310,6 +311,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     shapes = SHAPES if not a.quick else [s for i, s in enumerate(SHAPES) if i in (0, 4, 7)]
+    if a.only:
+        want = set(a.only.split(","))
+        shapes = [s for s in shapes if s[0] in want or f"{s[0]}:{s[1]}" in want]
     for family, M, K, N, dtype in shapes:
         for c in cases_for(family):
             row = run_case(family, M, K, N, dtype, c, gen, ops, copy_gbps, props.multi_processor_count)
