@@ -53,8 +53,23 @@ EXTRA_FEW = [  # WRAP: the N split's programs of one slot walk K from different 
     cfg(2, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16, WRAP=True),
     cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16),
 ]
+EXTRA_WIDE = [  # rank 64 packed (r64, 4 x r16 blend) on Flux widths: bigger row blocks share A and B over more rows
+    cfg(8, 4, BM=64, BN=256, BK=64, PREFETCH=True, NSPLIT=1),
+    cfg(8, 3, BM=64, BN=128, BK=128, PREFETCH=True, NSPLIT=1),
+    cfg(4, 3, BM=64, BN=128, BK=128, PREFETCH=True, NSPLIT=1),
+    cfg(4, 4, BM=64, BN=128, BK=64, PREFETCH=True, NSPLIT=1),
+    cfg(4, 3, BM=64, BN=64, BK=128, PREFETCH=True, NSPLIT=1),
+    cfg(8, 3, BM=64, BN=512, BK=64, PREFETCH=True, NSPLIT=1),
+    cfg(8, 3, BM=128, BN=128, BK=64, PREFETCH=True, NSPLIT=2),
+    cfg(8, 3, BM=128, BN=256, BK=64, PREFETCH=True, NSPLIT=2),
+    cfg(8, 4, BM=128, BN=128, BK=64, PREFETCH=True, NSPLIT=4),
+    cfg(4, 3, BM=32, BN=256, BK=128, PREFETCH=True, NSPLIT=1),
+    cfg(8, 3, BM=32, BN=256, BK=128, PREFETCH=True, NSPLIT=1),
+    cfg(4, 3, BM=32, BN=128, BK=128, PREFETCH=True, NSPLIT=1),
+]
 R16 = Case("r16", "blend", 1, 16, (16,), (1.0,))
 R64 = Case("r64", "blend", 1, 64, (64,), (1.0,))
+BLEND4 = Case("blend4xr16", "blend", 4, 16, (16,) * 4, (0.4, 0.3, 0.2, 0.1))
 ROWS = Case("rows8xr16", "rows", 8, 16, (16,) * 8, (1.0,) * 8)
 
 
@@ -180,6 +195,12 @@ def main() -> None:
                                               copy_gbps, gen))
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(res, indent=1))
+    if "wide" in parts:  # the 4-blend target (<= 1.3x one r16) on the Flux shapes where rank 64 is slowest
+        for family, M, K, N, dtype in SHAPES:
+            if family == "flux" and K == 3072:
+                for case in (R16, BLEND4, R64):
+                    res["rows"].append(sweep_case(family, M, K, N, dtype, case, C.DELTA["many"] + EXTRA_WIDE,
+                                                  copy_gbps, gen))
     if "components" in parts:
         res["components"] = []
         for family, M, K, N, dtype in SHAPES:
