@@ -50,7 +50,7 @@ DELTA = {
         cfg(2, 5, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),  # session 8: SDXL 5120->1280 0.76 -> 0.78
         cfg(4, 4, BM=32, BN=128, BK=256, PREFETCH=True, NSPLIT=64),
         cfg(8, 3, BM=64, BN=256, BK=128, PREFETCH=True, NSPLIT=1),
-        cfg(8, 3, BM=64, BN=128, BK=128, PREFETCH=True, NSPLIT=1),  # session 8: Flux 3072^2 4 x r16 blend 66.3 -> 62.7 us
+        cfg(8, 3, BM=64, BN=128, BK=128, PREFETCH=True, NSPLIT=1),  # session 8: Flux 3072^2 4xr16 blend 66 -> 63 us
     ],
     "few": [
         cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False, NSPLIT=32),
