@@ -37,9 +37,8 @@ def _pass(
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
     y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
                          BM, BN, RC, PREFETCH == 2)
-    k_first = (tl.program_id(1) * tl.cdiv(K, BK) // tl.num_programs(1)) * BK  # WRAP: see shrink_tile
-    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, k_first, sxm, sxk, sas, sar, sak, BM, RC, BK,
-                    UPCAST, IEEE, WRAP)
+    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE,
+                    WRAP)
     grp = rows // rows_per_group
     w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=row_on[:, None] & ok[None, :], other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)

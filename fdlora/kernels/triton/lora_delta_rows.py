@@ -35,10 +35,8 @@ def _pass(
     slot = s + 0 * r
     y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
                          BM, BN, RC, PREFETCH == 2)
-    # WRAP: the N split's programs of one slot start their K walk at different points (see shrink_tile)
-    k_first = (tl.program_id(1) * tl.cdiv(K, BK) // tl.num_programs(1)) * BK
-    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, k_first, sxm, sxk, sas, sar, sak, BM, RC, BK,
-                    UPCAST, IEEE, WRAP)
+    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE,
+                    WRAP)  # WRAP: the N split's programs of one slot walk K from different starts
     h = (h * sc).to(b_ptr.dtype.element_ty)
     expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
                      tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)

@@ -157,7 +157,7 @@ def _tile(
         if MORE:  # live rank beyond RC columns: shrink again from x (L2-resident by now)
             for c0 in range(RC, total, RC):
                 slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-                h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, 0, sxm, sxk, sas, sar, sak,
+                h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak,
                                 BM, RC, BK, UPCAST, IEEE, False)
                 acc = _expand(acc, h, b_ptr, gw_ptr, rows, row_on, slot, r, ok, scj, cols_ld,
                               rows_per_group, sbn, sbs, sbr, sgg, sgs, UPCAST, IEEE)

@@ -46,7 +46,7 @@ def lora_shrink_kernel(
         k_per = tl.cdiv(tl.cdiv(K, tl.num_programs(2)), BK) * BK
         k_lo = tl.program_id(2) * k_per
         k_hi = tl.minimum(K, k_lo + k_per)
-        acc = shrink_tile(x_ptr, a_ptr, rows, row_in, slot + 0 * r, r, r < live, k_lo, k_hi, 0,
+        acc = shrink_tile(x_ptr, a_ptr, rows, row_in, slot + 0 * r, r, r < live, k_lo, k_hi,
                           sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE, False)
         hp = h_ptr + tl.program_id(2) * shp + rows[:, None] * shm + (slot * R + r)[None, :] * shc
         tl.store(hp, acc, mask=row_in[:, None] & (r < R)[None, :])

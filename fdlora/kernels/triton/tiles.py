@@ -82,19 +82,22 @@ def shrink_tile(
     x_ptr, a_ptr,
     rows, row_on,  # [BM] int64 row index, rows to compute
     slot, r, ok,  # [RC] slot, rank row, valid column
-    k_lo, k_hi, k_first, sxm, sxk, sas, sar, sak,
+    k_lo, k_hi, sxm, sxk, sas, sar, sak,
     BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     WRAP: tl.constexpr,
 ):
     """h [BM, RC] fp32 = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi]^T.
 
-    WRAP (k_lo = 0): walk K from k_first (a multiple of BK) round to k_first, so that programs computing
-    the same h (an N split) request different lines of A at any moment instead of the same ones.
+    WRAP (k_lo = 0; grid axis 1 is an N split whose programs each compute this same h): each program walks
+    K round from its own start, spread over K by its index on axis 1, so that the split's programs request
+    different lines of A at any moment instead of the same ones.
     """
     acc = tl.zeros((BM, RC), dtype=tl.float32)
     x_row = x_ptr + rows * sxm  # [BM]
     a_col = a_ptr + slot.to(tl.int64) * sas + r * sar  # [RC]
-    k_round = tl.cdiv(k_hi, BK) * BK
+    k_tiles = tl.cdiv(k_hi, BK)  # WRAP only (unused otherwise)
+    k_round = k_tiles * BK
+    k_first = (tl.program_id(1) * k_tiles // tl.num_programs(1)) * BK
     for k0 in range(k_lo, k_hi, BK):
         kb = k0
         if WRAP:
