@@ -1,0 +1,106 @@
+"""The compiled CUTLASS library (csrc/lora_gemm_sm90.cu) through ctypes: find it, load it, call it.
+
+The library has a C ABI and links the CUDA runtime statically, so it needs neither torch's C++ headers
+nor a matching toolkit at run time: only an sm_90 GPU and a driver for CUDA 13. benchmarks/build_cutlass.sh
+compiles it. It is an experiment, not a dispatch path (see fdlora/kernels/triton/lora_linear_dispatch.py for why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from ...errors import BackendUnavailableError
+
+LIB_NAME = "libfdlora_sm90.so"
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+MAX_RC = 64  # the largest packed-rank tile compiled
+
+_lib: ctypes.CDLL | None = None
+
+
+def cache_dir() -> Path:
+    """Where benchmarks/build_cutlass.sh puts the library ($FDLORA_CACHE, else ~/.cache/fdlora)."""
+    root = os.environ.get("FDLORA_CACHE") or Path.home() / ".cache" / "fdlora"
+    return Path(root) / "cutlass"
+
+
+def lib_path() -> Path:
+    """$FDLORA_CUTLASS_LIB if set, else the build cache's copy."""
+    env = os.environ.get("FDLORA_CUTLASS_LIB")
+    return Path(env) if env else cache_dir() / LIB_NAME
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library; BackendUnavailableError says how to build it when it is missing."""
+    global _lib
+    if _lib is None:
+        path = lib_path()
+        if not path.is_file():
+            raise BackendUnavailableError(f"the CUTLASS kernels are not built ({path} is missing): run "
+                                          "`bash benchmarks/build_cutlass.sh` (it fetches nvcc and CUTLASS from pip), "
+                                          "or point FDLORA_CUTLASS_LIB at a built library")
+        lib = ctypes.CDLL(str(path))
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
+        lib.fdlora_lora_gemm_sm90.argtypes = [i, p, p, p, p, p, f, f, f, i, i, p, i, i, i, i, p]
+        lib.fdlora_lora_gemm_sm90.restype = i
+        lib.fdlora_gemm_sm90.argtypes = [i, i, p, p, p, p, i, i, i, i, p]
+        lib.fdlora_gemm_sm90.restype = i
+        lib.fdlora_last_error.restype = ctypes.c_char_p
+        _lib = lib
+    return _lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"fdlora cutlass {what}: {load().fdlora_last_error().decode()}")
+
+
+def lora_gemm(
+    x: torch.Tensor,  # [M, K] contiguous
+    W: torch.Tensor,  # [N, K] contiguous
+    bias: torch.Tensor | None,  # [N]
+    A: torch.Tensor,  # [S, R, K] contiguous (packed: [S * R, K])
+    B: torch.Tensor,  # [N, S, R] contiguous (packed: [N, S * R])
+    scale: torch.Tensor,  # [S] fp32
+    weight: torch.Tensor,  # [S] fp32 blend weights
+    ranks: torch.Tensor,  # [S] int32
+    out: torch.Tensor,  # [M, N]
+) -> torch.Tensor:
+    """out = x W^T (+ bias) + sum_s scale[s] weight[s] (x A_s[:ranks[s]]^T) B_s[:, :ranks[s]]^T, one launch."""
+    M, K = x.shape
+    N = W.shape[0]
+    S, R = A.shape[0], A.shape[1]
+    rc = load().fdlora_lora_gemm_sm90(
+        DTYPES[x.dtype], _ptr(x), _ptr(W), _ptr(bias), _ptr(A), _ptr(B), _ptr(scale), _ptr(weight), _ptr(ranks),
+        R, S * R, _ptr(out), M, N, K, _sms(x), torch.cuda.current_stream(x.device).cuda_stream)
+    _check(rc, "lora_gemm")
+    return out
+
+
+def gemm(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+         variant: int = 1) -> torch.Tensor:
+    """out = x W^T (+ bias) with CUTLASS's own main loop, the baseline the LoRA main loop is measured against
+    (variant 1: cluster 1x1, 2: cluster 2x1, 3: stream-K, bf16 only)."""
+    M, K = x.shape
+    rc = load().fdlora_gemm_sm90(DTYPES[x.dtype], variant, _ptr(x), _ptr(W), _ptr(bias), _ptr(out), M, W.shape[0], K,
+                                 _sms(x), torch.cuda.current_stream(x.device).cuda_stream)
+    _check(rc, "gemm")
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sms(x: torch.Tensor) -> int:
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
