@@ -80,6 +80,7 @@ def launch_merge(
     group_weight: torch.Tensor,  # [G, S] fp32
     ranks: torch.Tensor,  # [S] int32
     out: torch.Tensor | None = None,  # [G, N, K] to write into (the merged-weight cache keeps one)
+    blocks: dict | None = None,  # BN, BK, num_warps, num_stages instead of BLOCKS (sweeps)
 ) -> torch.Tensor:  # [G, N, K] in W's dtype
     N, K = W.shape
     S, R, _ = A.shape
@@ -87,7 +88,7 @@ def launch_merge(
     if out is None:
         out = torch.empty(G, N, K, device=W.device, dtype=W.dtype)
     RC = C.MIN_BLOCK  # rank chunks of 16: wider ones spill registers at this tile (ptxas, sm_90)
-    blocks = BLOCKS["interpret" if C.INTERPRET else "gpu"]
+    blocks = blocks or BLOCKS["interpret" if C.INTERPRET else "gpu"]
     C.check_blocks([], RC=RC, BN=blocks["BN"], BK=blocks["BK"])
     grid = (C.cdiv(N, blocks["BN"]) * C.cdiv(K, blocks["BK"]), G, 1)
     wrap_triton(lora_merge_kernel)[grid](
