@@ -15,7 +15,7 @@ step() { local t=$1 s=$SECONDS; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | gr
 for stage in "$@"; do
   case $stage in
     layer) TAIL=3 step 120 python3 benchmarks/profile_layer.py --out "$OUT/results/layer_host.json" ;;
-    tests) TAIL=15 step 420 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
+    tests) TAIL=15 step 560 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
     layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines_tf ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
