@@ -122,6 +122,9 @@ def time_shape(name, M, K, N, dtype, loras) -> list[dict]:
         banks = [bank(S, R, K, N, dtype, seed=i) for i in range(SETS)]
         t = dict(base)
         t["cutlass_lora"] = graph_time([lambda s=s, b=b: lib.lora_gemm(*s[:3], *b, s[3]) for s, b in zip(sets, banks)])
+        if lora == "r16":  # the same kernel without its shrink wgmma: what the expand stage and A loads cost
+            t["cutlass_lora_noshrink"] = graph_time([lambda s=s, b=b: lib.lora_gemm(*s[:3], *b, s[3], shrink=False)
+                                                     for s, b in zip(sets, banks)])
         for path in ("merged", "cublas_delta"):
             t[path] = graph_time([lambda s=s, b=b, p=path: run_path(p, s[0], s[1], s[2], b[0], b[1], b[2],
                                                                   b[3].view(1, -1), b[4])
@@ -134,6 +137,7 @@ def time_shape(name, M, K, N, dtype, loras) -> list[dict]:
         r = row["over_cublas"]
         print(f"{name:16s} {lora:9s} cublas {t['cublas']:7.1f}us  plain1 {r['cutlass_plain_1x1']:.3f} "
               f"plain2 {r['cutlass_plain_2x1']:.3f} sk {r['cutlass_plain_streamk']:.3f}  lora {r['cutlass_lora']:.3f}  "
+              f"noshrink {r.get('cutlass_lora_noshrink', float('nan')):.3f}  "
               f"merged {r['merged']:.3f}  delta {r['cublas_delta']:.3f}", flush=True)
     return rows
 

@@ -47,6 +47,8 @@ def load() -> ctypes.CDLL:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
         lib.fdlora_lora_gemm_sm90.argtypes = [i, p, p, p, p, p, f, f, f, i, i, p, i, i, i, i, p]
         lib.fdlora_lora_gemm_sm90.restype = i
+        lib.fdlora_lora_gemm_sm90_noshrink.argtypes = lib.fdlora_lora_gemm_sm90.argtypes[1:]
+        lib.fdlora_lora_gemm_sm90_noshrink.restype = i
         lib.fdlora_gemm_sm90.argtypes = [i, i, p, p, p, p, i, i, i, i, p]
         lib.fdlora_gemm_sm90.restype = i
         lib.fdlora_last_error.restype = ctypes.c_char_p
@@ -73,13 +75,16 @@ def lora_gemm(
     weight: torch.Tensor,  # [S] fp32 blend weights
     ranks: torch.Tensor,  # [S] int32
     out: torch.Tensor,  # [M, N]
+    shrink: bool = True,  # False: the bf16 r16 timing probe without the shrink (the delta is then zero)
 ) -> torch.Tensor:
     """out = x W^T (+ bias) + sum_s scale[s] weight[s] (x A_s[:ranks[s]]^T) B_s[:, :ranks[s]]^T, one launch."""
     M, K = x.shape
     N = W.shape[0]
     S, R = A.shape[0], A.shape[1]
-    rc = load().fdlora_lora_gemm_sm90(
-        DTYPES[x.dtype], _ptr(x), _ptr(W), _ptr(bias), _ptr(A), _ptr(B), _ptr(scale), _ptr(weight), _ptr(ranks),
+    lib = load()
+    fn, head = (lib.fdlora_lora_gemm_sm90, [DTYPES[x.dtype]]) if shrink else (lib.fdlora_lora_gemm_sm90_noshrink, [])
+    rc = fn(
+        *head, _ptr(x), _ptr(W), _ptr(bias), _ptr(A), _ptr(B), _ptr(scale), _ptr(weight), _ptr(ranks),
         R, S * R, _ptr(out), M, N, K, _sms(x), torch.cuda.current_stream(x.device).cuda_stream)
     _check(rc, "lora_gemm")
     return out

@@ -21,7 +21,9 @@ results/.../cutlass_s9_*.json): CUTLASS 4.2's warp-specialized cooperative GEMM 
 N=16 wgmma per k-block and the expand as one extra k-stage. Exact on every check, but on the seven SDXL/Flux
 shapes its plain GEMM alone runs at 1.06-1.31x cuBLAS (128x256 tiles, cluster 1x1; the best of 1x1, 2x1 and
 stream-K 1.03-1.23x) and the in-loop shrink adds 5-21% to it at r16 (28-48% at r64): 1.20-1.48x cuBLAS at r16,
-behind "merged" (1.03-1.19x) on every shape. The Triton TMA probe found the same in-loop cost (probe_tma.json).
+behind "merged" (1.03-1.19x) on every shape. Of that, the N=16 wgmma itself costs 8-16% (the same kernel
+without it, cutlass_s9_noshrink.json; its FLOP share is 6%), the extra stage and A loads 0-14% (most at
+small K). The Triton TMA probe found the same in-loop cost (probe_tma.json).
 
 The choice depends on static shapes only (M, K, N, bank [S, R], groups G, dtype, SM count), never
 on which adapters are active, so compiled graphs and CUDA graphs never change with a switch. It

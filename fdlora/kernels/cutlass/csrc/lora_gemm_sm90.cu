@@ -31,12 +31,12 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::TmaWarpSpecializedCooperative,
     cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element>>::CollectiveOp;
 
-template <class Element, int RCT>
+template <class Element, int RCT, bool SHRINK = true>
 struct LoraGemm {
   static constexpr int StageBytes = (128 + 256 + RCT) * 64 * int(sizeof(Element));
   static constexpr int Stages =
       cute::min(4, (kSmemBytes - int(sizeof(typename Epilogue<Element>::SharedStorage)) - 2048) / StageBytes);
-  using Mainloop = LoraMainloopSm90<Stages, TileShape, Element, RCT>;
+  using Mainloop = LoraMainloopSm90<Stages, TileShape, Element, RCT, SHRINK>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue<Element>,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -107,11 +107,11 @@ int launch(typename Gemm::Arguments const& args, cudaStream_t stream) {
   return 0;
 }
 
-template <class Element, int RCT>
+template <class Element, int RCT, bool SHRINK = true>
 int run_lora(void const* x, void const* w, void const* bias, void const* a, void const* b, float const* scale,
              float const* weight, int const* ranks, int R, int RC, void* y, int M, int N, int K, int sms,
              cudaStream_t stream) {
-  using G = typename LoraGemm<Element, RCT>::Gemm;
+  using G = typename LoraGemm<Element, RCT, SHRINK>::Gemm;
   using Kernel = typename G::GemmKernel;
   constexpr int BK = 64;
   int Kpad = ((K + BK - 1) / BK + 1) * BK;  // one more k-tile: the expand stage
@@ -161,6 +161,15 @@ int fdlora_lora_gemm_sm90(int dtype, void const* x, void const* w, void const* b
   return rct == 16 ? FDLORA_RUN(cutlass::half_t, 16) : rct == 32 ? FDLORA_RUN(cutlass::half_t, 32)
                                                                   : FDLORA_RUN(cutlass::half_t, 64);
 #undef FDLORA_RUN
+}
+
+// Timing probe: the bf16 r16 kernel without its shrink wgmma (h = 0, so y = x W^T + bias): what the extra
+// expand stage and the A loads cost by themselves.
+int fdlora_lora_gemm_sm90_noshrink(void const* x, void const* w, void const* bias, void const* a, void const* b,
+                                   float const* scale, float const* weight, int const* ranks, int R, int RC, void* y,
+                                   int M, int N, int K, int sms, void* stream) {
+  return fdlora::run_lora<cutlass::bfloat16_t, 16, false>(x, w, bias, a, b, scale, weight, ranks, R, RC, y, M, N, K,
+                                                          sms, static_cast<cudaStream_t>(stream));
 }
 
 // The same GEMM without LoRA (CUTLASS's own main loop): variant 1 = cluster 1x1, 2 = cluster 2x1, 3 = stream-K

@@ -35,7 +35,8 @@
 namespace fdlora {
 using namespace cute;
 
-template <int Stages, class TileShape_, class Element, int RCT>
+// SHRINK = false leaves the shrink wgmma out (h stays zero): a timing probe of the other costs, never a result.
+template <int Stages, class TileShape_, class Element, int RCT, bool SHRINK = true>
 struct LoraMainloopSm90 {
   using ClusterShape = Shape<_1, _1, _1>;
   using DispatchPolicy = cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<
@@ -298,6 +299,9 @@ struct LoraMainloopSm90 {
 
     PipelineState smem_pipe_release = smem_pipe_read;
     assert(k_tile_count >= 2);
+    if constexpr (!SHRINK) {
+      clear(h);
+    }
     warpgroup_fence_operand(accum);
     warpgroup_fence_operand(h);
     {  // prologue: the first k-tile, accumulators start from zero
@@ -310,7 +314,9 @@ struct LoraMainloopSm90 {
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
         cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
-        cute::gemm(tiled_mma_h, tHrA(_, _, kb, stage), tHrB(_, _, kb, stage), h);
+        if constexpr (SHRINK) {
+          cute::gemm(tiled_mma_h, tHrA(_, _, kb, stage), tHrB(_, _, kb, stage), h);
+        }
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         tiled_mma_h.accumulate_ = GMMA::ScaleOut::One;
       }
@@ -330,7 +336,9 @@ struct LoraMainloopSm90 {
       warpgroup_fence_operand(h);
       warpgroup_arrive();
       cute::gemm(tiled_mma, tCrA(_, _, _, stage), tCrB(_, _, _, stage), accum);
-      cute::gemm(tiled_mma_h, tHrA(_, _, _, stage), tHrB(_, _, _, stage), h);
+      if constexpr (SHRINK) {
+        cute::gemm(tiled_mma_h, tHrA(_, _, _, stage), tHrB(_, _, _, stage), h);
+      }
       warpgroup_commit_batch();
       warpgroup_wait<1>();
       warpgroup_fence_operand(accum);
