@@ -4,7 +4,8 @@ Checks every case against a float64 oracle first (odd shapes, bias, ranks below 
 times, per layer shape and LoRA (r16, r64, a 4 x r16 blend): cuBLAS base (F.linear), CUTLASS's plain GEMM
 (cluster 1x1 and 2x1, and stream-K), the CUTLASS LoRA GEMM, and the Triton dispatch's "merged" and
 "cublas_delta" paths.
-GPU time: a CUDA graph over 4 input sets (so x and W are not all L2-resident), replayed, median of rounds.
+GPU time as bench_fused.py: a CUDA graph over 4 input sets x 3 (so x and W are not all L2-resident), median of 7
+replays. (cutlass_s9_*.json came from an earlier copy of that timer: median of 7 rounds of 5 replays.)
 
     python benchmarks/bench_cutlass.py --out results.json
 """
@@ -13,14 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fdlora.kernels.cutlass import lib
-from fdlora.kernels.reference import lora_linear as reference_linear
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_fused import graph_us  # noqa: E402
+
+from fdlora.kernels.cutlass import lib  # noqa: E402
+from fdlora.kernels.reference import lora_linear as reference_linear  # noqa: E402
 
 SHAPES = {  # name: (M, K, N)
     "flux_3072": (4608, 3072, 3072),
@@ -73,33 +80,6 @@ def check(M, K, N, S, R, dtype, with_bias, ranks=None) -> dict:
             "max_err": err, "eager_err": err_eager, "delta_max": delta, "ok": ok}
 
 
-def graph_time(fns, rounds: int = 7, reps: int = 5) -> float:
-    """Microseconds per call of fns[i % len] captured into one graph, median over rounds."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(3):
-            for f in fns:
-                f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (reps * 3 * len(fns)))
-    return statistics.median(times)
-
-
 def time_shape(name, M, K, N, dtype, loras) -> list[dict]:
     from fdlora.kernels.triton.lora_linear import run_path
 
@@ -111,22 +91,22 @@ def time_shape(name, M, K, N, dtype, loras) -> list[dict]:
         bias = torch.randn(N, device="cuda", generator=g).to(dtype)
         sets.append((x, W, bias, torch.empty(M, N, device="cuda", dtype=dtype)))
     base = {
-        "cublas": graph_time([lambda s=s: F.linear(s[0], s[1], s[2]) for s in sets]),
-        "cutlass_plain_1x1": graph_time([lambda s=s: lib.gemm(s[0], s[1], s[2], s[3], 1) for s in sets]),
-        "cutlass_plain_2x1": graph_time([lambda s=s: lib.gemm(s[0], s[1], s[2], s[3], 2) for s in sets]),
-        "cutlass_plain_streamk": graph_time([lambda s=s: lib.gemm(s[0], s[1], s[2], s[3], 3) for s in sets]),
+        "cublas": graph_us([lambda s=s: F.linear(s[0], s[1], s[2]) for s in sets]),
+        "cutlass_plain_1x1": graph_us([lambda s=s: lib.gemm(s[0], s[1], s[2], s[3], 1) for s in sets]),
+        "cutlass_plain_2x1": graph_us([lambda s=s: lib.gemm(s[0], s[1], s[2], s[3], 2) for s in sets]),
+        "cutlass_plain_streamk": graph_us([lambda s=s: lib.gemm(s[0], s[1], s[2], s[3], 3) for s in sets]),
     }
     rows = []
     for lora in loras:
         S, R = LORAS[lora]
         banks = [bank(S, R, K, N, dtype, seed=i) for i in range(SETS)]
         t = dict(base)
-        t["cutlass_lora"] = graph_time([lambda s=s, b=b: lib.lora_gemm(*s[:3], *b, s[3]) for s, b in zip(sets, banks)])
+        t["cutlass_lora"] = graph_us([lambda s=s, b=b: lib.lora_gemm(*s[:3], *b, s[3]) for s, b in zip(sets, banks)])
         if lora == "r16":  # the same kernel without its shrink wgmma: what the expand stage and A loads cost
-            t["cutlass_lora_noshrink"] = graph_time([lambda s=s, b=b: lib.lora_gemm(*s[:3], *b, s[3], shrink=False)
+            t["cutlass_lora_noshrink"] = graph_us([lambda s=s, b=b: lib.lora_gemm(*s[:3], *b, s[3], shrink=False)
                                                      for s, b in zip(sets, banks)])
         for path in ("merged", "cublas_delta"):
-            t[path] = graph_time([lambda s=s, b=b, p=path: run_path(p, s[0], s[1], s[2], b[0], b[1], b[2],
+            t[path] = graph_us([lambda s=s, b=b, p=path: run_path(p, s[0], s[1], s[2], b[0], b[1], b[2],
                                                                   b[3].view(1, -1), b[4])
                                   for s, b in zip(sets, banks)])
         flops = 2.0 * M * N * K
@@ -170,7 +150,7 @@ def main() -> None:
     out = {"benchmark": "cutlass_lora_gemm", "gpu": props.name, "sms": props.multi_processor_count,
            "torch": torch.__version__, "cuda": torch.version.cuda,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "timing": "CUDA graph over 4 input sets x 3, 5 replays per round, median of 7 rounds; bf16",
+           "timing": "bench_fused.graph_us: CUDA graph over 4 input sets x 3, median of 7 replays; bf16",
            "all_verified": all(c["ok"] for c in cases), "checks": cases, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
