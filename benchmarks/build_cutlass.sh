@@ -3,11 +3,12 @@
 #
 # Needs no CUDA toolkit or GPU on the building machine: nvcc 13.0, the CUDA runtime and CUTLASS 4.2's headers
 # come from pip wheels, unpacked into a scratch folder. The library links the runtime statically, so the GPU
-# machine needs only a driver for CUDA 13; carry it there and point FDLORA_CUTLASS_LIB at it.
-#   bash benchmarks/build_cutlass.sh [OUT]     (default OUT: .build/libfdlora_sm90.so; ~2.5 min on 2 cores)
+# machine needs only a driver for CUDA 13. fdlora looks for it at ~/.cache/fdlora/cutlass/libfdlora_sm90.so
+# (the default OUT) or at $FDLORA_CUTLASS_LIB (built elsewhere and carried to the GPU machine).
+#   bash benchmarks/build_cutlass.sh [OUT]     (~2.5 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-.build/libfdlora_sm90.so}
+out=${1:-$HOME/.cache/fdlora/cutlass/libfdlora_sm90.so}
 tools=${FDLORA_CUDA_TOOLS:-/tmp/fdlora-cuda-tools}
 if [ ! -x "$tools/nvidia/cu13/bin/nvcc" ]; then
   mkdir -p "$tools/wheels"

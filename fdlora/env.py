@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 BACKEND_VAR = "FDLORA_BACKEND"
 
@@ -51,3 +52,13 @@ def dispatch_measure() -> bool:
     """`FDLORA_DISPATCH`: "model" (default: the cost model of fdlora.kernels.triton.lora_linear_dispatch) or
     "measure" (the first eager call of an ambiguous layer shape times the close candidates on the GPU)."""
     return os.environ.get(DISPATCH_VAR, "model").strip().lower() == "measure"
+
+
+CUTLASS_LIB_VAR = "FDLORA_CUTLASS_LIB"
+
+
+def cutlass_lib() -> Path:
+    """`FDLORA_CUTLASS_LIB`: the CUTLASS kernel library (fdlora.kernels.cutlass); default
+    ~/.cache/fdlora/cutlass/libfdlora_sm90.so, where benchmarks/build_cutlass.sh puts it."""
+    raw = os.environ.get(CUTLASS_LIB_VAR, "").strip()
+    return Path(raw) if raw else Path.home() / ".cache" / "fdlora" / "cutlass" / "libfdlora_sm90.so"

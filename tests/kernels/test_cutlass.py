@@ -10,6 +10,7 @@ import pytest
 import torch
 from triton_cases import HAS_CUDA
 
+from fdlora import env
 from fdlora.errors import BackendUnavailableError
 from fdlora.kernels.cutlass import lib
 from fdlora.kernels.reference import lora_linear as reference_linear
@@ -23,7 +24,7 @@ def test_missing_library_names_the_build_step(monkeypatch, tmp_path) -> None:
 
 
 def _built() -> bool:
-    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and lib.lib_path().is_file()
+    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and env.cutlass_lib().is_file()
 
 
 CASES = [  # M, K, N, R, ranks (S = len), bias, dtype

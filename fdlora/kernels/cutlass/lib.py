@@ -8,41 +8,26 @@ compiles it. It is an experiment, not a dispatch path (see fdlora/kernels/triton
 from __future__ import annotations
 
 import ctypes
-import os
-from pathlib import Path
 
 import torch
 
+from ... import env
 from ...errors import BackendUnavailableError
 
-LIB_NAME = "libfdlora_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-MAX_RC = 64  # the largest packed-rank tile compiled
 
 _lib: ctypes.CDLL | None = None
-
-
-def cache_dir() -> Path:
-    """Where benchmarks/build_cutlass.sh puts the library ($FDLORA_CACHE, else ~/.cache/fdlora)."""
-    root = os.environ.get("FDLORA_CACHE") or Path.home() / ".cache" / "fdlora"
-    return Path(root) / "cutlass"
-
-
-def lib_path() -> Path:
-    """$FDLORA_CUTLASS_LIB if set, else the build cache's copy."""
-    env = os.environ.get("FDLORA_CUTLASS_LIB")
-    return Path(env) if env else cache_dir() / LIB_NAME
 
 
 def load() -> ctypes.CDLL:
     """The loaded library; BackendUnavailableError says how to build it when it is missing."""
     global _lib
     if _lib is None:
-        path = lib_path()
+        path = env.cutlass_lib()
         if not path.is_file():
             raise BackendUnavailableError(f"the CUTLASS kernels are not built ({path} is missing): run "
                                           "`bash benchmarks/build_cutlass.sh` (it fetches nvcc and CUTLASS from pip), "
-                                          "or point FDLORA_CUTLASS_LIB at a built library")
+                                          f"or point {env.CUTLASS_LIB_VAR} at a built library")
         lib = ctypes.CDLL(str(path))
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
         lib.fdlora_lora_gemm_sm90.argtypes = [i, p, p, p, p, p, f, f, f, i, i, p, i, i, i, i, p]
@@ -58,6 +43,12 @@ def load() -> ctypes.CDLL:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _device_args(x: torch.Tensor) -> tuple[int, int]:
+    """The SM count (the persistent grid) and the stream handle of x's device, the last two C arguments."""
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count  # torch caches the properties
+    return sms, torch.cuda.current_stream(x.device).cuda_stream
 
 
 def _check(rc: int, what: str) -> None:
@@ -85,7 +76,7 @@ def lora_gemm(
     fn, head = (lib.fdlora_lora_gemm_sm90, [DTYPES[x.dtype]]) if shrink else (lib.fdlora_lora_gemm_sm90_noshrink, [])
     rc = fn(
         *head, _ptr(x), _ptr(W), _ptr(bias), _ptr(A), _ptr(B), _ptr(scale), _ptr(weight), _ptr(ranks),
-        R, S * R, _ptr(out), M, N, K, _sms(x), torch.cuda.current_stream(x.device).cuda_stream)
+        R, S * R, _ptr(out), M, N, K, *_device_args(x))
     _check(rc, "lora_gemm")
     return out
 
@@ -96,16 +87,6 @@ def gemm(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, out: torch
     (variant 1: cluster 1x1, 2: cluster 2x1, 3: stream-K, bf16 only)."""
     M, K = x.shape
     rc = load().fdlora_gemm_sm90(DTYPES[x.dtype], variant, _ptr(x), _ptr(W), _ptr(bias), _ptr(out), M, W.shape[0], K,
-                                 _sms(x), torch.cuda.current_stream(x.device).cuda_stream)
+                                 *_device_args(x))
     _check(rc, "gemm")
     return out
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sms(x: torch.Tensor) -> int:
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
