@@ -41,6 +41,8 @@ class AdapterBank(nn.Module):
         self.register_buffer("B", torch.zeros(out_features, slots, R, dtype=dtype, device=device), persistent=False)
         self.register_buffer("ranks", torch.zeros(slots, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("bias", None, persistent=False)  # [S, N], allocated on first use
+        # bumped on the device with every write: the device-side merged-weight cache stamps it (layers.merged)
+        self.register_buffer("dversion", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self.used: list[bool] = [False] * slots  # host mirror of ranks > 0
         self.host_ranks: list[int] = [0] * slots
         self.version = 0  # bumped on every write: merged-weight caches key on it
@@ -73,11 +75,14 @@ class AdapterBank(nn.Module):
             self.bias[slot].zero_()
         self.mark(slot, r)
 
-    def mark(self, slot: int, rank: int) -> None:
-        """Host bookkeeping after slot `slot` was written with `rank` (0: cleared)."""
+    def mark(self, slot: int, rank: int, device: bool = True) -> None:
+        """Bookkeeping after slot `slot` was written with `rank` (0: cleared): host mirrors, both versions (the
+        device one unless `device` is False: write_many bumps those in one grouped launch)."""
         self.used[slot] = rank > 0
         self.host_ranks[slot] = rank
         self.__dict__["version"] += 1  # (not through nn.Module.__setattr__: loads mark ~1000 banks)
+        if device:
+            self._buffers["dversion"].add_(1)
 
     def addresses(self) -> tuple:
         """(A slot 0, A slot stride, B slot 0, B slot stride, N, B row stride, ranks slot 0, ranks slot stride,
@@ -103,6 +108,7 @@ class AdapterBank(nn.Module):
         copies: dict[torch.device, tuple[list, list]] = {}
         zeros: dict[torch.device, list] = {}
         ranks: dict[torch.device, tuple[list, list]] = {}
+        marked = []
         for bank, slot, m in writes:
             if m.bias is not None or bank.bias is not None:
                 bank.write(slot, m)
@@ -116,13 +122,25 @@ class AdapterBank(nn.Module):
             rd, rv = ranks.setdefault(dev, ([], []))
             rd.append(bank.ranks[slot:slot + 1])
             rv.append(r)
-            bank.mark(slot, r)
+            bank.mark(slot, r, device=False)
+            marked.append(bank)
         for dst, src in copies.values():
             torch._foreach_copy_(dst, src)
         for zs in zeros.values():
             torch._foreach_zero_(zs)
         for dev, (rd, rv) in ranks.items():
             torch._foreach_copy_(rd, torch.tensor(rv, dtype=torch.int32).to(dev).split(1))
+        AdapterBank.bump(marked)
+
+    @staticmethod
+    def bump(banks: list[AdapterBank]) -> None:
+        """The device versions of many banks marked with device=False, one grouped launch per device."""
+        versions: dict[torch.device, dict[int, torch.Tensor]] = {}
+        for bank in banks:
+            v = bank._buffers["dversion"]
+            versions.setdefault(v.device, {})[id(v)] = v  # a bank written twice counts once
+        for vs in versions.values():
+            torch._foreach_add_(list(vs.values()), 1)
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
@@ -149,3 +167,4 @@ class AdapterBank(nn.Module):
         self.used = self.used + [False] * (slots - S0)
         self.host_ranks = self.host_ranks + [0] * (slots - S0)
         self.version += 1
+        self.dversion.add_(1)

@@ -31,7 +31,7 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
     dev = staged.flat.device
     kernel = _scatter() if dev.type == "cuda" or (dev.type == "cpu" and env.triton_interpret()) else None
     tables: dict[tuple, list[list[int]]] = {}
-    rest = []
+    rest, marked = [], []
     base = staged.flat.data_ptr() - staged.start  # host address -> device address
     for bank, slot, m in writes:  # ~1000 modules per SDXL load: plain reads only (no nn.Module lookups)
         A, B = m.A, m.B
@@ -45,8 +45,10 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
         tables.setdefault((A.dtype, dtype), []).append([
             A.data_ptr() + base, a0 + slot * a_step, A.numel(),
             B.data_ptr() + base, b0 + slot * b_step, n, r, b_row, k0 + slot * k_step])
-        bank.mark(slot, r)
+        bank.mark(slot, r, device=False)
+        marked.append(bank)
     for (src, dst), rows in tables.items():
         kernel.scatter(torch.tensor(rows, dtype=torch.int64).to(dev), src, dst)
+    AdapterBank.bump(marked)
     if rest:
         AdapterBank.write_many(rest)

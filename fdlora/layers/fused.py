@@ -19,6 +19,7 @@ from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
 from . import decode
+from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
 from .state import Mode, ModelState
@@ -110,6 +111,7 @@ class _FusedLora(nn.Module):
         """Also keep `base` and `bank` in the instance dict: the forward path reads them without going
         through nn.Module.__getattr__ (they stay registered submodules; reassigning one drops the copy)."""
         self.__dict__["base"], self.__dict__["bank"] = self._modules["base"], self._modules["bank"]
+        _merged.bind(self)  # (here: __init__, moves and copies all pass through)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -191,17 +193,19 @@ class _FusedLora(nn.Module):
                 return None
         return self._with_weight(x, buf, params["bias"])
 
-    def merge_into(self, out: torch.Tensor, W: torch.Tensor) -> None:
-        """out = W + sum_s scale_blend[s] B_s A_s, shaped like the base weight (the cache's refresh)."""
-        A, B, ranks, S = self._bank()
-        N = self.out_features
+    def merge_into(self, out: torch.Tensor, W: torch.Tensor, stamp: torch.Tensor) -> None:
+        """out = W + sum_s scale_blend[s] B_s A_s, shaped like the base weight (the cache's refresh), unless `stamp`
+        says on the device that out already holds this blend of this bank (fdlora.layers.merged)."""
+        b = self.bank
+        A, B, ranks, S, v = b.A, b.B, b.ranks, b.slots, b.dversion
+        N, scale = self.out_features, self.scale_blend[:S]
         if self.kind == "conv2d":
-            self._ops.lora_merge(out.view(N, -1), W.reshape(N, -1), A.reshape(S, A.shape[1], -1), B,
-                                 self.scale_blend[:S], ranks)
+            self._ops.lora_merge(out.view(N, -1), W.reshape(N, -1), A.reshape(S, A.shape[1], -1), B, scale, ranks,
+                                 stamp, v)
         elif _is_conv1d(self.base):  # weight [K, N]: merge into the transposed views
-            self._ops.lora_merge(out.t(), W.t(), A, B, self.scale_blend[:S], ranks)
+            self._ops.lora_merge(out.t(), W.t(), A, B, scale, ranks, stamp, v)
         else:
-            self._ops.lora_merge(out, W, A, B, self.scale_blend[:S], ranks)
+            self._ops.lora_merge(out, W, A, B, scale, ranks, stamp, v)
 
     # --- forward ------------------------------------------------------------------------------
     def _skip(self) -> bool:
@@ -272,6 +276,24 @@ class FusedLoraLinear(_FusedLora):
         # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear): nn.Linear only
         self._whole = linear and self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
 
+    def _on_device_cache(self, x: torch.Tensor) -> bool:
+        """Blend calls that may not branch on the host (compiled, frozen, being captured) use the merged-weight
+        cache through fdlora::merged_linear (fdlora.layers.merged), which checks for changes on the device."""
+        return (type(self.base) is nn.Linear and self._plain and _merged.BUDGET.enabled(x.device.type)
+                and (self.state.static or torch.compiler.is_compiling()
+                     or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.base.weight.requires_grad)))
+
+    def per_call_linear(self, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor,
+                        B: torch.Tensor, scale: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + bias + blend LoRA by the per-call kernels (merged_linear's path when the budget is full)."""
+        gw = self.blend_weight[:, :A.shape[0]]
+        if self._whole:
+            return self._ops.lora_linear(x, W, bias, A, B, scale, gw, ranks)
+        y = F.linear(x, W, bias)
+        self._ops.lora_delta(y, x, A, B, scale, gw, ranks)
+        return y
+
     def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if type(self.base) is nn.Linear:
             return F.linear(x, w, bias)
@@ -288,6 +310,15 @@ class FusedLoraLinear(_FusedLora):
             y = decode.forward(self, x, args, kwargs)  # eager decode: one kept-ready launch
             if y is not None:
                 return y
+        if mode is Mode.BLEND and not skip and self._on_device_cache(x):
+            b = self.bank
+            x2 = x.reshape(-1, self.in_features).to(b.A.dtype)
+            base = self.base
+            y2 = torch.ops.fdlora.merged_linear(x2, base.weight, base.bias, b.A, b.B, self.scale_blend[:b.slots],
+                                                b.ranks, self.merged.ident)
+            if b.bias is not None:
+                self._add_bias(y2, self.scale_blend, self.blend_weight, None)
+            return y2.view(*x.shape[:-1], self.out_features)
         if mode in (Mode.BLEND, Mode.SAMPLES) and not skip and self._whole:
             A, B, ranks, S = self._bank()
             x2 = x.reshape(-1, self.in_features).to(A.dtype)

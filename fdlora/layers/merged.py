@@ -1,19 +1,28 @@
-"""Merged-weight cache: an eager blend-mode layer keeps W' = W + sum_s w_s B_s A_s and runs one GEMM.
+"""Merged-weight cache: a blend-mode layer keeps W' = W + sum_s w_s B_s A_s and runs one GEMM.
 
 Why: with the LoRA folded into a copy of the weight, a layer costs exactly one base GEMM ("merged
-speed") and one host call, while the adapters stay unmerged in the bank and W stays untouched.
-Switching stays O(1) on the host: `set_adapters` only bumps the scale table's version, and each
-layer re-merges lazily on its next forward (one lora_merge kernel: read W, write W').
+speed"), while the adapters stay unmerged in the bank and W stays untouched. Switching stays O(1) on
+the host: `set_adapters` only writes the scale table, and each layer re-merges lazily on its next
+forward (one lora_merge kernel: read W, write W').
 
-When a layer uses it (`_FusedLora._cached` / `_merged_forward`): blend mode with something active, eager (not
-compiled, not frozen, not being captured into a CUDA graph: those need the per-call paths whose
-graphs do not change with a switch), a plain nn.Linear, transformers Conv1D or nn.Conv2d base in
-the bank's dtype, no lora bias, and room in the byte budget of its device. Everything else takes the per-call paths.
+Two ways to find out that W' is stale, one buffer:
+- eager calls (`_FusedLora._cached` / `_merged_forward`): a host key (scale table version, bank
+  version, W's storage and version counter), so set_adapters, loads/deletes, fuse/unfuse and in-place
+  edits of W all invalidate it, and a fresh key costs one GEMM and no launch;
+- calls that must not branch on the host: frozen (`handle.freeze()`), compiled, or being captured
+  into a CUDA graph (`FusedLoraLinear._on_device_cache`). They call the opaque op fdlora::merged_linear,
+  which launches lora_merge with a stamp every call: on the device it compares the blend weights and
+  the bank's device version (bumped by every bank write) with what the buffer holds and returns at
+  once if nothing changed, so a traced graph or a CUDA graph holds the same launches whatever the
+  adapters, and a switch between replays is merged by the next replay. In-place edits of W outside
+  fuse/unfuse are not seen there. A buffer a CUDA graph captured is pinned: never freed (only marked
+  stale), since replays keep writing it.
 
-The cache is keyed by (scale table version, bank version, W's storage and version counter), so
-set_adapters, loading/deleting adapters, fuse/unfuse and in-place edits of the base weight all
-invalidate it. Numerics: one rounding of W' to the weight dtype (PEFT's merge), bounded in tests
-by eager PyTorch's own error, like the per-call "merged" path of fdlora.kernels.triton.lora_linear.
+Used for: blend mode, a plain nn.Linear (eager also transformers Conv1D and nn.Conv2d) base in the
+bank's dtype, no autograd through W or x, and room in the byte budget of its device; the eager form
+also needs no lora bias. Everything else, and per-sample / per-row calls, take the per-call paths.
+Numerics: one rounding of W' to the weight dtype (PEFT's merge), bounded in tests by eager PyTorch's
+own error, like the per-call "merged" path of fdlora.kernels.triton.lora_linear.
 
 Budget (bytes per device, `fdlora.set_merge_cache` or FDLORA_MERGE_CACHE): "auto" = 25% of a
 CUDA device's memory, off on CPU; a byte count; a share such as "40%"; 0 turns it off. A layer
@@ -22,6 +31,7 @@ also never takes memory that would leave less than 1 GiB free on its GPU.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
@@ -29,7 +39,7 @@ import weakref
 import torch
 
 from .. import env
-from ..errors import ConfigError
+from ..errors import ConfigError, FdLoraError
 
 AUTO_SHARE = 0.25
 KEEP_FREE = 1 << 30
@@ -78,6 +88,11 @@ class MergeBudget:
         if spec == "auto":
             return int(AUTO_SHARE * _total_memory(device)) if device.type == "cuda" else 0
         return int(spec * _total_memory(device)) if isinstance(spec, float) else int(spec)
+
+    def enabled(self, device_type: str) -> bool:
+        """Whether any layer on a device of this type may cache (plain reads: compiled code checks it)."""
+        spec = self.spec
+        return spec != 0 and (spec != "auto" or device_type == "cuda")
 
     def reserve(self, nbytes: int, device: torch.device) -> bool:
         with self._lock:
@@ -132,20 +147,22 @@ def _version(t: torch.Tensor) -> int:
 
 
 class MergedWeight:
-    """One layer's W' buffer and the key it was merged under."""
+    """One layer's W' buffer, the host key it was merged under (eager calls), and its device stamp (the weights and
+    bank version it holds, which compiled and captured calls check on the device)."""
 
-    __slots__ = ("buf", "key", "denied", "_free", "__weakref__")
+    __slots__ = ("buf", "key", "stamp", "ident", "pinned", "denied", "_free", "__weakref__")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
         self.key: tuple | None = None
+        self.stamp: torch.Tensor | None = None  # int32 [S + 2] (fdlora.kernels.triton.lora_merge.new_stamp)
+        self.ident = next(_IDENTS)  # how fdlora::merged_linear finds this layer (a constant in traced graphs)
+        self.pinned = False  # a CUDA graph captured the buffer: it is never freed (replays would write freed memory)
         self._free: weakref.finalize | None = None  # gives the bytes back once, on release or collection
         self.denied = -1  # budget generation at which a reservation failed (no retry until it changes)
         BUDGET.caches.add(self)
 
-    def weight(self, layer, W: torch.Tensor) -> torch.Tensor | None:
-        """W' for `layer`'s current blend (W: its base weight), merging if anything changed; None if the
-        budget has no room."""
+    def _buffer(self, W: torch.Tensor) -> torch.Tensor | None:
         if self.buf is None:
             if self.denied == BUDGET.generation:
                 return None
@@ -154,11 +171,39 @@ class MergedWeight:
                 return None
             self.buf = torch.empty_like(W, memory_format=torch.contiguous_format)
             self._free = weakref.finalize(self, BUDGET.release, W.numel() * W.element_size(), W.device)
-            self.key = None
+            self.key = self.stamp = None
+        return self.buf
+
+    def _stamp(self, layer) -> torch.Tensor:
+        S = layer.bank.slots
+        if self.stamp is None or self.stamp.shape[0] != S + 2:
+            self.stamp = torch.zeros(S + 2, dtype=torch.int32, device=self.buf.device)
+            self.stamp[S] = -1  # matches no bank version: the first merge runs
+        return self.stamp
+
+    def weight(self, layer, W: torch.Tensor) -> torch.Tensor | None:
+        """W' for `layer`'s current blend (W: its base weight), merging if anything changed; None if the
+        budget has no room. Eager calls: the host key decides (it also sees in-place edits of W)."""
+        if self._buffer(W) is None:
+            return None
         key = merged_key(layer, W)
         if key != self.key:
-            layer.merge_into(self.buf, W)
+            stamp = self._stamp(layer)
+            stamp[-2:-1].fill_(-1)  # merge whatever the stamp says: the key may have changed through W
+            layer.merge_into(self.buf, W, stamp)
             self.key = key
+        return self.buf
+
+    def weight_on_device(self, layer, W: torch.Tensor) -> torch.Tensor | None:
+        """W' for calls that must not decide on the host (compiled, captured, frozen): the merge launches every
+        call and returns at once on the device unless the blend weights or the bank changed since it last ran.
+        None if the budget has no room."""
+        if self._buffer(W) is None:
+            return None
+        layer.merge_into(self.buf, W, self._stamp(layer))
+        self.key = None  # the eager key no longer vouches for the buffer
+        if W.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.pinned = True
         return self.buf
 
     def __deepcopy__(self, memo) -> MergedWeight:
@@ -168,8 +213,57 @@ class MergedWeight:
         return MergedWeight, ()
 
     def release(self) -> None:
-        """Give the buffer's bytes back to the budget."""
-        self.buf = self.key = None
+        """Give the buffer's bytes back to the budget; a buffer a CUDA graph captured is kept and only marked stale
+        (its next use re-merges: fuse / unfuse change W in place, which a replay then reads)."""
+        if self.pinned:
+            self.key = None
+            if self.stamp is not None:
+                self.stamp[-2:-1].fill_(-1)
+            return
+        self.buf = self.key = self.stamp = None
         if self._free is not None:
             self._free()
             self._free = None
+
+
+# --- the compile- and graph-safe form: one opaque op --------------------------------------------------------
+
+_IDENTS = itertools.count()
+_LAYERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+
+
+def bind(layer) -> int:
+    """Register `layer` under its cache's ident (idempotent) and return the ident."""
+    ident = layer.merged.ident
+    if _LAYERS.get(ident) is not layer:
+        _LAYERS[ident] = layer
+    return ident
+
+
+@torch.library.custom_op("fdlora::merged_linear", mutates_args=())
+def merged_linear(
+    x: torch.Tensor,  # [M, K]
+    W: torch.Tensor,  # [N, K] the base nn.Linear weight
+    bias: torch.Tensor | None,  # [N]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    scale: torch.Tensor,  # [S] fp32 blend weights
+    ranks: torch.Tensor,  # [S] int32
+    ident: int,  # the layer (bind)
+) -> torch.Tensor:  # [M, N]
+    """y = x W'^T + bias from the layer's merged-weight buffer, re-merged on the device only when stale; the
+    layer's per-call path when the budget has no room. Opaque to torch.compile (its graph holds one call per
+    layer, whatever the adapters); in CUDA graphs the stamp check replays with it, so a switch made between
+    replays is merged by the next one."""
+    layer = _LAYERS.get(ident)
+    w = None if layer is None else layer.merged.weight_on_device(layer, W)
+    if w is None:
+        if layer is None:
+            raise FdLoraError(f"fdlora::merged_linear: no live layer has ident {ident}; call it through the layer.")
+        return layer.per_call_linear(x, W, bias, A, B, scale, ranks)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@merged_linear.register_fake
+def _(x, W, bias, A, B, scale, ranks, ident):
+    return x.new_empty(x.shape[0], W.shape[0])

@@ -427,3 +427,51 @@ def test_merge_into_buffer_matches_oracle(L, device: str, backend: str, transpos
     one_rounding = EPS[DTYPES[dtype]] * float(oracle.abs().max())
     sum_err = 64 * 4 * torch.finfo(torch.float32).eps * float(oracle.abs().max())
     assert float((out.double().cpu() - oracle).abs().max()) <= one_rounding + sum_err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stamped_merge_runs_only_when_the_weights_or_the_bank_changed(L, device: str) -> None:
+    """lora_merge with a stamp (the device-side merged-weight cache): the first launch merges; a launch with the
+    same weights and bank version leaves the buffer alone (poisoned here to prove it); a changed weight, slot
+    or version merges again, and every merge leaves the stamp matching and its program counter at zero."""
+    skip_unless(device)
+    from fdlora.kernels.triton.lora_merge import launch_merge, new_stamp
+
+    dtype = "fp32" if device == "cpu" else "fp16"
+    lin = Lin(_c(f"stamp-{dtype}", "blend", 8, 40, 36, 16, [3, 16, 8], [0.7, 0.0, 1.3], dtype=dtype))
+    d = linear_inputs(lin, device)
+    A, B = (d["clean"][k].to(device, DTYPES[dtype]) for k in ("A", "B"))
+    W, ranks, S = d["W"], d["ranks"], A.shape[0]
+    ones = torch.ones(1, S, device=device)
+    version = torch.zeros(1, dtype=torch.int32, device=device)
+    stamp, out = new_stamp(S, device), torch.full_like(W, float("nan"))[None]
+
+    def oracle(scale):
+        return W.double().cpu() + torch.einsum("s,nsr,srk->nk", scale.double().cpu(), B.double().cpu(),
+                                               A.double().cpu())
+
+    def merge(scale):
+        launch_merge(W, A, B, scale, ones, ranks, out=out, stamp=stamp, version=version, blocks=dict(
+            BN=16, BK=16, num_warps=4, num_stages=1))  # 3 x 3 programs: the counter must see all of them
+
+    def merged_to(scale):
+        err = float((out[0].double().cpu() - oracle(scale)).abs().max())
+        assert err <= 64 * EPS[DTYPES[dtype]] * float(oracle(scale).abs().max()), err
+        assert stamp[S + 1].item() == 0 and stamp[S].item() == version.item()
+        assert torch.equal(stamp[:S].cpu(), (scale.float() * ones[0]).cpu().view(torch.int32))
+
+    scale = d["scale"].clone()
+    merge(scale)
+    merged_to(scale)
+    out.fill_(float("nan"))
+    merge(scale.clone())  # same values in another tensor: still fresh
+    assert out.isnan().all(), "a fresh stamp must skip the merge"
+    for change in (lambda: scale.__setitem__(1, 0.25),  # a weight of an inactive slot becomes live
+                   lambda: scale.__setitem__(0, -0.7),
+                   lambda: version.add_(1)):  # a bank write (load, delete)
+        change()
+        out.fill_(float("nan"))
+        merge(scale)
+        merged_to(scale)
+    with pytest.raises(Exception, match="new_stamp"):
+        launch_merge(W, A, B, scale, ones.repeat(2, 1), ranks, stamp=stamp, version=version)

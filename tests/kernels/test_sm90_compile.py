@@ -98,8 +98,10 @@ def test_merge_and_scatter_compile() -> None:
     from fdlora.kernels.triton import bank_scatter, lora_merge
 
     blocks = lora_merge.BLOCKS["gpu"]
-    compile_sm90(lora_merge.lora_merge_kernel, {**blocks, "S_PAD": 4, "RC": 16, "UPCAST": False, "IEEE": False},
-                 pointers={"out_ptr": "*bf16", "w_ptr": "*bf16"})
+    for stamped in (False, True):
+        compile_sm90(lora_merge.lora_merge_kernel, {**blocks, "S_PAD": 4, "RC": 16, "UPCAST": False, "IEEE": False,
+                                                    "STAMPED": stamped},
+                     pointers={"out_ptr": "*bf16", "w_ptr": "*bf16", "stamp_ptr": "*i32", "version_ptr": "*i32"})
     compile_sm90(bank_scatter.bank_scatter_kernel, {"FIELDS": bank_scatter.FIELDS, "BLOCK": bank_scatter.BLOCK},
                  pointers={"table_ptr": "*i64", "src_like": "*fp32", "dst_like": "*bf16", "rank_like": "*i32"})
 

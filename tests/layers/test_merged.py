@@ -36,12 +36,12 @@ def oracle(model, x, adapters: dict[str, tuple[LoraAdapter, float]]):
         if not isinstance(base, nn.Linear):
             h = torch.tanh(h)
             continue
-        W = base.weight.double().clone()
+        W = base.weight.double().cpu()
         for ad, w in adapters.values():
             m = ad.modules.get(str(i))
             if m is not None:
                 W += w * m.scaling() * (m.B.double() @ m.A.double())
-        h = h @ W.t() + base.bias.double()
+        h = h @ W.t() + base.bias.double().cpu()
     return h
 
 
@@ -116,7 +116,7 @@ def test_budget_limits_which_layers_cache_and_restore_releases(cache):
     assert fdlora.merge_cache_bytes() == 0  # a collected model gives its bytes back
 
 
-def test_not_used_when_frozen_per_sample_training_or_with_lora_bias(cache):
+def test_not_used_for_per_sample_training_or_with_lora_bias(cache):
     model = net()
     h = fdlora.inject(model, PATHS, max_slots=2, max_rank=4)
     a = lora(1)
@@ -131,10 +131,6 @@ def test_not_used_when_frozen_per_sample_training_or_with_lora_bias(cache):
         assert cached(model) == []
         close(y[::2], oracle(model, x[::2], {"a": (a, 1.0)}))
         close(y[1::2], oracle(model, x[1::2], {}))
-        h.freeze()
-        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
-        assert cached(model) == []
-        h.unfreeze()
         close(model(x), oracle(model, x, {"a": (a, 1.0)}))
         assert cached(model) == PATHS
     model = net()
@@ -144,6 +140,59 @@ def test_not_used_when_frozen_per_sample_training_or_with_lora_bias(cache):
     with torch.no_grad():
         model(x)
     assert cached(model) == []
+
+
+def test_frozen_and_compiled_calls_use_the_cache_checked_on_the_device(cache):
+    """Frozen (and compiled) blend calls go through fdlora::merged_linear: the merge launches every call and skips
+    on the device unless the weights or the bank changed, so every switch shows up without a host-side check
+    and without recompiling; eager and frozen calls share one buffer and stay right when they alternate."""
+    import torch._dynamo
+
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=3, max_rank=8)
+    a, b = lora(1), lora(2, rank=8, alpha=4.0)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        h.add_adapter(a, "a")
+        h.freeze()
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert cached(model) == PATHS
+        stamps = {p: layer.merged.stamp.clone() for p, layer in h.layers.items()}
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert all(torch.equal(layer.merged.stamp, stamps[p]) for p, layer in h.layers.items())
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        close(compiled(x), oracle(model, x, {"a": (a, 1.0)}))
+        old = torch._dynamo.config.error_on_recompile
+        torch._dynamo.config.error_on_recompile = True
+        try:
+            steps = [
+                (lambda: h.set_adapters("a", 0.3), {"a": (a, 0.3)}),
+                (lambda: h.add_adapter(b, "b", activate=False), {"a": (a, 0.3)}),
+                (lambda: h.set_adapters(["a", "b"], [0.5, -1.0]), {"a": (a, 0.5), "b": (b, -1.0)}),
+                (lambda: h.set_multiplier(2.0), {"a": (a, 1.0), "b": (b, -2.0)}),
+                (lambda: h.delete_adapter("a"), {"b": (b, -2.0)}),
+                (lambda: h.set_adapters([], []), {}),
+                (lambda: h.set_adapters("b", 1.0), {"b": (b, 2.0)}),
+            ]
+            for step, want in steps:
+                step()
+                close(compiled(x), oracle(model, x, want))
+                close(model(x), oracle(model, x, want))
+        finally:
+            torch._dynamo.config.error_on_recompile = old
+        h.unfreeze()  # eager again: the host key decides, over the same buffer
+        h.set_multiplier(1.0)
+        close(model(x), oracle(model, x, {"b": (b, 1.0)}))
+        h.freeze()
+        h.set_adapters("b", 0.5)
+        close(model(x), oracle(model, x, {"b": (b, 0.5)}))
+        h.unfreeze()
+        close(model(x), oracle(model, x, {"b": (b, 0.5)}))
+        fdlora.set_merge_cache(0)  # no room: the op falls back to the per-call path
+        h.freeze()
+        close(model(x), oracle(model, x, {"b": (b, 0.5)}))
+        assert cached(model) == []
 
 
 def test_bad_limit_names_the_fix():
@@ -210,3 +259,61 @@ def test_a_deep_copy_merges_its_own_weight_and_counts_it(cache):
     del twin
     gc.collect()
     assert fdlora.merge_cache_bytes() == held
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_and_inductor_replays_merge_only_after_a_switch(cache):
+    """On the GPU (Triton backend, bf16): a frozen model captured in a CUDA graph and compiled by inductor follows
+    every switch made between replays (each checked against the float64 oracle), a replay with nothing changed
+    leaves the merged buffers alone (poisoned here to prove it), and a switch merges them again."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 384), nn.Tanh(), nn.Linear(384, 320)).cuda().bfloat16()
+    shapes = {"0": (256, 384), "2": (384, 320)}
+
+    def ad(seed, rank):
+        g = torch.Generator().manual_seed(seed)
+        return LoraAdapter({p: ModuleLora(torch.randn(rank, k, generator=g) / k**0.5,
+                                          torch.randn(n, rank, generator=g) / rank**0.5, None)
+                            for p, (k, n) in shapes.items()})
+
+    a, b = ad(1, 16), ad(2, 8)
+    h = fdlora.inject(model, PATHS, max_slots=3, max_rank=16)
+    h.add_adapter(a, "a")
+    h.freeze()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def check(y, want):
+        ref = oracle(model, x.float().cpu(), want)
+        err = float((y.double().cpu() - ref).abs().max())
+        assert err <= 0.03 * float(ref.abs().max()), err
+
+    with torch.no_grad():
+        model(x)  # warm: kernels compile, buffers are taken outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        prev = torch._dynamo.config.error_on_recompile
+        try:
+            compiled(x)
+            torch._dynamo.config.error_on_recompile = True
+            graph.replay()
+            check(static, {"a": (a, 1.0)})
+            for layer in h.layers.values():
+                layer.merged.buf.fill_(float("nan"))
+            graph.replay()  # nothing changed: the merges return at once, the poison stays
+            assert static.isnan().all()
+            for step, want in [(lambda: h.set_adapters("a", 0.5), {"a": (a, 0.5)}),
+                               (lambda: h.add_adapter(b, "b", activate=False), {"a": (a, 0.5)}),
+                               (lambda: h.set_adapters(["a", "b"], [0.5, -1.0]), {"a": (a, 0.5), "b": (b, -1.0)}),
+                               (lambda: h.delete_adapter("a"), {"b": (b, -1.0)})]:
+                step()
+                graph.replay()
+                check(static, want)
+                check(compiled(x), want)
+        finally:
+            torch._dynamo.config.error_on_recompile = prev

@@ -16,8 +16,15 @@ def lora_merge(
     B: torch.Tensor,  # [N, S, R]
     scale: torch.Tensor,  # [S] fp32
     ranks: torch.Tensor,  # [S] int32 (padding rows of A/B are zero, so ranks only say what is live)
+    stamp: torch.Tensor | None = None,  # [S + 2] int32: merge only if scale / version differ from it, then stamp
+    version: torch.Tensor | None = None,  # [1] int32, with stamp: the bank's device-side version
 ) -> torch.Tensor:
     S, R, K = A.shape
+    if stamp is not None:
+        now = scale.float().contiguous().view(torch.int32)
+        if torch.equal(stamp[:S], now) and int(stamp[S]) == int(version[0]):
+            return out
+        stamp[:S], stamp[S], stamp[S + 1] = now, version[0], 0
     Bw = (B.float() * scale.float()[None, :, None]).reshape(B.shape[0], S * R)
     out.copy_(torch.addmm(W.float(), Bw, A.float().reshape(S * R, K)))  # out / W may be strided views
     return out

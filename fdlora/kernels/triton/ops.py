@@ -138,6 +138,9 @@ def lora_linear(
     return torch.ops.fdlora.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
 
 
+_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}  # lora_merge's group weights: none made per call
+
+
 def lora_merge(
     out: torch.Tensor,  # [N, K] written in place
     W: torch.Tensor,  # [N, K]
@@ -145,10 +148,15 @@ def lora_merge(
     B: torch.Tensor,  # [N, S, R]
     scale: torch.Tensor,  # [S] fp32
     ranks: torch.Tensor,  # [S] int32
+    stamp: torch.Tensor | None = None,  # [S + 2] int32: merge only if scale / version differ from it, then stamp
+    version: torch.Tensor | None = None,  # [1] int32, with stamp: the bank's device-side version
 ) -> torch.Tensor:
-    """W' = W + sum_s scale[s] B_s A_s into `out` (eager only: the merged-weight cache's refresh, which
-    compiled and captured models never take, so it needs no torch.library registration)."""
-    ones = torch.ones(1, A.shape[0], device=A.device)
+    """W' = W + sum_s scale[s] B_s A_s into `out`: the merged-weight cache's refresh (fdlora.layers.merged), called
+    eagerly or from inside the opaque fdlora::merged_linear op, so it needs no torch.library registration of its
+    own. With a stamp it checks on the device whether anything changed since the last merge and skips if not."""
+    ones = _ONES.get((A.shape[0], A.device))
+    if ones is None:
+        ones = _ONES[(A.shape[0], A.device)] = torch.ones(1, A.shape[0], device=A.device)
     with set_wrap_triton_enabled(False):
-        _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None])
+        _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], stamp=stamp, version=version)
     return out
