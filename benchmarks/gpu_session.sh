@@ -5,7 +5,8 @@
 #           host/GPU profile, merged-weight cache on / off), llm (decode / prefill), llm-profile (the same
 #           + host profiles of eager decode steps), layer (host time of one fused layer's eager forward), load (SDXL-size adapter load), fused / fused-measure
 #           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels),
-#           sweep (every delta config per shape; fused vs split components), probe-tma (Hopper TMA GEMM vs cuBLAS)
+#           sweep (every delta config per shape; fused vs split components), probe-tma (Hopper TMA GEMM vs cuBLAS),
+#           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -25,6 +26,7 @@ for stage in "$@"; do
     llm) step 240 python3 benchmarks/bench_llm.py --out "$OUT/results/llm.json" ;;
     llm-profile) TAIL=150 step 240 python3 benchmarks/bench_llm.py --profile --reps 10 --out "$OUT/results/llm_profile.json" ;;
     load) TAIL=80 step 240 python3 benchmarks/bench_load.py --profile --out "$OUT/results/load.json" ;;
+    captured) step 360 python3 benchmarks/bench_captured.py --out "$OUT/results/captured.json" ;;
     fused) step 300 python3 benchmarks/bench_fused.py --out "$OUT/results/fused.json" ;;
     fused-measure) step 300 python3 benchmarks/bench_fused.py --dispatch measure --out "$OUT/results/fused_measured.json" ;;
     delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;

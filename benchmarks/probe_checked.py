@@ -1,0 +1,104 @@
+"""Probe: the merged-weight cache's per-call cost in a CUDA graph, interleaved so clock drift cancels.
+
+Per layer shape (SDXL / Flux, bf16, bias, r16): a CUDA graph each of the cuBLAS base GEMM, the GEMM on a merged W'
+("cached", what an eager layer with a fresh host key runs), the stamped merge + GEMM ("checked": what compiled and
+captured layers run; the merge finds the stamp fresh and returns) and merge-every-call + GEMM ("merged"). Rounds
+replay every graph once, each timed by CUDA events; the ratio to base is taken per round, median of the rounds.
+(bench_fused.py times its columns one after another, where clocks can drift between columns on large shapes.)
+
+    python benchmarks/probe_checked.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_fused import ROTATE, SHAPES, inputs, oracle_rows  # noqa: E402
+
+from fdlora.kernels.triton.lora_merge import launch_merge, new_stamp  # noqa: E402
+
+
+def graph(calls, reps=3):
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            for c in calls:
+                c()
+    g.replay()
+    torch.cuda.synchronize()
+    return g, reps * len(calls)
+
+
+def timed(g, n) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args()
+    version = torch.zeros(1, dtype=torch.int32, device="cuda")
+    rows = []
+    for model, M, K, N in SHAPES:
+        sets = [inputs(M, K, N, "r16", seed=i) for i in range(ROTATE)]
+        bufs = [launch_merge(s["W"], s["A"], s["B"], s["scale"], s["group_weight"], s["ranks"])[0] for s in sets]
+        stamps = [new_stamp(sets[0]["A"].shape[0], "cuda") for _ in sets]
+
+        def checked(s, w, st):
+            launch_merge(s["W"], s["A"], s["B"], s["scale"], s["group_weight"], s["ranks"], out=w[None], stamp=st,
+                         version=version)
+            return F.linear(s["x"], w, s["bias"])
+
+        def merged(s):
+            return F.linear(s["x"], launch_merge(s["W"], s["A"], s["B"], s["scale"], s["group_weight"],
+                                                 s["ranks"])[0], s["bias"])
+
+        orows, ref = oracle_rows(sets[0])
+        y = checked(sets[0], bufs[0], stamps[0])
+        err = float((y[orows.cuda()].double().cpu() - ref).norm() / ref.norm())
+        assert err < 1e-2, (model, M, K, N, err)
+        graphs = {
+            "base": graph([lambda s=s: F.linear(s["x"], s["W"], s["bias"]) for s in sets]),
+            "cached": graph([lambda s=s, w=w: F.linear(s["x"], w, s["bias"]) for s, w in zip(sets, bufs)]),
+            "checked": graph([lambda s=s, w=w, st=st: checked(s, w, st) for s, w, st in zip(sets, bufs, stamps)]),
+            "merged": graph([lambda s=s: merged(s) for s in sets]),
+        }
+        t = {k: [] for k in graphs}
+        for _ in range(args.rounds):
+            for k, (g, n) in graphs.items():
+                t[k].append(timed(g, n))
+        row = {"shape": f"{model}_{M}x{K}->{N}", "M": M, "K": K, "N": N, "rel_err_vs_fp64": err,
+               "us": {k: statistics.median(v) for k, v in t.items()},
+               "over_base": {k: statistics.median(a / b for a, b in zip(v, t["base"])) for k, v in t.items()}}
+        rows.append(row)
+        print(f"{row['shape']:24s} base {row['us']['base']:7.1f}us " + " ".join(
+            f"{k} {v:.3f}" for k, v in row["over_base"].items() if k != "base"), flush=True)
+        del graphs, sets, bufs
+        torch.cuda.empty_cache()
+    out = {"benchmark": "probe_checked", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "time": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
