@@ -193,10 +193,10 @@ def bench_us(fn) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def graph_us(calls, reps: int = 3) -> float:
-    """GPU microseconds per call: `calls` (one per input set) captured `reps` times in a CUDA graph,
-    replayed; the median of 7 replays over the number of calls. No host launch cost inside."""
-    for c in calls:  # compile / autotune outside the capture
+def capture_calls(calls, reps: int = 3):
+    """(CUDA graph of `calls` (one per input set) captured `reps` times, calls in it), after one warm call each
+    (compile / autotune outside the capture) and one replay."""
+    for c in calls:
         c()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -206,6 +206,13 @@ def graph_us(calls, reps: int = 3) -> float:
                 c()
     g.replay()
     torch.cuda.synchronize()
+    return g, reps * len(calls)
+
+
+def graph_us(calls, reps: int = 3) -> float:
+    """GPU microseconds per call: `calls` (one per input set) captured `reps` times in a CUDA graph,
+    replayed; the median of 7 replays over the number of calls. No host launch cost inside."""
+    g, n = capture_calls(calls, reps)
     ts = []
     for _ in range(7):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -213,7 +220,7 @@ def graph_us(calls, reps: int = 3) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
+        ts.append(a.elapsed_time(b) * 1e3 / n)
     del g
     return sorted(ts)[len(ts) // 2]
 

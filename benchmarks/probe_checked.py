@@ -2,7 +2,8 @@
 
 Per layer shape (SDXL / Flux, bf16, bias, r16): a CUDA graph each of the cuBLAS base GEMM, the GEMM on a merged W'
 ("cached", what an eager layer with a fresh host key runs), the stamped merge + GEMM ("checked": what compiled and
-captured layers run; the merge finds the stamp fresh and returns) and merge-every-call + GEMM ("merged"). Rounds
+captured layers run; the merge finds the stamp fresh and returns), merge-every-call + GEMM ("merged") and cuBLAS +
+the delta kernel ("cublas_delta"), the two cache-less per-call paths the dispatch chooses between. Rounds
 replay every graph once, each timed by CUDA events; the ratio to base is taken per round, median of the rounds.
 (bench_fused.py times its columns one after another, where clocks can drift between columns on large shapes.)
 
@@ -24,23 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fused import ROTATE, SHAPES, inputs, oracle_rows  # noqa: E402
+from bench_fused import ROTATE, SHAPES, args_of, capture_calls, inputs, oracle_rows  # noqa: E402
 
 from fdlora.kernels.triton.lora_merge import launch_merge, new_stamp  # noqa: E402
-
-
-def graph(calls, reps=3):
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for c in calls:
-                c()
-    g.replay()
-    torch.cuda.synchronize()
-    return g, reps * len(calls)
 
 
 def timed(g, n) -> float:
@@ -56,11 +43,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--loras", default="r16", help="comma list of bench_fused.LORAS names")
+    ap.add_argument("--only", default="", help="comma list of models (sdxl, flux)")
     args = ap.parse_args()
     version = torch.zeros(1, dtype=torch.int32, device="cuda")
     rows = []
-    for model, M, K, N in SHAPES:
-        sets = [inputs(M, K, N, "r16", seed=i) for i in range(ROTATE)]
+    from fdlora.kernels.triton import lora_linear as L
+
+    cases = [(m, M, K, N, lo) for m, M, K, N in SHAPES for lo in args.loras.split(",")
+             if not args.only or m in args.only.split(",")]
+    for model, M, K, N, lora in cases:
+        sets = [inputs(M, K, N, lora, seed=i) for i in range(ROTATE)]
         bufs = [launch_merge(s["W"], s["A"], s["B"], s["scale"], s["group_weight"], s["ranks"])[0] for s in sets]
         stamps = [new_stamp(sets[0]["A"].shape[0], "cuda") for _ in sets]
 
@@ -78,20 +71,22 @@ def main() -> None:
         err = float((y[orows.cuda()].double().cpu() - ref).norm() / ref.norm())
         assert err < 1e-2, (model, M, K, N, err)
         graphs = {
-            "base": graph([lambda s=s: F.linear(s["x"], s["W"], s["bias"]) for s in sets]),
-            "cached": graph([lambda s=s, w=w: F.linear(s["x"], w, s["bias"]) for s, w in zip(sets, bufs)]),
-            "checked": graph([lambda s=s, w=w, st=st: checked(s, w, st) for s, w, st in zip(sets, bufs, stamps)]),
-            "merged": graph([lambda s=s: merged(s) for s in sets]),
+            "base": capture_calls([lambda s=s: F.linear(s["x"], s["W"], s["bias"]) for s in sets]),
+            "cached": capture_calls([lambda s=s, w=w: F.linear(s["x"], w, s["bias"]) for s, w in zip(sets, bufs)]),
+            "checked": capture_calls([lambda s=s, w=w, st=st: checked(s, w, st)
+                                      for s, w, st in zip(sets, bufs, stamps)]),
+            "merged": capture_calls([lambda s=s: merged(s) for s in sets]),
+            "cublas_delta": capture_calls([lambda s=s: L.run_path("cublas_delta", *args_of(s)) for s in sets]),
         }
         t = {k: [] for k in graphs}
         for _ in range(args.rounds):
             for k, (g, n) in graphs.items():
                 t[k].append(timed(g, n))
-        row = {"shape": f"{model}_{M}x{K}->{N}", "M": M, "K": K, "N": N, "rel_err_vs_fp64": err,
+        row = {"shape": f"{model}_{M}x{K}->{N}", "lora": lora, "M": M, "K": K, "N": N, "rel_err_vs_fp64": err,
                "us": {k: statistics.median(v) for k, v in t.items()},
                "over_base": {k: statistics.median(a / b for a, b in zip(v, t["base"])) for k, v in t.items()}}
         rows.append(row)
-        print(f"{row['shape']:24s} base {row['us']['base']:7.1f}us " + " ".join(
+        print(f"{row['shape']:24s} {lora:9s} base {row['us']['base']:7.1f}us " + " ".join(
             f"{k} {v:.3f}" for k, v in row["over_base"].items() if k != "base"), flush=True)
         del graphs, sets, bufs
         torch.cuda.empty_cache()

@@ -313,12 +313,13 @@ class FdLoraHandle:
 
     # --- capacity ------------------------------------------------------------------------------
     def freeze(self) -> None:
-        """Promise static buffers (torch.compile, CUDA graphs): no host-side shortcuts, no reallocation."""
+        """Promise static buffers (torch.compile, CUDA graphs): no host-side shortcuts, no reallocation. Blend-mode
+        nn.Linear layers then use the merged-weight cache through fdlora::merged_linear, checked on the device."""
         self.state.static = True
 
     def unfreeze(self) -> None:
         """Undo `freeze` once no compiled graph or captured CUDA graph of this model is replayed any more:
-        eager calls take host shortcuts again (skipping idle layers, the merged-weight cache)."""
+        eager calls take host shortcuts again (skipping idle layers, the merged-weight cache's host key)."""
         self.state.static = False
 
     def grow(self, max_slots: int | None = None, max_rank: int | None = None) -> None:

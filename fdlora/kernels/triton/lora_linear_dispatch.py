@@ -59,7 +59,10 @@ K_HALF = 400.0  # cuBLAS efficiency ~ K / (K + K_HALF): prologue/epilogue weigh 
 HBM_GBS = 2500.0  # what streaming kernels achieve (x, y, W reads and writes)
 L2_BYTES = 50e6  # a merged weight larger than L2 is re-read from HBM by the GEMM that follows
 MERGE_US_PER_MEL = 2.1  # lora_merge: microseconds per million weight elements (read W, write W')
-MERGE_US_PER_MEL_RANK = 0.062  # ... plus this per million elements per packed rank column above 16
+# ... plus this per million elements per packed rank column above 16. Refit in session 10 from merge_only at r16 vs
+# r64 (fused_s10.json: 0.015-0.023 on weights of >= 1.6M elements); 0.062 before chose cublas_delta on Flux r64 /
+# blend layers that run 4-11% faster merged in interleaved timing (probe_checked.json).
+MERGE_US_PER_MEL_RANK = 0.02
 DELTA_GBS = 2600.0  # lora_delta on x + y read-modify-write, when its programs fill the GPU
 DELTA_TFLOPS = 250.0  # lora_delta's shrink + expand rate per rank column above 16
 LAUNCH_US = 3.0  # one extra launch in a graph / stream
