@@ -40,6 +40,7 @@ import torch
 
 from .. import env
 from ..errors import ConfigError, FdLoraError
+from ..kernels.reference.lora_merge import new_stamp
 
 AUTO_SHARE = 0.25
 KEEP_FREE = 1 << 30
@@ -155,7 +156,7 @@ class MergedWeight:
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
         self.key: tuple | None = None
-        self.stamp: torch.Tensor | None = None  # int32 [S + 2] (fdlora.kernels.triton.lora_merge.new_stamp)
+        self.stamp: torch.Tensor | None = None  # int32 [S + 2] (fdlora.kernels.reference.lora_merge.new_stamp)
         self.ident = next(_IDENTS)  # how fdlora::merged_linear finds this layer (a constant in traced graphs)
         self.pinned = False  # a CUDA graph captured the buffer: it is never freed (replays would write freed memory)
         self._free: weakref.finalize | None = None  # gives the bytes back once, on release or collection
@@ -177,9 +178,14 @@ class MergedWeight:
     def _stamp(self, layer) -> torch.Tensor:
         S = layer.bank.slots
         if self.stamp is None or self.stamp.shape[0] != S + 2:
-            self.stamp = torch.zeros(S + 2, dtype=torch.int32, device=self.buf.device)
-            self.stamp[S] = -1  # matches no bank version: the first merge runs
+            self.stamp = new_stamp(S, self.buf.device)
         return self.stamp
+
+    def _mark_stale(self) -> None:
+        """The next stamped merge runs whatever the weights and bank version (W itself may have changed)."""
+        self.key = None
+        if self.stamp is not None:
+            self.stamp[-2:-1].fill_(-1)  # the stamp's bank version: matches no bank
 
     def weight(self, layer, W: torch.Tensor) -> torch.Tensor | None:
         """W' for `layer`'s current blend (W: its base weight), merging if anything changed; None if the
@@ -189,7 +195,7 @@ class MergedWeight:
         key = merged_key(layer, W)
         if key != self.key:
             stamp = self._stamp(layer)
-            stamp[-2:-1].fill_(-1)  # merge whatever the stamp says: the key may have changed through W
+            self._mark_stale()  # merge whatever the stamp says: the key may have changed through W
             layer.merge_into(self.buf, W, stamp)
             self.key = key
         return self.buf
@@ -216,9 +222,7 @@ class MergedWeight:
         """Give the buffer's bytes back to the budget; a buffer a CUDA graph captured is kept and only marked stale
         (its next use re-merges: fuse / unfuse change W in place, which a replay then reads)."""
         if self.pinned:
-            self.key = None
-            if self.stamp is not None:
-                self.stamp[-2:-1].fill_(-1)
+            self._mark_stale()
             return
         self.buf = self.key = self.stamp = None
         if self._free is not None:
@@ -232,12 +236,9 @@ _IDENTS = itertools.count()
 _LAYERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 
 
-def bind(layer) -> int:
-    """Register `layer` under its cache's ident (idempotent) and return the ident."""
-    ident = layer.merged.ident
-    if _LAYERS.get(ident) is not layer:
-        _LAYERS[ident] = layer
-    return ident
+def bind(layer) -> None:
+    """Register `layer` under its cache's ident (merged_linear looks it up there)."""
+    _LAYERS[layer.merged.ident] = layer
 
 
 @torch.library.custom_op("fdlora::merged_linear", mutates_args=())

@@ -28,3 +28,11 @@ def lora_merge(
     Bw = (B.float() * scale.float()[None, :, None]).reshape(B.shape[0], S * R)
     out.copy_(torch.addmm(W.float(), Bw, A.float().reshape(S * R, K)))  # out / W may be strided views
     return out
+
+
+def new_stamp(S: int, device: torch.device | str) -> torch.Tensor:
+    """A stamp for S slots that matches no state (version -1): the first stamped merge always runs.
+    Layout, int32 [S + 2]: fp32 bits of the blend weights merged last, the bank version, programs done (Triton)."""
+    stamp = torch.zeros(S + 2, dtype=torch.int32, device=device)
+    stamp[S] = -1
+    return stamp

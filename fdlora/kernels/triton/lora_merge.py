@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..reference.lora_merge import new_stamp  # noqa: F401  (the stamp format both backends share)
 from . import config as C
 from .tiles import mma, pack_block, packed_columns
 
@@ -130,9 +131,3 @@ def launch_merge(
     )
     return out
 
-
-def new_stamp(S: int, device: torch.device | str) -> torch.Tensor:
-    """A stamp that matches no state (version -1): the first stamped merge always runs."""
-    stamp = torch.zeros(S + 2, dtype=torch.int32, device=device)
-    stamp[S] = -1
-    return stamp
