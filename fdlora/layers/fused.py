@@ -315,7 +315,7 @@ class FusedLoraLinear(_FusedLora):
             x2 = x.reshape(-1, self.in_features).to(b.A.dtype)
             base = self.base
             y2 = torch.ops.fdlora.merged_linear(x2, base.weight, base.bias, b.A, b.B, self.scale_blend[:b.slots],
-                                                b.ranks, self.merged.ident)
+                                                b.ranks)
             if b.bias is not None:
                 self._add_bias(y2, self.scale_blend, self.blend_weight, None)
             return y2.view(*x.shape[:-1], self.out_features)

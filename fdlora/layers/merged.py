@@ -31,7 +31,6 @@ also never takes memory that would leave less than 1 GiB free on its GPU.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import weakref
@@ -151,13 +150,12 @@ class MergedWeight:
     """One layer's W' buffer, the host key it was merged under (eager calls), and its device stamp (the weights and
     bank version it holds, which compiled and captured calls check on the device)."""
 
-    __slots__ = ("buf", "key", "stamp", "ident", "pinned", "denied", "_free", "__weakref__")
+    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "_free", "__weakref__")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
         self.key: tuple | None = None
         self.stamp: torch.Tensor | None = None  # int32 [S + 2] (fdlora.kernels.reference.lora_merge.new_stamp)
-        self.ident = next(_IDENTS)  # how fdlora::merged_linear finds this layer (a constant in traced graphs)
         self.pinned = False  # a CUDA graph captured the buffer: it is never freed (replays would write freed memory)
         self._free: weakref.finalize | None = None  # gives the bytes back once, on release or collection
         self.denied = -1  # budget generation at which a reservation failed (no retry until it changes)
@@ -232,13 +230,27 @@ class MergedWeight:
 
 # --- the compile- and graph-safe form: one opaque op --------------------------------------------------------
 
-_IDENTS = itertools.count()
-_LAYERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_LAYERS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_BY_BANK: dict[int, weakref.ref] = {}  # the bank's A storage address -> its layer (rebuilt when a lookup misses)
 
 
 def bind(layer) -> None:
-    """Register `layer` under its cache's ident (merged_linear looks it up there)."""
-    _LAYERS[layer.merged.ident] = layer
+    """Make `layer` findable by fdlora::merged_linear (through its bank, see layer_of)."""
+    _LAYERS.add(layer)
+
+
+def layer_of(A: torch.Tensor):
+    """The live layer whose bank is `A`. The op finds its layer through a tensor it is given anyway, not through an
+    integer argument: a per-layer integer would be a constant of the traced graph, guarded per block instance, so
+    diffusers' regional compilation (one graph for all instances of a block) would recompile for every block."""
+    ref = _BY_BANK.get(A.data_ptr())
+    layer = None if ref is None else ref()
+    if layer is None or layer.bank.A.data_ptr() != A.data_ptr():
+        _BY_BANK.clear()
+        _BY_BANK.update({lay.bank.A.data_ptr(): weakref.ref(lay) for lay in list(_LAYERS)})
+        ref = _BY_BANK.get(A.data_ptr())
+        layer = None if ref is None else ref()
+    return layer
 
 
 @torch.library.custom_op("fdlora::merged_linear", mutates_args=())
@@ -246,25 +258,24 @@ def merged_linear(
     x: torch.Tensor,  # [M, K]
     W: torch.Tensor,  # [N, K] the base nn.Linear weight
     bias: torch.Tensor | None,  # [N]
-    A: torch.Tensor,  # [S, R, K]
+    A: torch.Tensor,  # [S, R, K] the layer's bank (also how the op finds the layer: layer_of)
     B: torch.Tensor,  # [N, S, R]
     scale: torch.Tensor,  # [S] fp32 blend weights
     ranks: torch.Tensor,  # [S] int32
-    ident: int,  # the layer (bind)
 ) -> torch.Tensor:  # [M, N]
     """y = x W'^T + bias from the layer's merged-weight buffer, re-merged on the device only when stale; the
     layer's per-call path when the budget has no room. Opaque to torch.compile (its graph holds one call per
     layer, whatever the adapters); in CUDA graphs the stamp check replays with it, so a switch made between
     replays is merged by the next one."""
-    layer = _LAYERS.get(ident)
-    w = None if layer is None else layer.merged.weight_on_device(layer, W)
+    layer = layer_of(A)
+    if layer is None:
+        raise FdLoraError("fdlora::merged_linear: no live fd-lora layer owns this bank; call it through the layer.")
+    w = layer.merged.weight_on_device(layer, W)
     if w is None:
-        if layer is None:
-            raise FdLoraError(f"fdlora::merged_linear: no live layer has ident {ident}; call it through the layer.")
         return layer.per_call_linear(x, W, bias, A, B, scale, ranks)
     return torch.nn.functional.linear(x, w, bias)
 
 
 @merged_linear.register_fake
-def _(x, W, bias, A, B, scale, ranks, ident):
+def _(x, W, bias, A, B, scale, ranks):
     return x.new_empty(x.shape[0], W.shape[0])
