@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import decode
+from . import decode, remerge
 from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
@@ -188,7 +188,7 @@ class _FusedLora(nn.Module):
             bank = self.bank
             if bank._buffers["bias"] is not None or True not in bank.used:
                 return None
-            buf = merged.weight(self, w)
+            buf = remerge.refresh(self, w)
             if buf is None:
                 return None
         return self._with_weight(x, buf, params["bias"])
@@ -196,16 +196,8 @@ class _FusedLora(nn.Module):
     def merge_into(self, out: torch.Tensor, W: torch.Tensor, stamp: torch.Tensor) -> None:
         """out = W + sum_s scale_blend[s] B_s A_s, shaped like the base weight (the cache's refresh), unless `stamp`
         says on the device that out already holds this blend of this bank (fdlora.layers.merged)."""
-        b = self.bank
-        A, B, ranks, S, v = b.A, b.B, b.ranks, b.slots, b.dversion
-        N, scale = self.out_features, self.scale_blend[:S]
-        if self.kind == "conv2d":
-            self._ops.lora_merge(out.view(N, -1), W.reshape(N, -1), A.reshape(S, A.shape[1], -1), B, scale, ranks,
-                                 stamp, v)
-        elif _is_conv1d(self.base):  # weight [K, N]: merge into the transposed views
-            self._ops.lora_merge(out.t(), W.t(), A, B, scale, ranks, stamp, v)
-        else:
-            self._ops.lora_merge(out, W, A, B, scale, ranks, stamp, v)
+        self._ops.lora_merge(*remerge.entry(self, out, W, self.scale_blend[:self.bank.slots]), stamp,
+                             self.bank.dversion)
 
     # --- forward ------------------------------------------------------------------------------
     def _skip(self) -> bool:

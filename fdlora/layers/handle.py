@@ -47,6 +47,7 @@ class FdLoraHandle:
         self.dtype = dtype
         self.state = ModelState(0, max_slots)
         self.layers: dict[str, _FusedLora] = {}
+        self.state.members = self.layers
         self._originals: dict[str, nn.Module] = {}
         self._restored = False
 

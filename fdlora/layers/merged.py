@@ -8,7 +8,8 @@ forward (one lora_merge kernel: read W, write W').
 Two ways to find out that W' is stale, one buffer:
 - eager calls (`_FusedLora._cached` / `_merged_forward`): a host key (scale table version, bank
   version, W's storage and version counter), so set_adapters, loads/deletes, fuse/unfuse and in-place
-  edits of W all invalidate it, and a fresh key costs one GEMM and no launch;
+  edits of W all invalidate it, and a fresh key costs one GEMM and no launch; the first stale layer
+  re-merges every stale layer of its model in one launch (fdlora.layers.remerge);
 - calls that must not branch on the host: frozen (`handle.freeze()`), compiled, or being captured
   into a CUDA graph (`FusedLoraLinear._on_device_cache`). They call the opaque op fdlora::merged_linear,
   which launches lora_merge with a stamp every call: on the device it compares the blend weights and
@@ -184,19 +185,6 @@ class MergedWeight:
         self.key = None
         if self.stamp is not None:
             self.stamp[-2:-1].fill_(-1)  # the stamp's bank version: matches no bank
-
-    def weight(self, layer, W: torch.Tensor) -> torch.Tensor | None:
-        """W' for `layer`'s current blend (W: its base weight), merging if anything changed; None if the
-        budget has no room. Eager calls: the host key decides (it also sees in-place edits of W)."""
-        if self._buffer(W) is None:
-            return None
-        key = merged_key(layer, W)
-        if key != self.key:
-            stamp = self._stamp(layer)
-            self._mark_stale()  # merge whatever the stamp says: the key may have changed through W
-            layer.merge_into(self.buf, W, stamp)
-            self.key = key
-        return self.buf
 
     def weight_on_device(self, layer, W: torch.Tensor) -> torch.Tensor | None:
         """W' for calls that must not decide on the host (compiled, captured, frozen): the merge launches every

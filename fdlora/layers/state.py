@@ -153,6 +153,8 @@ class ModelState:
         self._rows_host: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # batch -> sample_rows' host form
         self._rows_dev: dict[tuple[int, torch.device], tuple] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self.members: dict = {}  # path -> fused layer: the handle's own dict (the cache re-merges them all)
+        self.merge_tables: dict = {}  # (device, dtype, S, R) -> kept table of fdlora.layers.remerge
 
     def any_active(self) -> bool:
         return bool(self.active)

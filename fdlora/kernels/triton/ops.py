@@ -30,9 +30,11 @@ from . import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
 from . import lora_expand_add as _expand  # registers fdlora::lora_expand_add
 from . import lora_linear as _linear  # registers fdlora::lora_linear
 from . import lora_merge as _merge
+from . import lora_merge_many as _many
 from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
-__all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_shrink"]
+__all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
+           "lora_shrink", "merge_table"]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a base layer's weight is a Parameter: still a plain tensor here
@@ -160,3 +162,15 @@ def lora_merge(
     with set_wrap_triton_enabled(False):
         _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], stamp=stamp, version=version)
     return out
+
+
+def merge_table() -> _many.MergeTable:
+    """A kept launch table for lora_merge_many (reused while the layers' addresses stay the same)."""
+    return _many.MergeTable()
+
+
+def lora_merge_many(entries: list[tuple[torch.Tensor, ...]], table: _many.MergeTable) -> None:
+    """lora_merge for many layers in one launch: entries (W' [N, K], W [N, K], A [S, R, K], B [N, S, R], scale [S]
+    fp32, ranks [S]) of one device, dtype and bank shape; the eager merged-weight cache's refresh
+    (fdlora.layers.remerge)."""
+    table.launch([e[:5] for e in entries])

@@ -1,0 +1,124 @@
+"""lora_merge_many: the merged weights of many layers in one launch, W'_l = W_l + sum_s scale_l[s] B_ls A_ls.
+
+    W'_l[n, k] = W_l[n, k] + sum_s scale_l[s] sum_r B_l[n, s, r] A_l[s, r, k]        (fp32 sum, one cast)
+
+Why: a slider moved before every step (or any switch) makes every cached layer of a model stale at once. Merged
+one layer at a time, that is one launch and its host work per layer (722 on an SDXL UNet: more host time than
+the step has); walked as one table, it is one launch whose cost is the bytes (read W, write W'), so a re-merge
+costs what copying the targeted weights costs. Always from W, never from W' (nothing drifts).
+
+The table (`MergeTable`, built on the host, reused while no address changes): per layer the addresses of W', W,
+A, B and its scale row, its N, K and strides, and the running count of its BN x BK tiles. Program t finds its
+layer by binary search over the tile counts, then merges that tile like fdlora.kernels.triton.lora_merge (same
+numerics: B * scale rounded to the operand dtype, fp32 dot, fp32 add to W, one cast), one rank chunk of 16 per
+step; a chunk whose slot has scale 0 is skipped (inactive slots cost nothing). All layers of one table share the
+dtype and the bank shape [S, R] (contiguous banks: A [S, R, K], B [N, S, R]).
+Idea: grouped GEMM over a pointer table (Triton's grouped-GEMM tutorial), applied to LoRA merges.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch._library.triton import set_wrap_triton_enabled
+
+from . import config as C
+from .tiles import mma
+
+BLOCKS = {"gpu": dict(BN=64, BK=128, num_warps=4, num_stages=2),
+          "interpret": dict(BN=16, BK=32, num_warps=4, num_stages=1)}
+_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def lora_merge_many_kernel(
+    addr_ptr,  # [L, 5] int64: W', W, A, B, scale row
+    dims_ptr,  # [L, 6] int64: N, K, W's strides (n, k), W''s strides (n, k)
+    first_ptr,  # [L + 1] int32: tiles before layer l
+    L,
+    S: tl.constexpr, R: tl.constexpr, LOG_L: tl.constexpr, DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    lo = t * 0
+    hi = lo + L
+    for _ in tl.static_range(LOG_L):  # first[lo] <= t < first[hi]
+        mid = (lo + hi) // 2
+        right = tl.load(first_ptr + mid) <= t
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    row = addr_ptr + lo.to(tl.int64) * 5
+    out = tl.load(row).to(tl.pointer_type(DTYPE))
+    w = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+    a = tl.load(row + 2).to(tl.pointer_type(DTYPE))
+    b = tl.load(row + 3).to(tl.pointer_type(DTYPE))
+    scale = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    d = dims_ptr + lo.to(tl.int64) * 6
+    N, K = tl.load(d), tl.load(d + 1)
+    swn, swk, son, sok = tl.load(d + 2), tl.load(d + 3), tl.load(d + 4), tl.load(d + 5)
+    u = t - tl.load(first_ptr + lo)
+    n_k = tl.cdiv(K, BK)
+    nn = (u // n_k) * BN + tl.arange(0, BN)
+    kk = (u % n_k) * BK + tl.arange(0, BK)
+    n_in, k_in = nn < N, kk < K
+    nn, kk = nn.to(tl.int64), kk.to(tl.int64)
+    inside = n_in[:, None] & k_in[None, :]
+    acc = tl.load(w + nn[:, None] * swn + kk[None, :] * swk, mask=inside, other=0.0).to(tl.float32)
+    rr = tl.arange(0, 16)
+    for c in tl.static_range(0, S * R, 16):
+        sc = tl.load(scale + c // R)
+        if sc != 0.0:
+            bt = tl.load(b + nn[:, None] * (S * R) + (c + rr)[None, :], mask=n_in[:, None], other=0.0)  # [BN, 16]
+            at = tl.load(a + (c + rr)[:, None] * K + kk[None, :], mask=k_in[None, :], other=0.0)  # [16, BK]
+            acc = mma((bt.to(tl.float32) * sc).to(DTYPE), at, acc, UPCAST, IEEE)
+    tl.store(out + nn[:, None] * son + kk[None, :] * sok, acc.to(DTYPE), mask=inside)
+
+
+class MergeTable:
+    """One launch's worth of layers: the device tables of lora_merge_many, rebuilt only when an address changes.
+
+    `entries`: per layer (out [N, K] view, W [N, K] view, A [S, R, K], B [N, S, R], scale [S] fp32), all on one
+    device, one dtype, one bank shape. Views may be strided (a transformers Conv1D weight is merged through its
+    transpose)."""
+
+    def __init__(self) -> None:
+        self.host: list[int] | None = None
+        self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def launch(self, entries: list[tuple[torch.Tensor, ...]]) -> None:
+        out0, _, A0, _, _ = entries[0]
+        S, R, _ = A0.shape
+        blocks = BLOCKS["interpret" if C.INTERPRET else "gpu"]
+        host = []
+        for out, W, A, B, scale in entries:
+            host += (out.data_ptr(), W.data_ptr(), A.data_ptr(), B.data_ptr(), scale.data_ptr(),
+                     *W.shape, *W.stride(), *out.stride())
+        if host != self.host:
+            self.tables = self._build(entries, blocks, out0.device)
+            self.host = host
+        addr, dims, first, tiles = self.tables
+        with set_wrap_triton_enabled(False):
+            lora_merge_many_kernel[(tiles,)](
+                addr, dims, first, len(entries), S=S, R=R, LOG_L=max(1, (len(entries) - 1).bit_length()),
+                DTYPE=_DTYPES[out0.dtype], **C.dot_flags(out0.dtype), **blocks)
+
+    @staticmethod
+    def _build(entries, blocks, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        addr, dims, first = [], [], [0]
+        for out, W, A, B, scale in entries:
+            S, R, K = A.shape
+            N = W.shape[0]
+            if not (A.is_contiguous() and B.is_contiguous() and scale.is_contiguous()):
+                raise C.FdLoraError("lora_merge_many: banks and scale rows must be contiguous.")
+            if tuple(W.shape) != (N, K) or tuple(out.shape) != (N, K) or tuple(B.shape) != (N, S, R):
+                raise C.FdLoraError(f"lora_merge_many: W {tuple(W.shape)}, W' {tuple(out.shape)}, A {tuple(A.shape)}"
+                                    f" and B {tuple(B.shape)} disagree.")
+            addr.append((out.data_ptr(), W.data_ptr(), A.data_ptr(), B.data_ptr(), scale.data_ptr()))
+            dims.append((N, K, *W.stride(), *out.stride()))
+            first.append(first[-1] + C.cdiv(N, blocks["BN"]) * C.cdiv(K, blocks["BK"]))
+        if first[-1] >= 2 ** 31:
+            raise C.FdLoraError("lora_merge_many: more than 2^31 tiles in one table; merge in several tables.")
+        as_dev = dict(device=device)
+        return (torch.tensor(addr, dtype=torch.int64, **as_dev), torch.tensor(dims, dtype=torch.int64, **as_dev),
+                torch.tensor(first, dtype=torch.int32, **as_dev), first[-1])

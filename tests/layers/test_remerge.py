@@ -1,0 +1,83 @@
+"""The eager merged-weight cache's refresh (fdlora.layers.remerge): the first stale layer re-merges the whole model,
+a slider moved 1000 times never drifts, and a budget too small for every layer goes to the smallest weights first.
+Runs on the torch backend here and on the Triton backend under TRITON_INTERPRET=1 (test_triton_interpret.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fdlora
+from fdlora import env
+from fdlora.hub.adapter import LoraAdapter, ModuleLora
+from fdlora.layers.merged import merged_key
+
+MOVES = 60 if env.triton_interpret() else 1000  # the interpreter runs each merge kernel slowly
+SIZES = [(16, 32), (32, 48), (48, 16), (16, 16)]  # (in, out) per layer
+
+
+def model_and_adapters():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(k, n) for k, n in SIZES])
+    g = torch.Generator().manual_seed(1)
+    ads = [LoraAdapter({str(i): ModuleLora(torch.randn(4, k, generator=g) * 0.2, torch.randn(n, 4, generator=g) * 0.2,
+                                           alpha=8.0) for i, (k, n) in enumerate(SIZES)}) for _ in range(2)]
+    h = fdlora.inject(model, [str(i) for i in range(len(SIZES))])
+    h.add_adapter(ads[0], "a")
+    h.add_adapter(ads[1], "b")
+    return model, h, ads
+
+
+def oracle(model, ads, weights, x):
+    y = x.double()
+    for i, layer in enumerate(model):
+        W = layer.base.weight.double() + sum(w * 2.0 * (ad.modules[str(i)].B.double() @ ad.modules[str(i)].A.double())
+                                             for ad, w in zip(ads, weights))
+        y = y @ W.t() + layer.base.bias.double()
+    return y
+
+
+@pytest.fixture
+def cache_on():
+    fdlora.set_merge_cache(1 << 30)
+    yield
+    fdlora.set_merge_cache("auto")
+
+
+def test_first_stale_layer_refreshes_every_layer(cache_on):
+    model, h, _ = model_and_adapters()
+    x = torch.randn(3, SIZES[0][0])
+    with torch.inference_mode():
+        model(x)
+        h.set_adapters(["a", "b"], [0.3, 0.6])
+        model[0](x)  # only the first layer runs
+        assert all(layer.merged.key == merged_key(layer, layer.base.weight) for layer in model)
+
+
+def test_a_slider_moved_many_times_equals_a_fresh_merge_bit_for_bit(cache_on):
+    model, h, ads = model_and_adapters()
+    x = torch.randn(5, SIZES[0][0])
+    with torch.inference_mode():
+        for i in range(MOVES):
+            w = (i % 37) / 19.0 - 0.5
+            h.set_adapters(["a", "b"], [w, 1 - w])
+            y = model(x)
+        moved = [layer.merged.buf.clone() for layer in model]
+        fdlora.set_merge_cache(1 << 30)  # drops every copy: the next call merges afresh
+        fresh = model(x)
+        assert all(torch.equal(m, layer.merged.buf) for m, layer in zip(moved, model))
+        assert torch.equal(y, fresh)
+        want = oracle(model, ads, [w, 1 - w], x)
+        assert torch.allclose(fresh.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_small_budget_goes_to_the_smallest_weights_first(cache_on):
+    model, h, _ = model_and_adapters()
+    nbytes = sorted(k * n * 4 for k, n in SIZES)
+    fdlora.set_merge_cache(nbytes[0] + nbytes[1])  # room for the two smallest weights only
+    with torch.inference_mode():
+        model(torch.randn(2, SIZES[0][0]))
+    cached = sorted(layer.base.weight.numel() * 4 for layer in model if layer.merged.buf is not None)
+    assert cached == nbytes[:2]
+    assert fdlora.merge_cache_bytes() == nbytes[0] + nbytes[1]
