@@ -17,7 +17,7 @@ for stage in "$@"; do
   case $stage in
     layer) TAIL=3 step 120 python3 benchmarks/profile_layer.py --out "$OUT/results/layer_host.json" ;;
     tests) TAIL=15 step 560 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
-    layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines_tf ;;
+    layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines/transformers ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
     profile) TAIL=70 step 150 python3 benchmarks/profile_step.py --model sdxl --depth 6 --out "$OUT/results/profile_sdxl.json" ;;

@@ -47,7 +47,7 @@ def main() -> None:
     fdlora.set_merge_cache(a.merge_cache)
     from peft import LoraConfig
 
-    from fdlora.pipelines.peft import adapter_from_peft
+    from fdlora.pipelines.transformers import adapter_from_peft
 
     build, dtype = {"sdxl": (bp.sdxl, torch.float16), "flux": (bp.flux, torch.bfloat16)}[a.model]
     base, inputs, targets = build(False, a.depth, torch.device("cuda"), dtype)
