@@ -1,3 +1,4 @@
+# Showed: a two-stream chunked merge+GEMM does not beat merge + cuBLAS (not adopted). probe_pipe_merge.json
 """Probe: merge-on-the-fly pipelined with the GEMM, per call, against cuBLAS on the same shape.
 
 The "merged" path writes W' = W + s B A (one pass over W's bytes, ~0.16 of a Flux 3072^2 GEMM) and then runs the
@@ -7,7 +8,7 @@ depends on the SMs a GEMM chunk leaves free (wave quantization) and on the block
 priority, and cuBLAS's SM count target (cublasSetSmCountTarget on torch's handle) leaving SMs to the merge.
 No bias (torch's cuBLASLt bias epilogue needs a contiguous output). Checked against a float64 oracle first.
 
-    python benchmarks/probe_pipe_merge.py --out results.json
+    python benchmarks/probes/probe_pipe_merge.py --out results.json
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fused import ROTATE, SHAPES, graph_us, inputs, oracle_rows  # noqa: E402
 

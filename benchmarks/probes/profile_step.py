@@ -1,6 +1,7 @@
+# Showed: eager SDXL step host vs GPU time, merge cache on/off (why the cache). profile_sdxl_percall.json
 """Where an eager denoiser step with fd-lora spends its time: host enqueue vs GPU, per-op profile.
 
-    python benchmarks/profile_step.py --model sdxl --depth 2      # GPU: prints tables, writes --out JSON
+    python benchmarks/probes/profile_step.py --model sdxl --depth 2      # GPU: prints tables, writes --out JSON
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_pipeline as bp  # noqa: E402
 

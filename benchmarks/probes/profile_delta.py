@@ -1,7 +1,8 @@
+# Showed: ncu counters of one tuned delta launch, behind the delta configs + y prefetch (b4ff797); no JSON.
 """One tuned launch of the delta kernels inside an NVTX range "profile", for Nsight Compute.
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight \\
-        --section Occupancy --section LaunchStats --section WarpStateStats python benchmarks/profile_delta.py
+        --section Occupancy --section LaunchStats --section WarpStateStats python benchmarks/probes/profile_delta.py
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_delta import CASES, build, fd_fn  # noqa: E402
 

@@ -1,3 +1,4 @@
+# Showed: the shipped delta-kernel configs (triton/config.py DELTA, split rule). sweep_delta*.json, sweep_s8*.json
 """Config sweep of the delta kernels: every candidate config timed on the GPU, per shape.
 
 Diffusion shapes (fused blend kernel, lora_delta): GB/s of the delta on its minimal traffic
@@ -7,7 +8,7 @@ delta adds to the base GEMM inside one CUDA graph. Candidates: the shipped sets 
 plus the extra ones below; each is checked against the torch reference before it is timed.
 Timing as in bench_delta.py (CUDA graph replay, L2 flushed before each replay, median).
 
-    python benchmarks/sweep_delta.py --out $OUT/results/sweep_delta.json
+    python benchmarks/probes/sweep_delta.py --out $OUT/results/sweep_delta.json
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_delta import SHAPES, Case, build, copy_bandwidth, gpu_us, ref_out  # noqa: E402
 

@@ -1,3 +1,4 @@
+# Showed: the device-checked merge cache costs 1.013-1.058x cuBLAS at r16; refit merge cost. probe_checked.json
 """Probe: the merged-weight cache's per-call cost in a CUDA graph, interleaved so clock drift cancels.
 
 Per layer shape (SDXL / Flux, bf16, bias, r16): a CUDA graph each of the cuBLAS base GEMM, the GEMM on a merged W'
@@ -7,7 +8,7 @@ the delta kernel ("cublas_delta"), the two cache-less per-call paths the dispatc
 replay every graph once, each timed by CUDA events; the ratio to base is taken per round, median of the rounds.
 (bench_fused.py times its columns one after another, where clocks can drift between columns on large shapes.)
 
-    python benchmarks/probe_checked.py --out results.json
+    python benchmarks/probes/probe_checked.py --out results.json
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fused import ROTATE, SHAPES, args_of, capture_calls, inputs, oracle_rows  # noqa: E402
 
