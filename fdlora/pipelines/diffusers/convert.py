@@ -30,7 +30,7 @@ def from_diffusers(pipe: Any) -> Any:
     for name, comp in getattr(pipe, "components", {}).items():
         model = getattr(comp, "_orig_mod", comp)
         if isinstance(model, nn.Module) and any(isinstance(m, LoraLayer) for m in model.modules()):
-            convert_live(model, dict(getattr(model, "peft_config", None) or {}))
+            convert_live(model)
             done.append(name)
     if not done:
         raise FdLoraError(f"{type(pipe).__name__} has no component with PEFT LoRA layers; load adapters with "

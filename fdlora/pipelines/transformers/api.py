@@ -25,7 +25,7 @@ from torch import nn
 from ...hub.adapter import LoraAdapter
 from . import save
 from .attach import attach, attach_live
-from .live import read_live, root_and_configs
+from .live import read_live
 from .model import disable, enable
 from .quantized import check_quantized
 from .read import read
@@ -55,9 +55,13 @@ def load_fd_lora(model: nn.Module, source: str | os.PathLike | LoraAdapter, adap
     return model
 
 
-def convert_live(root: nn.Module, configs: dict[str, Any]) -> None:
-    """Replace the PEFT LoRA layers of `root` by fd-lora fused layers with the same adapters and state."""
-    attach_live(root, read_live(root, configs))
+def convert_live(model: nn.Module) -> nn.Module:
+    """Replace the PEFT LoRA layers of `model` by fd-lora fused layers with the same adapters and state.
+
+    Returns the model that holds them now (inside a PeftModel wrapper: its base model)."""
+    live = read_live(model)
+    attach_live(live)
+    return live.root
 
 
 def from_peft(peft_model: nn.Module) -> nn.Module:
@@ -69,8 +73,7 @@ def from_peft(peft_model: nn.Module) -> nn.Module:
     modules_to_save become fd-lora module copies. Outputs are the same before and after (up to
     float rounding of the fused kernels).
     """
-    root, configs = root_and_configs(peft_model)
-    convert_live(root, configs)
+    root = convert_live(peft_model)
     return enable(root)
 
 

@@ -59,13 +59,15 @@ def attach(model: nn.Module, named: Sequence[tuple[str, PeftLoad]], activate: st
     return h
 
 
-def attach_live(root: nn.Module, live: LiveRead) -> FdLoraHandle:
+def attach_live(live: LiveRead) -> FdLoraHandle:
     """Put PEFT's own modules back, drop its bookkeeping, then attach what `read_live` read, state included."""
+    root = live.root
     for path, original in live.originals.items():
         parent, _, child = path.rpartition(".")
         setattr(root.get_submodule(parent) if parent else root, child, original)
     for attr in ("peft_config", "_hf_peft_config_loaded"):  # PEFT / diffusers / transformers bookkeeping
-        root.__dict__.pop(attr, None)
+        if attr in vars(root):
+            delattr(root, attr)
     h = attach(root, live.loads)
     h.set_adapters(list(live.weights), list(live.weights.values()))
     if live.disabled:

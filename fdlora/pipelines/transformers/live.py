@@ -1,7 +1,7 @@
 """The read step of a live PEFT model: its LoraLayers and ModulesToSaveWrappers -> `PeftLoad`s, nothing changed.
 
     adapter = adapter_from_peft(peft_model, "name")      # one adapter as a LoraAdapter
-    live = read_live(root, configs)                      # every adapter + active set, for from_peft
+    live = read_live(peft_model)                         # every adapter + active set, for from_peft
 
 `read_live` reads every adapter out of every LoraLayer (weights, r, lora_alpha, rsLoRA, lora_bias,
 the scale PEFT applies now) and every ModulesToSaveWrapper, and the PEFT modules to put back; the
@@ -88,6 +88,7 @@ def adapter_from_peft(model: nn.Module, adapter_name: str = "default") -> LoraAd
 class LiveRead:
     """Everything a live PEFT model holds, read out: what the attach step needs, nothing else."""
 
+    root: nn.Module  # the model whose module paths the adapters use (inside any PeftModel wrapper)
     loads: list[tuple[str, PeftLoad]]  # (adapter name, its load), every adapter
     weights: dict[str, float]  # active adapter -> its fd-lora blend weight
     disabled: bool  # PEFT's disable_adapters flag
@@ -177,12 +178,14 @@ def _weights(adapters: dict[str, _Live], active: list[str]) -> dict[str, float]:
     return {n: weights.get(n, 1.0) for n in active if n in adapters}
 
 
-def read_live(root: nn.Module, configs: dict[str, Any]) -> LiveRead:
-    """Read every PEFT adapter of `root` (see the module docstring); raises before anything changes."""
+def read_live(model: nn.Module) -> LiveRead:
+    """Read every PEFT adapter of `model` (a PeftModel, LoraModel or a model with PEFT layers; see the module
+    docstring); raises before anything changes."""
+    root, configs = root_and_configs(model)
     if root in registry_of_models:
         raise FdLoraError(f"{type(root).__name__} already has fd-lora layers; convert before loading fd-lora adapters.")
     adapters, active, disabled, originals = _read(root)
     weights = _weights(adapters, active)
     loads = [(n, PeftLoad(LoraAdapter(lv.modules, lv.rslora, n, Provenance("<peft model>", format="peft-live")),
                           configs.get(n), lv.saved)) for n, lv in adapters.items()]
-    return LiveRead(loads, weights, disabled, originals)
+    return LiveRead(root, loads, weights, disabled, originals)
