@@ -172,7 +172,7 @@ def bench_model(name, build, a, dev, dtype):
     from peft import LoraConfig
 
     import fdlora
-    from fdlora.pipelines.peft import adapter_from_peft
+    from fdlora.pipelines.transformers import adapter_from_peft
 
     base, inputs, targets = build(a.tiny, a.depth, dev, dtype)
     ms = timer(dev, a.repeats)

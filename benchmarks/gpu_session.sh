@@ -15,13 +15,13 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 step() { local t=$1 s=$SECONDS; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[transformers\]\|Warning\|warnings.warn" | tee -a "$OUT/log.txt" | tail -${TAIL:-40}; echo "== took $((SECONDS - s)) s"; }
 for stage in "$@"; do
   case $stage in
-    layer) TAIL=3 step 120 python3 benchmarks/profile_layer.py --out "$OUT/results/layer_host.json" ;;
+    layer) TAIL=3 step 120 python3 benchmarks/probes/profile_layer.py --out "$OUT/results/layer_host.json" ;;
     tests) TAIL=15 step 560 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
-    layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines_tf ;;
+    layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines/transformers ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
-    profile) TAIL=70 step 150 python3 benchmarks/profile_step.py --model sdxl --depth 6 --out "$OUT/results/profile_sdxl.json" ;;
-    profile-percall) TAIL=70 step 120 python3 benchmarks/profile_step.py --model sdxl --depth 2 --merge-cache 0 \
+    profile) TAIL=70 step 150 python3 benchmarks/probes/profile_step.py --model sdxl --depth 6 --out "$OUT/results/profile_sdxl.json" ;;
+    profile-percall) TAIL=70 step 120 python3 benchmarks/probes/profile_step.py --model sdxl --depth 2 --merge-cache 0 \
         --out "$OUT/results/profile_sdxl_percall.json" ;;
     llm) step 240 python3 benchmarks/bench_llm.py --out "$OUT/results/llm.json" ;;
     llm-profile) TAIL=150 step 240 python3 benchmarks/bench_llm.py --profile --reps 10 --out "$OUT/results/llm_profile.json" ;;
@@ -30,8 +30,8 @@ for stage in "$@"; do
     fused) step 300 python3 benchmarks/bench_fused.py --out "$OUT/results/fused.json" ;;
     fused-measure) step 300 python3 benchmarks/bench_fused.py --dispatch measure --out "$OUT/results/fused_measured.json" ;;
     delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;
-    sweep) TAIL=30 step 400 python3 benchmarks/sweep_delta.py --parts decode,diffusion,components \
+    sweep) TAIL=30 step 400 python3 benchmarks/probes/sweep_delta.py --parts decode,diffusion,components \
         --out "$OUT/results/sweep_delta.json" ;;
-    probe-tma) TAIL=5 step 300 python3 benchmarks/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
+    probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
   esac
 done

@@ -1,5 +1,7 @@
 """fd-lora: dynamic LoRA at merged speed. Public API only."""
 
+from ._moved import install as _install_moved
+from ._moved import moved_attribute as _moved_attribute
 from .api import (
     active_adapters,
     add_adapter,
@@ -19,13 +21,13 @@ from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
 from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
 from .layers.merged import merge_cache_bytes, set_merge_cache
-from .pipelines.attach import install as _install_diffusers_hook
-from .pipelines.peft_convert import from_diffusers, from_peft
-from .pipelines.save import merge_and_unload, save_peft
+from .pipelines.diffusers import from_diffusers
+from .pipelines.diffusers.hook import install as _install_diffusers_hook
 from .pipelines.scope import adapters
-from .pipelines.transformers import FdLoraModel, load_fd_lora
+from .pipelines.transformers import FdLoraModel, from_peft, load_fd_lora, merge_and_unload, save_peft
 
 _install_diffusers_hook()
+_install_moved()
 
 __version__ = "0.1.0"
 
@@ -33,12 +35,12 @@ _HUB = ("load_adapters", "LoadReport", "AdapterPool", "AdapterCache")
 
 
 def __getattr__(name: str):
-    """Hub entry points, imported on first use so `import fdlora` stays cheap."""
+    """Hub entry points, imported on first use so `import fdlora` stays cheap; moved modules by their old name."""
     if name in _HUB:
         from . import hub
 
         return getattr(hub, name)
-    raise AttributeError(f"module 'fdlora' has no attribute {name!r}")
+    return _moved_attribute(__name__, name)
 
 __all__ = [
     "AdapterCache",

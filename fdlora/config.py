@@ -183,7 +183,7 @@ def _device(cfg: Config) -> str:
 
 
 def _tiny_pipeline(name: str):
-    from .pipelines import tiny
+    from .pipelines.diffusers import tiny
 
     return {"tiny-sd15": tiny.sd15, "tiny-sdxl": tiny.sdxl, "tiny-sd3": tiny.sd3, "tiny-flux": tiny.flux}[name]()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from support import loras
 
-from fdlora.cli import main
+from fdlora.apps.cli import main
 
 
 def files(seed: int) -> dict[str, bytes]:

@@ -101,7 +101,7 @@ def test_delta_matches_oracle_gpu_only(tops, case: Case) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["blend", "rows"])
 def test_explicit_config_launch_matches_oracle(tops, mode: str, device: str) -> None:
-    """A given config (config.launch(config=...), what benchmarks/sweep_delta.py times) runs and computes the
+    """A given config (config.launch(config=...), what benchmarks/probes/sweep_delta.py times) runs and computes the
     same delta; one with a block under 16 is refused before anything runs, y untouched."""
     from fdlora.errors import FdLoraError
     from fdlora.kernels.triton import config as C
