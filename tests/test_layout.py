@@ -24,7 +24,6 @@ LOWER = ("fdlora.kernels", "fdlora.layers", "fdlora.hub")
 # Known edges left out of the cycle check, each with its reason. layers/handle.py imports
 # registry_of_models from its own package's __init__ (lazily, inside a method): a cycle between the
 # package face and one module, owned by the layers issue (fdlora/layers is not this layout's to change).
-KNOWN = {("fdlora.layers.handle", "fdlora.layers")}
 UPPER = ("fdlora.pipelines", "fdlora.apps")
 
 
@@ -76,8 +75,6 @@ def _cycles() -> list[list[str]]:
         stack.append(v)
         on.add(v)
         for w in sorted(GRAPH[v]):
-            if (v, w) in KNOWN:
-                continue
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -107,7 +104,6 @@ def test_graph_is_read():
 
 def test_no_import_cycles():
     assert _cycles() == []
-    assert all(w in GRAPH[v] for v, w in KNOWN), "a KNOWN edge is gone: drop it from the list"
 
 
 def test_lower_layers_never_import_pipelines_or_apps():

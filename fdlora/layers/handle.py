@@ -20,6 +20,7 @@ from ..hub.cache import Staged
 from .bank import AdapterBank, padded_rank
 from .bulk import write_staged
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
+from .registry import registry_of_models
 from .state import Mode, ModelState
 
 SampleSpec = str | None | Mapping[str, float]
@@ -88,8 +89,6 @@ class FdLoraHandle:
         self._originals.clear()
         self.layers.clear()
         self._restored = True
-        from . import registry_of_models
-
         registry_of_models.pop(self.model, None)
         return self.model
 

@@ -44,7 +44,7 @@ DELTA = {
         cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=False, NSPLIT=64),
         cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=True, NSPLIT=64),
         cfg(8, 3, BM=64, BN=256, BK=64, PREFETCH=True, NSPLIT=64),
-        # from benchmarks/sweep_delta.py on an H100 (sweep_delta.json): 2 warps on 640-1280-wide SDXL rows,
+        # from benchmarks/probes/sweep_delta.py on an H100 (sweep_delta.json): 2 warps on 640-1280-wide SDXL rows,
         # a longer K step on 5120-deep ones, 64 rows x 256 columns unsplit for rank 64 on Flux
         cfg(2, 3, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
         cfg(2, 5, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),  # session 8: SDXL 5120->1280 0.76 -> 0.78
@@ -114,7 +114,7 @@ def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] |
     arguments' specialization; while later calls have that same specialization (`_specialization`, at least
     as fine as Triton's own) the compiled kernel is launched directly. Both shortcuts skip per-call work
     (the autotuner's key building, the binder, the cache lookup) that costs more host time than a
-    decode-sized kernel runs (benchmarks/profile_layer.py). A kept launch skips the rest: its caller replays
+    decode-sized kernel runs (benchmarks/probes/profile_layer.py). A kept launch skips the rest: its caller replays
     it instead of calling here (fdlora.layers.decode). An explicit `config` runs that config, untuned (sweeps).
     """
     tuner = pick(table, M)
