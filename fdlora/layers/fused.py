@@ -24,6 +24,8 @@ from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
 from .state import Mode, ModelState
 
+GROUP_MIN_ROWS = 64  # rows per sample from which per-sample calls run on per-blend merged copies (diffusion sizes)
+
 
 def _is_conv1d(module: nn.Module) -> bool:
     """transformers' Conv1D (GPT-2): weight [K, N], y = x W + b."""
@@ -286,6 +288,50 @@ class FusedLoraLinear(_FusedLora):
         self._ops.lora_delta(y, x, A, B, scale, gw, ranks)
         return y
 
+    def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Per-sample adapters at merged speed: the batch's distinct blends each get a merged-weight copy
+        (fdlora.layers.remerge.refresh_groups), and each group of samples runs one GEMM on its copy (an all-zero
+        blend on W itself). None when this call does not take this path: not eager, autograd, few rows per sample
+        (decode: the per-row kernel is cheaper than a copy per adapter), more blends than copies, no room."""
+        st = self.state
+        W = self.base.weight
+        K, N = self.in_features, self.out_features
+        M = x.numel() // K if K else 0
+        groups = st.groups.get(x.shape[0])
+        if (groups is None or st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear
+                or not _merged.BUDGET.enabled(x.device.type) or M < GROUP_MIN_ROWS * len(groups.of_sample)
+                or len(groups.blends) > remerge.MAX_GROUP_COPIES
+                or (torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))
+                or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
+            return None
+        key, copies = merged_key(self, W), self.merged.groups
+        weights = [W if not any(b) else getattr(copies.get(b), "buf", None) for b in groups.blends]
+        if any(w is None or (w is not W and copies[b].key != key) for w, b in zip(weights, groups.blends)):
+            weights = remerge.refresh_groups(self, W, groups.blends)
+            if weights is None:
+                return None
+        G = len(groups.of_sample)
+        x2 = x.reshape(M, K).to(W.dtype)
+        y2 = torch.empty(M, N, dtype=W.dtype, device=x.device)
+        bias, rows = self.base.bias, M // G
+        P = groups.period
+        if P < len(groups.runs):  # CFG-like: position p of every period shares a blend; one strided bmm each
+            x4, y4 = x2.view(G // P, P, rows, K), y2.view(G // P, P, rows, N)
+            for p in range(P):
+                wt = weights[groups.of_sample[p]].t().expand(G // P, K, N)
+                if bias is None:
+                    torch.bmm(x4[:, p], wt, out=y4[:, p])
+                else:
+                    torch.baddbmm(bias, x4[:, p], wt, out=y4[:, p])
+        else:
+            for s0, s1, g in groups.runs:
+                r = slice(s0 * rows, s1 * rows)
+                if bias is None:
+                    torch.mm(x2[r], weights[g].t(), out=y2[r])
+                else:
+                    torch.addmm(bias, x2[r], weights[g].t(), out=y2[r])
+        return y2.view(*x.shape[:-1], N)
+
     def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if type(self.base) is nn.Linear:
             return F.linear(x, w, bias)
@@ -298,6 +344,10 @@ class FusedLoraLinear(_FusedLora):
             if y is not None:
                 return y
         mode, skip = self.state.mode, self._skip()
+        if mode is Mode.SAMPLES and not skip and not (args or kwargs):
+            y = self._grouped_forward(x)
+            if y is not None:
+                return y
         if (mode is Mode.SAMPLES or mode is Mode.ROWS) and not skip:
             y = decode.forward(self, x, args, kwargs)  # eager decode: one kept-ready launch
             if y is not None:

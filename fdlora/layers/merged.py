@@ -151,7 +151,7 @@ class MergedWeight:
     """One layer's W' buffer, the host key it was merged under (eager calls), and its device stamp (the weights and
     bank version it holds, which compiled and captured calls check on the device)."""
 
-    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "_free", "__weakref__")
+    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "groups", "_free", "__weakref__")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -160,6 +160,7 @@ class MergedWeight:
         self.pinned = False  # a CUDA graph captured the buffer: it is never freed (replays would write freed memory)
         self._free: weakref.finalize | None = None  # gives the bytes back once, on release or collection
         self.denied = -1  # budget generation at which a reservation failed (no retry until it changes)
+        self.groups: dict[tuple, MergedWeight] = {}  # per-sample blend -> its copy, least recently used first
         BUDGET.caches.add(self)
 
     def _buffer(self, W: torch.Tensor) -> torch.Tensor | None:
@@ -207,6 +208,9 @@ class MergedWeight:
     def release(self) -> None:
         """Give the buffer's bytes back to the budget; a buffer a CUDA graph captured is kept and only marked stale
         (its next use re-merges: fuse / unfuse change W in place, which a replay then reads)."""
+        for copy in self.groups.values():
+            copy.release()
+        self.groups = {}
         if self.pinned:
             self._mark_stale()
             return

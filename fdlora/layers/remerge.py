@@ -13,8 +13,9 @@ backend has no lora_merge_many (the torch reference, conv layers) merge one by o
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from .merged import merged_key
+from .merged import MergedWeight, merged_key
 from .state import Mode
 
 
@@ -41,35 +42,98 @@ def entry(layer, out: torch.Tensor, W: torch.Tensor, scale: torch.Tensor) -> tup
 def refresh(layer, W: torch.Tensor) -> torch.Tensor | None:
     """W' of `layer` for the current blend, after re-merging every stale cached layer of its model; None when the
     budget gives `layer` no buffer."""
-    st = layer.state
     device = layer.bank.A.device
     stale, homeless = [], []
-    for lay in list(st.members.values()):
+    for lay in list(layer.state.members.values()):
         if not cacheable(lay, device):
             continue
         w = lay.base._parameters["weight"]
         key = merged_key(lay, w)
         m = lay.merged
         if m.buf is None:
-            homeless.append((lay, w, key))
+            homeless.append((lay, m, w, key, lay.scale_blend[:lay.bank.slots]))
         elif m.key != key:
-            stale.append((lay, w, key))
-    homeless.sort(key=lambda e: e[1].numel())
-    stale += [e for e in homeless if e[0].merged._buffer(e[1]) is not None]
-    batches: dict[tuple, list] = {}
-    for lay, w, key in stale:
-        lay.merged._mark_stale()  # the device stamp no longer vouches for the buffer either
-        e = entry(lay, lay.merged.buf, w, lay.scale_blend[:lay.bank.slots])
+            stale.append((lay, m, w, key, lay.scale_blend[:lay.bank.slots]))
+    homeless.sort(key=lambda e: e[2].numel())
+    _merge(layer.state, stale + [e for e in homeless if e[1]._buffer(e[2]) is not None])
+    m = layer.merged
+    return m.buf if m.buf is not None and m.key == merged_key(layer, W) else None
+
+
+MAX_GROUP_COPIES = 4  # per-sample blends a layer keeps a copy of (beyond that, least recently used go first)
+
+
+def groupable(layer, device: torch.device) -> bool:
+    """Whether per-sample calls of this layer may run on per-blend copies (an nn.Linear base, as `cacheable`)."""
+    bank = layer.bank
+    return (type(layer.base) is nn.Linear and layer._plain and bank.A.device == device
+            and bank._buffers["bias"] is None and True in bank.used)
+
+
+def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> list[torch.Tensor] | None:
+    """W'_b of `layer` for each per-sample blend b (weights per slot; W itself for an all-zero blend), after merging
+    every missing or stale copy of those blends in every groupable layer of its model; None when the budget gives
+    `layer` no copy of one of them. When room runs out, a layer's copies of other blends go first."""
+    st = layer.state
+    device = layer.bank.A.device
+    live = [b for b in dict.fromkeys(blends) if any(b)]
+    unit = st.table.on(device)[1]  # [L, S] alpha / r (times the multiplier)
+    scales = {b: unit * torch.tensor(b, device=device) for b in live}  # [L, S] per blend
+    stale, homeless = [], []
+    for lay in list(st.members.values()):
+        if not groupable(lay, device):
+            continue
+        w = lay.base._parameters["weight"]
+        key = merged_key(lay, w)
+        copies = lay.merged.groups
+        for b in live:
+            m = copies.pop(b, None) or MergedWeight()
+            copies[b] = m  # most recently used last
+            e = (lay, m, w, key, scales[b][lay.index, :lay.bank.slots])
+            if m.buf is None:
+                homeless.append(e)
+            elif m.key != key:
+                stale.append(e)
+    homeless.sort(key=lambda e: e[2].numel())
+    for e in homeless:
+        lay, m, w = e[:3]
+        if m._buffer(w) is None:
+            for b in [b for b in lay.merged.groups if b not in scales]:
+                lay.merged.groups.pop(b).release()
+            m.denied = -1
+            if m._buffer(w) is None:
+                continue
+        stale.append(e)
+    for lay in st.members.values():
+        copies = lay.merged.groups
+        while len(copies) > max(MAX_GROUP_COPIES, len(live)):
+            copies.pop(next(iter(copies))).release()
+    _merge(st, stale)
+    key = merged_key(layer, W)
+    out = []
+    for b in blends:
+        m = layer.merged.groups.get(b) if any(b) else None
+        if any(b) and (m is None or m.buf is None or m.key != key):
+            return None
+        out.append(W if m is None else m.buf)
+    return out
+
+
+def _merge(st, todo: list[tuple]) -> None:
+    """Merge (layer, copy, W, key, scale) entries: one lora_merge_many launch per (device, dtype, bank shape) where
+    the backend has it, one lora_merge per layer elsewhere; then each copy holds `key`."""
+    batches: dict[tuple, tuple] = {}
+    for lay, m, w, key, scale in todo:
+        m._mark_stale()  # the device stamp no longer vouches for the buffer either
+        e = entry(lay, m.buf, w, scale)
         many = getattr(lay._ops, "lora_merge_many", None) if lay.kind == "linear" else None
         if many is None:
             lay._ops.lora_merge(*e)
         else:
-            batches.setdefault((device, w.dtype, *e[2].shape[:2]), (lay._ops, []))[1].append(e)
-        lay.merged.key = key
+            batches.setdefault((w.device, w.dtype, *e[2].shape[:2]), (lay._ops, []))[1].append(e)
+        m.key = key
     for shape, (ops, entries) in batches.items():
         table = st.merge_tables.get(shape)
         if table is None:
             table = st.merge_tables[shape] = ops.merge_table()
         ops.lora_merge_many(entries, table)
-    m = layer.merged
-    return m.buf if m.buf is not None and m.key == merged_key(layer, W) else None

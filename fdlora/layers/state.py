@@ -153,6 +153,7 @@ class ModelState:
         self._rows_host: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # batch -> sample_rows' host form
         self._rows_dev: dict[tuple[int, torch.device], tuple] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self.groups: dict[int, SampleGroups] = {}  # batch size -> how its samples group by blend (per-sample mode)
         self.members: dict = {}  # path -> fused layer: the handle's own dict (the cache re-merges them all)
         self.merge_tables: dict = {}  # (device, dtype, S, R) -> kept table of fdlora.layers.remerge
 
@@ -186,6 +187,7 @@ class ModelState:
         self._group_weight = fresh
         self._rows_host = {b: as_rows(gw.cpu()) for b, gw in by_batch.items()}
         self._rows_dev = {}
+        self.groups = {b: SampleGroups.of(gw.tolist()) for b, gw in by_batch.items()}
 
     def group_weight(self, batch: int, rows: int, device: torch.device) -> torch.Tensor | None:
         """The [G, S] weights for an input of `batch` samples and `rows` flattened rows, or None."""
@@ -241,3 +243,28 @@ def as_rows(gw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not bool(torch.where(on, gw == w, True).all()):
         return None
     return torch.where(on.any(1), on.int().argmax(1), -1).to(torch.int32), w
+
+
+class SampleGroups:
+    """How the samples of a per-sample batch group by blend, for running each group on its own merged weight
+    (fdlora.layers.remerge.refresh_groups): the distinct blends, each sample's blend, the runs of consecutive
+    samples that share one, and the shortest period of that sequence (diffusers' CFG batches [uncond..., cond...]
+    repeat the prompts' blends: one strided batched GEMM per prompt position then serves both halves)."""
+
+    __slots__ = ("blends", "of_sample", "runs", "period")
+
+    def __init__(self, blends: list[tuple], of_sample: list[int]) -> None:
+        self.blends, self.of_sample = blends, of_sample
+        G = len(of_sample)
+        self.runs = [(i, j, of_sample[i]) for i, j in _runs(of_sample)]
+        self.period = next(p for p in range(1, G + 1) if G % p == 0 and of_sample == of_sample[:p] * (G // p))
+
+    @classmethod
+    def of(cls, rows: list[list[float]]) -> SampleGroups:
+        blends = list(dict.fromkeys(tuple(r) for r in rows))
+        return cls(blends, [blends.index(tuple(r)) for r in rows])
+
+
+def _runs(seq: list[int]) -> list[tuple[int, int]]:
+    starts = [i for i in range(len(seq)) if i == 0 or seq[i] != seq[i - 1]]
+    return list(zip(starts, starts[1:] + [len(seq)]))
