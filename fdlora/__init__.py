@@ -38,6 +38,10 @@ def __getattr__(name: str):
         from . import hub
 
         return getattr(hub, name)
+    if name == "plan":  # the planner imports diffusers/transformers only when a plan is made
+        from .plan import plan
+
+        return plan
     raise AttributeError(f"module 'fdlora' has no attribute {name!r}")
 
 __all__ = [
@@ -69,6 +73,7 @@ __all__ = [
     "merge_cache_bytes",
     "per_row",
     "per_sample",
+    "plan",
     "restore",
     "save_peft",
     "set_adapters",
