@@ -55,7 +55,7 @@ class Device:
     memory_gib: float = 80.0
     attn_eff: float = 0.55
     elementwise_eff: float = 0.8
-    host_op_us: float = 7.0
+    host_op_us: float = 30.0
     host_cached_us: float = 6.0
     host_percall_us: float = 175.0
     h2d_gbs: float = 20.0  # loading adapters / weights from pinned host memory (PCIe 5 x16 in practice)

@@ -3,7 +3,8 @@
 H100 is fitted to our committed benchmarks (fdlora.costmodel.H100). The others scale it from datasheets
 (dense fp16/bf16 tensor TFLOP/s without sparsity, HBM/GDDR bandwidth) at the H100's measured efficiencies
 (cuBLAS ~ 790/989 of datasheet peak, streaming ~ 2500/3350 of datasheet bandwidth); say `fitted` only
-where we measured. CPU is fitted to benchmarks/results/cpu/ and this module's calibration on a 2-core host.
+where we measured. CPU values are rough defaults (benchmarks/results/cpu/ holds only set_adapters
+timings): calibrate there.
 A calibration JSON under ~/.cache/fdlora/plan/<name>.json is preferred over the table when present.
 """
 
@@ -33,7 +34,7 @@ DEVICES: dict[str, Device] = {
     "4090": H100.scaled(name="4090", source="datasheet: RTX 4090 165 TFLOP/s fp16 (fp32 acc.), 1.01 TB/s, 24 GB",
                         peak_tflops=165 * _PEAK, hbm_gbs=1008 * _BW, sms=128, l2_bytes=72e6, memory_gib=24.0,
                         merge_us_per_mel=H100.merge_us_per_mel * 2500 / (1008 * _BW)),
-    "cpu": Device("cpu", "fitted: 2-core x86 host, calibrate() of torch.mm (fp32) and a copy; set_adapters.json",
+    "cpu": Device("cpu", "rough defaults for a small x86 host (no CPU GEMM benchmarks); run --calibrate",
                   peak_tflops=0.05, k_half=64.0, hbm_gbs=8.0, l2_bytes=2e6, merge_us_per_mel=400.0,
                   merge_us_per_mel_rank=5.0, delta_gbs=8.0, delta_tflops=0.05, launch_us=5.0, sms=2,
                   memory_gib=16.0, attn_eff=0.5, host_op_us=10.0, host_cached_us=5.0, host_percall_us=60.0,
