@@ -40,6 +40,10 @@ def __getattr__(name: str):
         from . import hub
 
         return getattr(hub, name)
+    if name == "plan":  # the planner imports diffusers/transformers only when a plan is made
+        from .plan import plan
+
+        return plan
     return _moved_attribute(__name__, name)
 
 __all__ = [
@@ -71,6 +75,7 @@ __all__ = [
     "merge_cache_bytes",
     "per_row",
     "per_sample",
+    "plan",
     "restore",
     "save_peft",
     "set_adapters",

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "inspect": ("fdlora.apps.inspect", "print the load report of an adapter without loading a model"),
     "demo": ("fdlora.apps.demo", "a Gradio app: live adapter weights, per-prompt gallery (needs fd-lora[demo])"),
     "bench": ("fdlora.apps.bench", "run the benchmark suite or a named subset; prints a table, writes JSON"),
+    "plan": ("fdlora.apps.plan", "merge, serve dynamically or cache merged weights? predicted from configs"),
     "run": ("fdlora.apps.run", "build a pipeline or model from a YAML config, load its adapters, optionally generate"),
 }
 

@@ -27,10 +27,10 @@ small K). The Triton TMA probe found the same in-loop cost (probe_tma.json).
 
 The choice depends on static shapes only (M, K, N, bank [S, R], groups G, dtype, SM count), never
 on which adapters are active, so compiled graphs and CUDA graphs never change with a switch. It
-comes from the cost model `estimate` (microseconds, constants fitted to H100 measurements of
-every path at the SDXL / Flux / decode shapes); benchmarks/bench_fused.py re-measures every path
-and checks that the modelled choice is within 3% of the measured best. `record` lets a caller
-that measured override the model for one shape.
+comes from the cost model `estimate` (fdlora/costmodel.py, shared with `fdlora plan`: microseconds,
+constants fitted to H100 measurements of every path at the SDXL / Flux / decode shapes);
+benchmarks/bench_fused.py re-measures every path and checks that the modelled choice is within 3% of the
+measured best. `record` lets a caller that measured override the model for one shape.
 
 With FDLORA_DISPATCH=measure, the first eager CUDA call of a shape where the model's best paths lie
 within `AMBIGUOUS` of each other times those paths on the call's own inputs and keeps the fastest:
@@ -42,45 +42,30 @@ time (compiling, capturing, fake tensors) use the model; a failed measurement fa
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ... import env
+from ...costmodel import (  # noqa: F401  the one cost model, shared with `fdlora plan` (re-exported here)
+    DELTA_GBS,
+    DELTA_TFLOPS,
+    FUSED_BN,
+    HBM_GBS,
+    K_HALF,
+    L2_BYTES,
+    LAUNCH_US,
+    MERGE_US_PER_MEL,
+    MERGE_US_PER_MEL_RANK,
+    PEAK_TFLOPS,
+    TRITON_GEMM_SLOWDOWN,
+    Problem,
+    delta_available,
+    estimate,
+)
 
 PATHS = ("fused", "fused_pre", "cublas_delta", "merged", "reference")
-
-# Cost model constants, fitted to an H100 SXM (bf16) run of benchmarks/bench_fused.py
-# (benchmarks/results/nvidia-h100-80gb-hbm3/fused.json).
-PEAK_TFLOPS = 790.0  # dense bf16 tensor-core rate cuBLAS approaches at large K
-K_HALF = 400.0  # cuBLAS efficiency ~ K / (K + K_HALF): prologue/epilogue weigh more at small K
-HBM_GBS = 2500.0  # what streaming kernels achieve (x, y, W reads and writes)
-L2_BYTES = 50e6  # a merged weight larger than L2 is re-read from HBM by the GEMM that follows
-MERGE_US_PER_MEL = 2.1  # lora_merge: microseconds per million weight elements (read W, write W')
-# ... plus this per million elements per packed rank column above 16. Refit in session 10 from merge_only at r16 vs
-# r64 (fused_s10.json: 0.015-0.023 on weights of >= 1.6M elements); 0.062 before chose cublas_delta on Flux r64 /
-# blend layers that run 4-11% faster merged in interleaved timing (probe_checked.json).
-MERGE_US_PER_MEL_RANK = 0.02
-DELTA_GBS = 2600.0  # lora_delta on x + y read-modify-write, when its programs fill the GPU
-DELTA_TFLOPS = 250.0  # lora_delta's shrink + expand rate per rank column above 16
-LAUNCH_US = 3.0  # one extra launch in a graph / stream
-TRITON_GEMM_SLOWDOWN = 1.5  # Triton 3.6 GEMM time / cuBLAS time at these shapes (measured 1.3-1.5)
-FUSED_BN = 256  # N tile of the fused kernel: the in-loop shrink costs RC/BN of its GEMM
-
-
-@dataclass(frozen=True)
-class Problem:
-    M: int
-    K: int
-    N: int
-    S: int
-    R: int
-    dtype: torch.dtype
-    device: str
-    sms: int
-    G: int = 1
 
 
 @dataclass(frozen=True)
@@ -93,54 +78,6 @@ class Plan:
 
 
 _PLANS: dict[Problem, Plan] = {}
-
-
-def delta_available() -> bool:
-    """The Triton lora_delta op (cuBLAS + delta path) is importable and registered."""
-    try:
-        importlib.import_module("fdlora.kernels.triton.lora_delta")
-    except Exception:
-        return False
-    return hasattr(torch.ops.fdlora, "lora_delta")
-
-
-def _gemm_us(M: int, K: int, N: int, itemsize: int) -> float:
-    """cuBLAS GEMM time: compute at a K-dependent share of peak, or the bytes, whichever is longer."""
-    compute = 2.0 * M * N * K / (PEAK_TFLOPS * 1e6 * K / (K + K_HALF))
-    bytes_ = (M * K + N * K + M * N) * itemsize / (HBM_GBS * 1e3)
-    return max(compute, bytes_) + LAUNCH_US
-
-
-def estimate(p: Problem) -> dict[str, float]:
-    """Modelled microseconds of every path that can run problem `p` (rank = bank capacity S*R)."""
-    b = torch.tensor([], dtype=p.dtype).element_size()
-    base = _gemm_us(p.M, p.K, p.N, b)
-    width = p.S * p.R
-    over16 = max(0, width - 16)
-    x_bytes, y_bytes, w_bytes = p.M * p.K * b, p.M * p.N * b, p.N * p.K * b
-    rows = max(1, p.M // p.G)
-    mel = p.N * p.K / 1e6
-    merge = max(LAUNCH_US + 1.0, MERGE_US_PER_MEL * mel + 1.0) + MERGE_US_PER_MEL_RANK * mel * over16
-    spill = w_bytes / (HBM_GBS * 1e3) if w_bytes > L2_BYTES else 0.0
-    out = {
-        "merged": p.G * (_gemm_us(rows, p.K, p.N, b) + merge + spill),
-        "reference": base + 3 * (x_bytes + 2 * y_bytes) / (HBM_GBS * 1e3) + 6 * LAUNCH_US,
-    }
-    if p.dtype != torch.float32:  # fp32 Triton dots run IEEE on CUDA cores: never the fast path
-        rc = min(64, max(16, width))
-        more = max(0, width - 64) / 64  # extra shrink passes of the in-loop form
-        triton_gemm = base * TRITON_GEMM_SLOWDOWN
-        out["fused"] = triton_gemm * (1 + (rc + more * 64) / FUSED_BN)
-        out["fused_pre"] = triton_gemm + x_bytes / (HBM_GBS * 1e3) + LAUNCH_US
-    if delta_available():
-        # lora_delta runs one program per 64-row block (16 when few), spreading over N only when
-        # row blocks are fewer than SMs: below a full GPU its bandwidth falls with the program count.
-        blocks = -(-p.M // (16 if p.M <= 64 else 64))
-        programs = blocks * max(1, min(-(-p.N // 128), p.sms // blocks))
-        bw = DELTA_GBS * 1e3 * min(1.0, programs / p.sms)
-        flops = 2.0 * p.M * (p.K + p.N) * over16 / (DELTA_TFLOPS * 1e6)
-        out["cublas_delta"] = base + (x_bytes + 2 * y_bytes) / bw + flops + 2 * LAUNCH_US
-    return out
 
 
 def _fastest(how: str, us: dict[str, float]) -> tuple[str, tuple[str, ...]]:
