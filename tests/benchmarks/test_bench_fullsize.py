@@ -1,0 +1,71 @@
+"""benchmarks/bench_fullsize.py --smoke: every case of every model runs, verifies and lands in one merged JSON.
+
+The headline benchmark runs on a GPU only at the lead's hand; this runs its code paths (PEFT adapters, conversion,
+oracles, per-prompt / slider / no-cache / compiled cases, JSON merging) on toy models on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_fullsize.py"
+CASES = {
+    "sdxl": ["peft_cache_1", "peft_cache_blend4", "cache_1", "cache_blend4", "per_prompt_2", "per_prompt_cfg",
+             "slider_every_step", "nocache_1"],
+    "flux": ["peft_cache_1", "peft_cache_blend4", "cache_1", "cache_blend4", "per_prompt_2", "slider_every_step",
+             "nocache_1", "compiled_regional_1", "compile_time_x"],
+    "llama": ["peft_decode32_mixed4", "decode32_mixed4", "generate16_mixed4", "prefill2048_1", "decode32_nocache_1"],
+}
+ENV = ["device", "torch", "triton", "diffusers", "peft", "transformers", "git_sha"]
+ROW = ["model", "case", "ms", "base_ms", "x_base", "target", "peak_gib", "cache_gib", "checked", "notes"]
+
+
+def smoke(out: Path, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--rounds", "1", "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"bench_fullsize {args} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}" \
+                                 f"\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("fullsize") / "fullsize.json"
+    logs = "".join(smoke(out, "--model", m) for m in CASES)
+    return out, logs
+
+
+def test_every_case_of_every_model_is_checked_and_merged(merged):
+    out, logs = merged
+    data = json.loads(out.read_text())
+    assert set(ENV) <= set(data)
+    rows = {(c["model"], c["case"]): c for c in data["cases"]}
+    assert len(rows) == len(data["cases"]), "a (model, case) appears twice"
+    assert set(rows) == {(m, c) for m, cs in CASES.items() for c in cs}
+    for (model, case), row in rows.items():
+        assert list(row) == ROW, (model, case)
+        assert row["ms"] > 0 and row["base_ms"] > 0 and row["x_base"] > 0, (model, case, row)
+        if case.startswith("peft_"):
+            assert row["target"] is None
+        else:
+            assert row["target"] >= 1.0 and 0 <= row["checked"] < 1e-4, (model, case, row)
+    assert "WRONG" not in logs
+    notes = rows[("flux", "compiled_regional_1")]["notes"]
+    assert "after 5 switches/slider moves: 0 graphs" in notes, notes
+
+
+def test_a_rerun_replaces_only_its_own_cases(merged):
+    out, _ = merged
+    before = json.loads(out.read_text())["cases"]
+    smoke(out, "--model", "llama", "--cases", "prefill2048_1")
+    after = json.loads(out.read_text())["cases"]
+    assert len(after) == len(before)
+    assert {(c["model"], c["case"]) for c in after} == {(c["model"], c["case"]) for c in before}
