@@ -238,3 +238,19 @@ def test_unusable_adapter_names(name, clip_te):
         h.restore()
     with pytest.raises(FdLoraError):
         load_adapters({"x.lora_A.weight": torch.ones(1, 2), "x.lora_B.weight": torch.ones(2, 1)}, name=name)
+
+
+@pytest.mark.parametrize("alpha", [-4.0, -math.inf, math.inf], ids=["negative", "-inf", "inf"])
+def test_flux_kohya_alpha_that_would_hang_diffusers_converter(alpha, tmp_path):
+    """diffusers' kohya Flux converter loops forever on a negative or infinite alpha: refused before it runs."""
+    import signal
+
+    lora_ = loras.make_lora({"transformer_blocks.0.attn.to_out.0": (32, 32)}, rank=4)
+    (tmp_path / "f.safetensors").write_bytes(loras.flux_kohya_file(lora_, alpha=alpha)["flux_lora.safetensors"])
+    signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("the load hangs")))
+    signal.alarm(20)
+    try:
+        with pytest.raises(FormatError, match="positive finite"):
+            load_adapters(tmp_path / "f.safetensors", cache=None)
+    finally:
+        signal.alarm(0)
