@@ -214,8 +214,9 @@ def warn_partial(report: LoadReport) -> None:
     if not lost:
         return
     first = list(lost)[:5]
+    why = " ".join(lost[first[0]].split())[:200]  # one line, whatever the converter's exception said
     msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded (e.g. {first}: "
-           f"{lost[first[0]]}); {report.modules} modules loaded. Print the load report for every key, or pass "
+           f"{why}); {report.modules} modules loaded. Print the load report for every key, or pass "
            "strict=True to make this an error.")
     logger.warning(msg)
     warnings.warn(msg, PartialLoadWarning, stacklevel=3)
