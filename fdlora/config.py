@@ -19,7 +19,9 @@ value and the allowed values; unknown keys are errors.
 
 from __future__ import annotations
 
+import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,12 @@ HUB_KEYS = ("revision", "subfolder", "token", "cache_dir", "local_files_only", "
 TOP_KEYS = ("pipeline", "model", "dtype", "device", "backend", "hub", "quantization", "adapters", "prompt",
             "negative_prompt", "steps", "size", "seed", "output")
 ADAPTER_KEYS = ("name", "source", "weight", "hub")
+HUB_TYPES = {"revision": str, "subfolder": str, "weight_name": str, "cache_dir": str, "token": (str, bool),
+             "local_files_only": bool, "force_download": bool, "allow_pickle": bool}
+LIMITS = {"steps": (1, 10_000), "size": (8, 16_384), "seed": (0, 2**64 - 1)}  # key: (min, max)
+MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; a bigger file is not one
+_REPR = reprlib.Repr()  # bounded: YAML aliases can nest deep
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 4, 4
 
 
 @dataclass
@@ -65,8 +73,13 @@ class Config:
     source: str = "<dict>"
 
 
+def _short(v: Any) -> str:
+    """A bounded repr: a YAML alias bomb or a huge value must not blow up an error message."""
+    return _REPR.repr(v)
+
+
 def _name(v: Any) -> str:
-    return f"{v!r} ({type(v).__name__})"
+    return f"{_short(v)} ({type(v).__name__})"
 
 
 class _Checker:
@@ -80,9 +93,10 @@ class _Checker:
         if not isinstance(v, dict):
             raise self.fail(path, f"got {_name(v)}; expected a mapping with keys {', '.join(allowed)}")
         for k in v:
-            if k not in allowed:
-                raise self.fail(f"{path}.{k}" if path != "<top>" else str(k),
-                                f"unknown key {k!r}; allowed keys: {', '.join(allowed)}")
+            if not isinstance(k, str) or k not in allowed:
+                key = k if isinstance(k, str) and len(k) <= 60 else _short(k)
+                raise self.fail(f"{path}.{key}" if path != "<top>" else key,
+                                f"unknown key {_short(k)}; allowed keys: {', '.join(allowed)}")
         return v
 
     def typed(self, path: str, v: Any, types: type | tuple[type, ...], what: str) -> Any:
@@ -92,8 +106,8 @@ class _Checker:
         return v
 
     def enum(self, path: str, v: Any, allowed: tuple) -> Any:
-        if v not in allowed or isinstance(v, bool):
-            raise self.fail(path, f"got {v!r}; allowed values: {', '.join(map(str, allowed))}")
+        if isinstance(v, bool) or not isinstance(v, (str, int)) or v not in allowed:
+            raise self.fail(path, f"got {_short(v)}; allowed values: {', '.join(map(str, allowed))}")
         return v
 
 
@@ -113,10 +127,10 @@ def validate(data: Any, where: str = "<config>") -> Config:
     cfg.dtype = c.enum("dtype", d.get("dtype", "float32"), DTYPES)
     dev = c.typed("device", d.get("device", "auto"), str, "auto, cpu, cuda or cuda:N")
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise c.fail("device", f"got {dev!r}; allowed values: auto, cpu, cuda, cuda:N")
+        raise c.fail("device", f"got {_short(dev)}; allowed values: auto, cpu, cuda, cuda:N")
     cfg.device = dev
     cfg.backend = c.enum("backend", d.get("backend", "auto"), BACKENDS)
-    cfg.hub = dict(c.mapping("hub", d.get("hub", {}), HUB_KEYS))
+    cfg.hub = _hub(c, "hub", d.get("hub", {}))
     if "quantization" in d:
         q = c.mapping("quantization", d["quantization"], ("bits",))
         if "bits" not in q:
@@ -131,15 +145,26 @@ def validate(data: Any, where: str = "<config>") -> Config:
             if req not in a:
                 raise c.fail(p, f"missing required key {req!r}")
         name = c.typed(f"{p}.name", a["name"], str, "a string")
+        from .errors import AdapterNameError
+        from .hub.adapter import check_adapter_name
+
+        try:
+            check_adapter_name(name)
+        except AdapterNameError as e:
+            raise c.fail(f"{p}.name", str(e)) from None
         if name in seen:
-            raise c.fail(f"{p}.name", f"got {name!r} twice; adapter names must be unique")
+            raise c.fail(f"{p}.name", f"got {_short(name)} twice; adapter names must be unique")
         seen.add(name)
         source = c.typed(f"{p}.source", a["source"], str, "a Hub repo id, a directory or a file path")
         weight = c.typed(f"{p}.weight", a.get("weight", 1.0), (int, float), "a number (the blend weight, e.g. 0.8)")
-        if weight != weight or weight in (float("inf"), float("-inf")):
-            raise c.fail(f"{p}.weight", f"got {weight!r}; expected a finite number")
-        hub = dict(c.mapping(f"{p}.hub", a.get("hub", {}), HUB_KEYS))
-        cfg.adapters.append(AdapterSpec(name, source, float(weight), hub))
+        try:
+            weight = float(weight)
+        except OverflowError:  # a YAML integer too large for a float
+            weight = math.inf
+        if not math.isfinite(weight):
+            raise c.fail(f"{p}.weight", f"got {_short(a.get('weight'))}; expected a finite number")
+        hub = _hub(c, f"{p}.hub", a.get("hub", {}))
+        cfg.adapters.append(AdapterSpec(name, source, weight, hub))
     gen_keys = [k for k in ("prompt", "negative_prompt", "steps", "size", "output") if k in d]
     if kind == "model" and gen_keys:
         raise c.fail(gen_keys[0], "only pipelines generate images; remove it or use 'pipeline:'")
@@ -150,8 +175,9 @@ def validate(data: Any, where: str = "<config>") -> Config:
     for key in ("steps", "size", "seed"):
         if key in d:
             v = c.typed(key, d[key], int, "an integer")
-            if v < (0 if key == "seed" else 1):
-                raise c.fail(key, f"got {v!r}; expected an integer >= {0 if key == 'seed' else 1}")
+            lo, hi = LIMITS[key]
+            if not lo <= v <= hi:
+                raise c.fail(key, f"got {_short(v)}; expected an integer " + (f">= {lo}" if v < lo else f"<= {hi}"))
             setattr(cfg, key, v)
     if "output" in d:
         cfg.output = c.typed("output", d["output"], str, "a file path")
@@ -160,19 +186,46 @@ def validate(data: Any, where: str = "<config>") -> Config:
     return cfg
 
 
+def _hub(c: _Checker, path: str, v: Any) -> dict[str, Any]:
+    """Hub keywords with their types checked; paths inside a repo (weight_name, subfolder) must stay inside."""
+    from .errors import ResolveError
+    from .hub.resolve import check_relative
+
+    hub = dict(c.mapping(path, v, HUB_KEYS))
+    for k, val in hub.items():
+        types = HUB_TYPES[k]
+        c.typed(f"{path}.{k}", val, types, "true or false" if types is bool else "a string")
+        if k in ("weight_name", "subfolder", "revision"):
+            try:
+                check_relative(k, val)
+            except ResolveError as e:
+                raise c.fail(f"{path}.{k}", str(e)) from None
+    return hub
+
+
 def load_config(path: str | os.PathLike) -> Config:
     """Read and validate a YAML config file."""
     import yaml
 
     p = Path(path)
     try:
-        text = p.read_text()
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: {p.stat().st_size} bytes is too large for a config file (limit "
+                              f"{MAX_CONFIG_BYTES}).")
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}).") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: the YAML nests too deeply to be a config.") from None
+    except (ValueError, TypeError, OverflowError) as e:  # PyYAML's constructors (a timestamp like 2001-13-01)
+        raise ConfigError(f"{p}: not valid YAML: a value cannot be read ({type(e).__name__}: "
+                          f"{str(e)[:120]}).") from None
     return validate(data, str(p))
 
 

@@ -62,3 +62,36 @@ def cutlass_lib() -> Path:
     ~/.cache/fdlora/cutlass/libfdlora_sm90.so, where benchmarks/build_cutlass.sh puts it."""
     raw = os.environ.get(CUTLASS_LIB_VAR, "").strip()
     return Path(raw) if raw else Path.home() / ".cache" / "fdlora" / "cutlass" / "libfdlora_sm90.so"
+
+
+MAX_RANK_VAR = "FDLORA_MAX_RANK"
+DEFAULT_MAX_RANK = 1024  # above every published LoRA we know of; a rank-4096 module would grow each bank ~60x
+
+
+def max_rank_limit() -> int:
+    """`FDLORA_MAX_RANK`: the highest LoRA rank fd-lora accepts (default 1024). Banks grow to fit the largest
+    rank loaded, so one huge-rank module in a small file can cost gigabytes; raise it only for adapters you need."""
+    raw = os.environ.get(MAX_RANK_VAR, "").strip()
+    if not raw:
+        return DEFAULT_MAX_RANK
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        from .errors import FdLoraError
+
+        raise FdLoraError(f"{MAX_RANK_VAR}={raw!r} is not a positive integer; set e.g. 2048, or unset it "
+                          f"(default {DEFAULT_MAX_RANK}).")
+    return value
+
+
+READER_VAR = "FDLORA_READER"
+
+
+def file_reader() -> str:
+    """`FDLORA_READER`: how safetensors files are read: "auto" (default: the one-buffer pinned reader when the
+    RAM cache pins, i.e. with CUDA; else the safetensors library), "pinned" (always the one-buffer reader; tests
+    use it to cover that path on CPU) or "safetensors". Both run the same header checks (fdlora.hub.safefile)."""
+    raw = os.environ.get(READER_VAR, "auto").strip().lower() or "auto"
+    return raw if raw in ("auto", "pinned", "safetensors") else "auto"

@@ -26,6 +26,10 @@ class DuplicateAdapterError(FdLoraError, ValueError):
     """An adapter name that is already loaded."""
 
 
+class AdapterNameError(FdLoraError, ValueError):
+    """An adapter name fd-lora cannot use: not a non-empty string, or a reserved name such as "__base__"."""
+
+
 class TargetError(FdLoraError, ValueError):
     """Targets that match no module, or modules fd-lora cannot wrap."""
 
@@ -64,3 +68,9 @@ class UnusedKeysError(FormatError):
 
 class ConfigError(FdLoraError, ValueError):
     """A config file that does not validate; the message names the key path, the bad value and what is allowed."""
+
+
+class PartialLoadWarning(UserWarning):
+    """A load that kept going without some of the source's LoRA keys (a missing A or B, keys no converter
+    understood, modules the config's target_modules does not match). strict=True turns it into UnusedKeysError;
+    `warnings.simplefilter("error", PartialLoadWarning)` too."""

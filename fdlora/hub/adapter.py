@@ -18,9 +18,27 @@ from typing import Literal
 
 import torch
 
-from ..errors import AdapterShapeError, FormatError, NonFiniteError
+from ..errors import AdapterNameError, AdapterShapeError, FormatError, NonFiniteError
 
 LayerKind = Literal["linear", "conv2d"]
+MAX_SCALE = 1e4  # |alpha / r| above this is a corrupt alpha, not a style (real files stay under ~100)
+
+
+RESERVED_NAMES = ("__base__",)  # "__base__" means "no adapter" in per-sample / per-row specs
+MAX_NAME = 256
+
+
+def check_adapter_name(name: object) -> str:
+    """`name` if fd-lora can use it as an adapter name: a non-empty string of printable characters, at most
+    `MAX_NAME` long, not reserved. Raises AdapterNameError naming the rule otherwise."""
+    if not isinstance(name, str):
+        raise AdapterNameError(f"an adapter name must be a string, got {type(name).__name__} {str(name)[:40]!r}.")
+    if not name or len(name) > MAX_NAME or not name.isprintable():
+        raise AdapterNameError(f"adapter name {name[:60]!r} is not usable: give 1..{MAX_NAME} printable characters.")
+    if name in RESERVED_NAMES:
+        raise AdapterNameError(f"{name!r} is reserved (it selects the base model in per-sample specs); pick another "
+                               "adapter_name.")
+    return name
 
 
 @dataclass(frozen=True)
@@ -58,9 +76,20 @@ class ModuleLora:
             )
         if self.A.dim() == 4 and tuple(self.B.shape[2:]) != (1, 1):
             raise AdapterShapeError(f"conv LoRA B must be [N, r, 1, 1], got {tuple(self.B.shape)}.")
+        if 0 in self.A.shape or 0 in self.B.shape:
+            raise AdapterShapeError(f"LoRA A {tuple(self.A.shape)} / B {tuple(self.B.shape)} has an empty dimension; "
+                                    "a LoRA needs rank >= 1 and non-empty features. The file is corrupt.")
         if self.alpha is None:
             self.alpha = float(self.rank)
-        self.alpha = float(self.alpha)
+        self.alpha = float(self.alpha)  # (checked finite by __setattr__)
+
+    def __setattr__(self, name, value) -> None:  # converters set alpha after building: check it every time
+        if name == "alpha" and value is not None:
+            value = float(value)
+            if not math.isfinite(value):
+                raise FormatError(f"LoRA alpha is {value}; it must be a finite number. The file's alpha (a .alpha "
+                                  "tensor, lora_alpha in its config or metadata) is corrupt.")
+        object.__setattr__(self, name, value)
 
     @property
     def rank(self) -> int:
@@ -105,16 +134,26 @@ class LoraAdapter:
     def nbytes(self) -> int:
         return sum(m.nbytes() for m in self.modules.values())
 
-    def check_finite(self) -> None:
-        """Raise NonFiniteError on NaN/Inf. Modules that passed before are skipped (tensors are treated as
-        read-only once loaded; an in-place edit must reset `ModuleLora.finite`)."""
+    def check_finite(self, name: str | None = None) -> None:
+        """Raise NonFiniteError on NaN/Inf in the weights, or a scale (alpha / r) that is not finite or above
+        `MAX_SCALE` in size. `name` is what the message calls the adapter (default: its own name). Tensors that
+        passed before are skipped (they are treated as read-only once loaded; an in-place edit must reset
+        `ModuleLora.finite`); scales are checked every time (a float each)."""
+        who = f"adapter {name or self.name!r}" if (name or self.name) else "the adapter"
         for path, m in self.modules.items():
+            scale = m.scaling(self.use_rslora)
+            if not (math.isfinite(scale) and abs(scale) <= MAX_SCALE):
+                raise NonFiniteError(
+                    f"{who}: {path} has alpha {m.alpha:g} at rank {m.rank}, a scale of {scale:g} (limit "
+                    f"+-{MAX_SCALE:g}); the file's alpha is corrupt. Load another revision, or pass validate=False "
+                    "to skip this check."
+                )
             if m.finite:
                 continue
             for what, t in (("A", m.A), ("B", m.B), ("bias", m.bias)):
                 if t is not None and not torch.isfinite(t).all():
                     raise NonFiniteError(
-                        f"adapter {self.name!r}: {path}.{what} contains NaN or Inf; "
+                        f"{who}: {path}.{what} contains NaN or Inf; "
                         "the file is corrupt or was saved from a diverged run. Load another revision, "
                         "or pass validate=False to skip this check."
                     )

@@ -18,22 +18,27 @@ Nothing here touches a model: loading into one goes through `FdLoraHandle.add_ad
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..errors import FormatError
+from .. import env
+from ..errors import CapacityError, FormatError, PartialLoadWarning
 from . import formats
-from .adapter import LoraAdapter, Provenance
+from .adapter import LoraAdapter, Provenance, check_adapter_name
 from .cache import AdapterCache, CacheKey, default_cache
 from .report import LoadReport
 from .resolve import Resolved, fetch, resolve
 from .safefile import read_weights
 
 DEFAULT = "default"  # sentinel: use the process-wide RAM cache
+logger = logging.getLogger("fdlora")
+BENIGN = ("the metadata header gives the alphas",)  # unused keys that lose nothing: no warning for them
 
 
 def load_adapters(
@@ -68,6 +73,8 @@ def load_adapters(
     entries) go with an in-memory state dict. `cache` is the RAM cache to use (None: no caching).
     """
     t0 = time.perf_counter()
+    if name is not None:
+        check_adapter_name(name)
     hub_kw = dict(token=token, cache_dir=cache_dir, local_files_only=local_files_only)
     r = resolve(source, weight_name=weight_name, subfolder=subfolder, revision=revision,
                 allow_pickle=allow_pickle, **hub_kw)
@@ -84,10 +91,13 @@ def load_adapters(
     t1 = time.perf_counter()
     r = fetch(r, force_download=force_download, **hub_kw)
     t2 = time.perf_counter()
-    raw = _read(r, allow_pickle, config, metadata, pin=key is not None and ram.pin)
+    reader = env.file_reader()
+    pin = reader == "pinned" or (reader == "auto" and key is not None and ram.pin)
+    raw = _read(r, allow_pickle, config, metadata, pin=pin)
     t3 = time.perf_counter()
     fmt, why, others = formats.detect(raw)
     conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
+    check_ranks(conv.components, raw.name)
     adapters = {}
     for comp, mods in conv.components.items():
         if mods:
@@ -164,11 +174,24 @@ def _read_config(path: str | None) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
+    except RecursionError:
+        raise FormatError(f"{path}: the adapter config nests too deeply to be a LoraConfig.") from None
     except (OSError, ValueError) as e:
         raise FormatError(f"{path}: not a readable JSON adapter config ({e}).") from None
     if not isinstance(cfg, dict):
         raise FormatError(f"{path}: an adapter config must be a JSON object.")
     return cfg
+
+
+def check_ranks(components: Mapping[str, Mapping[str, Any]], where: str) -> None:
+    """Raise CapacityError, before anything is allocated for it, if a module's rank is above `FDLORA_MAX_RANK`."""
+    cap = env.max_rank_limit()
+    for comp, mods in components.items():
+        for path, m in mods.items():
+            if m.rank > cap:
+                raise CapacityError(f"{where}: {comp}.{path} has rank {m.rank}, above the rank limit {cap}; every bank "
+                                    f"of {comp} would grow to fit it. If the adapter is genuine, raise the limit "
+                                    f"({env.MAX_RANK_VAR}={m.rank}).")
 
 
 def _finish(adapters, report, name, strict, check_finite):
@@ -180,4 +203,20 @@ def _finish(adapters, report, name, strict, check_finite):
             a.check_finite()
     if strict:
         report.check_strict()
+    else:
+        warn_partial(report)
     return adapters, report
+
+
+def warn_partial(report: LoadReport) -> None:
+    """Log and `warnings.warn` (PartialLoadWarning) when a load left LoRA keys behind: every time, cached or not."""
+    lost = {**report.keys_dropped, **{k: why for k, why in report.keys_unused.items() if why not in BENIGN}}
+    if not lost:
+        return
+    first = list(lost)[:5]
+    why = " ".join(lost[first[0]].split())[:200]  # one line, whatever the converter's exception said
+    msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded (e.g. {first}: "
+           f"{why}); {report.modules} modules loaded. Print the load report for every key, or pass "
+           "strict=True to make this an error.")
+    logger.warning(msg)
+    warnings.warn(msg, PartialLoadWarning, stacklevel=3)

@@ -83,7 +83,13 @@ def resolve(
     """Pin `source` to exact bytes without downloading them (see the module docstring for the file rule)."""
     if isinstance(source, Mapping):
         return Resolved("memory", "<memory>", choice="in-memory state dict", state_dict=source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ResolveError(f"a source is a Hub repo id, a path or a state dict, got {type(source).__name__}.")
+    for what, value in (("weight_name", weight_name), ("subfolder", subfolder), ("revision", revision)):
+        check_relative(what, value)
     src = os.fspath(source)
+    if isinstance(src, bytes) or "\0" in src:
+        raise ResolveError(f"{src!r} is not a usable path or Hub repo id.")
     if os.path.isfile(src):
         return _local_file(src, "the source is a file")
     if os.path.isdir(src):
@@ -107,6 +113,20 @@ def fetch(r: Resolved, *, token: str | bool | None = None, cache_dir: str | os.P
     return replace(r, path=path, config_path=config_path)
 
 
+def check_relative(what: str, value: str | None) -> None:
+    """`weight_name`, `subfolder` and `revision` name things inside a repo or directory: a relative path with no
+    `..`, no absolute or drive prefix, no NUL; anything else raises ResolveError (it would reach outside)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ResolveError(f"{what} must be a string, got {type(value).__name__}.")
+    parts = value.replace("\\", "/").split("/")
+    if (not value or "\0" in value or value.startswith(("/", "\\", "~")) or ".." in parts
+            or (len(value) > 1 and value[1] == ":") or (what != "revision" and not value.strip("/"))):
+        raise ResolveError(f"{what}={value!r} must name something inside the repo or directory (a relative path "
+                           "without '..'); it would reach outside it.")
+
+
 # --- local sources ---------------------------------------------------------------------------
 def _local_file(path: str, choice: str) -> Resolved:
     path = os.path.abspath(path)
@@ -122,6 +142,10 @@ def _local_dir(d: str, weight_name: str | None, subfolder: str | None, allow_pic
     root = os.path.join(d, subfolder) if subfolder else d
     if weight_name:
         path = os.path.join(root, weight_name)
+        inside = os.path.realpath(path).startswith(os.path.join(os.path.realpath(d), ""))
+        if not inside:  # (a symlink inside the directory pointing out of it)
+            raise ResolveError(f"{weight_name!r} in {root} resolves outside {d}; fd-lora reads only files inside "
+                               "the directory it was given. Pass the file's own path instead.")
         if not os.path.isfile(path):
             raise ResolveError(f"{weight_name!r} is not in {root}; it holds {_ls(root)[:20]}.")
         r = _local_file(path, "weight_name given")
@@ -308,11 +332,17 @@ def hub_error(e: Exception, repo: str, revision: str | None, file: str | None = 
         at = f"{repo}@{(sha or rev)[:12]}"
         return ResolveError(f"{file!r} is not in {at}; pass weight_name= (and subfolder=) with a file that exists "
                             f"there{_files_hint(repo, sha)}.")
+    if isinstance(e, he.HFValidationError):
+        return ResolveError(f"{repo!r} / revision {rev!r}{f' / file {file!r}' if file else ''} is not valid for the "
+                            f"Hub ({str(e).splitlines()[0][:160]}); check the repo id, revision and file name.")
     if isinstance(e, he.HfHubHTTPError):
         return ResolveError(f"the Hub at {constants.ENDPOINT} refused {repo}@{rev}: {e}")
     if type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests"):
         return ResolveError(f"could not reach the Hub at {constants.ENDPOINT} for {repo}@{rev} ({type(e).__name__}: "
                             f"{e}). Check the connection or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the cache.")
+    if isinstance(e, (ValueError, TypeError)):  # huggingface_hub's argument checks (a bad file name, ...)
+        return ResolveError(f"huggingface_hub refused {repo}@{rev}{f' file {file!r}' if file else ''}: "
+                            f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}.")
     return e
 
 

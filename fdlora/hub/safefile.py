@@ -53,7 +53,7 @@ def read_weights(path: str, *, allow_pickle: bool = False,
         with safe_open(path, framework="pt", device="cpu") as f:
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+    except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as e:
         raise UnsafeFileError(f"{path}: safetensors could not read it ({e}); download it again.") from None
     meta.pop("format", None)
     return tensors, meta
@@ -113,7 +113,14 @@ def _read_pinned(path: str, header: dict, start: int, entries: list[tuple]) -> t
 
 def _check_header(path: str) -> tuple[dict, int, list[tuple]]:
     """The parsed header, the byte offset where tensor data starts, and its tensors as (name, begin, stop, dtype
-    code, shape) with offsets relative to that start, after checking all of them."""
+    code, shape) with offsets relative to that start, after checking all of them.
+
+    These are the safetensors library's own rules (its `Metadata::validate` and the buffer-length check), so
+    the one-buffer reader (`_read_pinned`, which never calls the library) accepts exactly the files the library
+    does: the tensors tile the data section in offset order with no gap or overlap and end where the file ends;
+    shapes are non-negative integers; a key appears once; `__metadata__` maps strings to strings. Nothing is
+    allocated from what the header claims: sizes are Python integers compared with the file's real size.
+    """
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         head = fh.read(8)
@@ -130,35 +137,69 @@ def _check_header(path: str) -> tuple[dict, int, list[tuple]]:
                                   "Download it again (force_download=True).")
         raw = fh.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise UnsafeFileError(f"{path}: the safetensors header names {e.args[0]!r} twice; the file is corrupt or "
+                              "crafted. Download it again.") from None
+    except RecursionError:
+        raise UnsafeFileError(f"{path}: the safetensors header nests too deeply; it is not a safetensors header.") \
+            from None
     except (UnicodeDecodeError, ValueError):
         raise UnsafeFileError(f"{path}: the safetensors header is not valid JSON; the file is corrupt or not "
                               "safetensors. Download it again.") from None
     if not isinstance(header, dict):
         raise UnsafeFileError(f"{path}: the safetensors header is not a JSON object; the file is corrupt.")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise UnsafeFileError(f"{path}: the safetensors __metadata__ must map strings to strings, got "
+                              f"{str(meta)[:80]}; the file is corrupt.")
     data = size - 8 - n
-    end = 0
     entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            begin, stop = (int(x) for x in info["data_offsets"])
-            shape = [int(d) for d in info["shape"]]
-            code = info["dtype"]
+            if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+                raise TypeError
+            begin, stop = info["data_offsets"]
+            shape, code = info["shape"], info["dtype"]
+            if not all(type(x) is int and x >= 0 for x in (begin, stop, *shape)):
+                raise ValueError
             nbytes = prod(shape) * DTYPE_BYTES[code]
         except (KeyError, TypeError, ValueError):
             raise UnsafeFileError(f"{path}: header entry {name!r} is malformed ({str(info)[:120]}); "
                                   "the file is corrupt.") from None
-        if not 0 <= begin <= stop or stop - begin != nbytes:
+        if begin > stop or stop - begin != nbytes:
             raise UnsafeFileError(f"{path}: tensor {name!r} spans bytes {begin}..{stop} but its dtype and shape "
                                   f"need {nbytes}; the file is corrupt.")
-        end = max(end, stop)
-        entries.append((name, begin, stop, code, shape))
+        entries.append((name, begin, stop, code, list(shape)))
+    end = 0
+    for name, begin, stop, _, _ in sorted(entries, key=lambda e: (e[1], e[2])):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else "leaves a gap before it"
+            raise UnsafeFileError(f"{path}: tensor {name!r} starts at data byte {begin}, which {what} (expected "
+                                  f"{end}); the file is corrupt or crafted. Download it again.")
+        end = stop
     if end > data:
         raise UnsafeFileError(f"{path}: tensors need {end} data bytes but the file has {data}; it is truncated. "
                               "Download it again (force_download=True).")
+    if end < data:
+        raise UnsafeFileError(f"{path}: {data - end} bytes follow the last tensor; the file is corrupt or not "
+                              "what its header says. Download it again.")
     return header, 8 + n, entries
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def _read_pickle(path: str, allow_pickle: bool) -> dict[str, torch.Tensor]:

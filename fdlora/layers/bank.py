@@ -151,12 +151,17 @@ class AdapterBank(nn.Module):
         self.mark(slot, 0)
 
     def resize(self, slots: int, rank: int) -> None:
-        """Reallocate to a larger capacity, keeping every loaded slot (not while compiled or captured)."""
+        """Reallocate to `slots` (at least the current count) and rank capacity `rank`, keeping every loaded slot
+        (not while compiled or captured). The rank may shrink, down to the largest live rank, to give memory back."""
         R, S0, R0 = padded_rank(rank), self.slots, self.rank_capacity
+        if slots < S0 or R < max(self.host_ranks, default=0):
+            raise ValueError(f"resize to {slots} slots x rank {R} would drop loaded adapters ({S0} slots, live ranks "
+                             f"{self.host_ranks}).")
         A = self.A.new_zeros(slots, R, *self.A.shape[2:])
         B = self.B.new_zeros(self.B.shape[0], slots, R)
-        A[:S0, :R0] = self.A
-        B[:, :S0, :R0] = self.B
+        keep = min(R, R0)
+        A[:S0, :keep] = self.A[:, :keep]
+        B[:, :S0, :keep] = self.B[:, :, :keep]
         ranks = self.ranks.new_zeros(slots)
         ranks[:S0] = self.ranks
         self.A, self.B, self.ranks = A, B, ranks

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import env
 from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, FdLoraError, TargetError
-from ..hub.adapter import LoraAdapter
+from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from .bank import AdapterBank, padded_rank
 from .bulk import write_staged
@@ -43,8 +44,13 @@ class FdLoraHandle:
                  dtype: torch.dtype | None = None) -> None:
         if max_slots < 1 or max_rank < 1:
             raise CapacityError(f"max_slots ({max_slots}) and max_rank ({max_rank}) must be at least 1.")
+        cap = env.max_rank_limit()
+        if max_rank > cap:
+            raise CapacityError(f"max_rank {max_rank} is above the rank limit {cap}; raise it ({env.MAX_RANK_VAR}="
+                                f"{max_rank}) if you need adapters that large.")
         self.model = model
         self.max_rank = padded_rank(max_rank)
+        self.base_rank = self.max_rank  # the capacity asked for: delete_adapter shrinks back towards it
         self.dtype = dtype
         self.state = ModelState(0, max_slots)
         self.layers: dict[str, _FusedLora] = {}
@@ -108,7 +114,8 @@ class FdLoraHandle:
         that cannot take it), changes nothing. With `slot=False` the plan does not need a free slot yet (a
         pool checks first and makes room after): `commit` takes one."""
         self._alive()
-        name = name or adapter.name or f"default_{len(self.state.slots.by_name)}"
+        name = check_adapter_name(name if name is not None else adapter.name or
+                                  f"default_{len(self.state.slots.by_name)}")
         self.state.slots.check_name(name)
         what = f"adapter {name!r}"
         to_wrap, problems = [], []
@@ -121,7 +128,7 @@ class FdLoraHandle:
         if problems:
             raise _all_of(problems, what, self._unmatched_hint(adapter))
         if validate:
-            adapter.check_finite()
+            adapter.check_finite(name)
         if to_wrap:
             self._reshapeable(f"wrap {len(to_wrap)} more modules for {what}")
         return LoadPlan(name, self.state.slots.check_new(name) if slot else -1, adapter, to_wrap)
@@ -141,6 +148,10 @@ class FdLoraHandle:
             check_fits(spec, m, path, what)
         else:
             layer.check(m, what)
+        cap = env.max_rank_limit()
+        if m.rank > cap:
+            raise CapacityError(f"{what}: {path} has rank {m.rank}, above the rank limit {cap}; raise it "
+                                f"({env.MAX_RANK_VAR}={m.rank}) if the adapter is genuine.")
         if padded_rank(m.rank) > self.max_rank:
             raise CapacityError(
                 f"{what}: {path} has rank {m.rank}, above this model's rank capacity {self.max_rank}. "
@@ -171,7 +182,7 @@ class FdLoraHandle:
                 write_staged(writes, plan.staged)
             else:
                 AdapterBank.write_many(writes)
-        except Exception:
+        except BaseException:  # KeyboardInterrupt too: a retry must find the name free and the banks clean
             self._clear_slot(plan.slot)
             for layer in wrapped:
                 self._unwrap(layer.path)
@@ -206,6 +217,20 @@ class FdLoraHandle:
             del self.state.slots.by_name[name]
             self.state.active.pop(name, None)
         self._write_weights()
+        self.shrink()
+
+    def shrink(self) -> bool:
+        """Give rank capacity back once the adapters that needed it are gone: the banks go down to the largest
+        loaded rank, never below the capacity asked for at injection (`base_rank`). Not on a frozen model
+        (its buffers keep their shapes). True if the banks were reallocated. `delete_adapter` calls it."""
+        if self.state.static:
+            return False
+        need = max([self.base_rank] + [padded_rank(r) for layer in self.layers.values()
+                                       for r in layer.bank.host_ranks])
+        if need >= self.max_rank:
+            return False
+        self._resize(self.state.slots.capacity, need)
+        return True
 
     def rename(self, old: str, new: str) -> None:
         slot = self.state.slots.slot(old)
@@ -326,7 +351,13 @@ class FdLoraHandle:
         """Raise slot and/or rank capacity, keeping loaded adapters (not on a frozen model)."""
         self._reshapeable("grow the banks")
         S = max(max_slots or 0, self.state.slots.capacity)
-        R = max(padded_rank(max_rank or 1), self.max_rank)
+        cap = env.max_rank_limit()
+        if (max_rank or 0) > cap:
+            raise CapacityError(f"cannot grow to rank {max_rank}: above the rank limit {cap}; raise it "
+                                f"({env.MAX_RANK_VAR}={max_rank}) if you need adapters that large.")
+        self._resize(S, max(padded_rank(max_rank or 1), self.max_rank))
+
+    def _resize(self, S: int, R: int) -> None:
         for layer in self.layers.values():
             layer.bank.resize(S, R)
         self.state.table.resize(len(self.layers), S)

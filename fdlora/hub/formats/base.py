@@ -134,7 +134,10 @@ def build_modules(sd: dict[str, torch.Tensor], alpha_of: AlphaRule, *, where: st
         if bias is not None and tuple(bias.shape) != (ml.out_features,):
             raise AdapterShapeError(f"{where}: {path}: lora_B bias {tuple(bias.shape)} does not match B's "
                                     f"{ml.out_features} outputs.")
-        ml.alpha = float(alpha_of(path, ml.rank))
+        try:
+            ml.alpha = float(alpha_of(path, ml.rank))
+        except (FormatError, OverflowError, TypeError, ValueError) as e:
+            raise FormatError(f"{where}: {path}: {e}") from None
         mods[path] = ml
         out.matched += len(p)
     out.components[where] = mods

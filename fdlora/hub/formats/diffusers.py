@@ -60,7 +60,7 @@ def metadata_of(raw: Raw) -> dict[str, Any] | None:
         return None
     try:
         meta = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise FormatError(f"{raw.name}: the {METADATA_KEY!r} header is not valid JSON; the file is corrupt.") from None
     if not isinstance(meta, dict):
         raise FormatError(f"{raw.name}: the {METADATA_KEY!r} header is not a JSON object.")

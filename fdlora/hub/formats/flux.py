@@ -19,6 +19,7 @@ land on the bare block name there, and one would silently overwrite the other); 
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -62,6 +63,20 @@ def detect_bfl_control(raw: Raw) -> str | None:
         else None
 
 
+def _check_alpha(t: torch.Tensor | None, name: str) -> None:
+    """diffusers' converter splits alpha/rank between down and up in a loop that never ends for a negative or
+    infinite alpha (`while scale_down * 2 < scale_up`): refuse those before calling it."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or not t.is_floating_point():
+        raise FormatError(f"{name}.alpha must be a float scalar, got {getattr(t, 'dtype', type(t).__name__)} "
+                          f"{tuple(getattr(t, 'shape', ()))}; the file is corrupt.")
+    a = float(t)
+    if not (math.isfinite(a) and a > 0):
+        raise FormatError(f"{name}.alpha is {a:g}; a kohya Flux alpha must be a positive finite number. The file is "
+                          "corrupt.")
+
+
 def convert_kohya(raw: Raw, opts: Options) -> Converted:
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
 
@@ -81,6 +96,7 @@ def convert_kohya(raw: Raw, opts: Options) -> Converted:
     results: dict[str, dict[str, torch.Tensor]] = {}  # module name -> its converted keys
     owner: dict[str, str] = {}  # converted key -> the module name it came from
     for name, group in groups.items():
+        _check_alpha(group.get(name + ".alpha"), name)
         try:
             got = _convert_kohya_flux_lora_to_diffusers(dict(group))
         except Exception as e:  # diffusers' converter raises assorted types on keys it does not expect
