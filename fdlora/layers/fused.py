@@ -186,6 +186,8 @@ class _FusedLora(nn.Module):
             return None
         merged = self.merged
         buf = merged.buf
+        if buf is None and merged.denied == _merged.BUDGET.generation:  # no room for this layer (or cache off)
+            return None
         if buf is None or merged.key != merged_key(self, w):
             bank = self.bank
             if bank._buffers["bias"] is not None or True not in bank.used:

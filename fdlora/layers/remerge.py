@@ -51,9 +51,9 @@ def refresh(layer, W: torch.Tensor) -> torch.Tensor | None:
         key = merged_key(lay, w)
         m = lay.merged
         if m.buf is None:
-            homeless.append((lay, m, w, key, lay.scale_blend[:lay.bank.slots]))
+            homeless.append((lay, m, w, key, lay.scale_blend))
         elif m.key != key:
-            stale.append((lay, m, w, key, lay.scale_blend[:lay.bank.slots]))
+            stale.append((lay, m, w, key, lay.scale_blend))
     homeless.sort(key=lambda e: e[2].numel())
     _merge(layer.state, stale + [e for e in homeless if e[1]._buffer(e[2]) is not None])
     m = layer.merged

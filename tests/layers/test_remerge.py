@@ -81,3 +81,17 @@ def test_a_small_budget_goes_to_the_smallest_weights_first(cache_on):
     cached = sorted(layer.base.weight.numel() * 4 for layer in model if layer.merged.buf is not None)
     assert cached == nbytes[:2]
     assert fdlora.merge_cache_bytes() == nbytes[0] + nbytes[1]
+
+
+def test_with_no_room_a_layer_skips_the_refresh_after_its_first_try(cache_on, monkeypatch):
+    from fdlora.layers import remerge
+
+    model, h, _ = model_and_adapters()
+    fdlora.set_merge_cache(0)
+    calls = []
+    real = remerge.refresh
+    monkeypatch.setattr(remerge, "refresh", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        for _ in range(3):
+            model(torch.randn(2, SIZES[0][0]))
+    assert len(calls) == 1  # one pass found no room for any layer; later calls go straight to the per-call path

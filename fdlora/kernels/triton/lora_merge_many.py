@@ -90,10 +90,7 @@ class MergeTable:
         out0, _, A0, _, _ = entries[0]
         S, R, _ = A0.shape
         blocks = BLOCKS["interpret" if C.INTERPRET else "gpu"]
-        host = []
-        for out, W, A, B, scale in entries:
-            host += (out.data_ptr(), W.data_ptr(), A.data_ptr(), B.data_ptr(), scale.data_ptr(),
-                     *W.shape, *W.stride(), *out.stride())
+        host = [t.data_ptr() for e in entries for t in e]  # shapes and strides are fixed per address and kind
         if host != self.host:
             self.tables = self._build(entries, blocks, out0.device)
             self.host = host
