@@ -55,7 +55,14 @@ def refresh(layer, W: torch.Tensor) -> torch.Tensor | None:
         elif m.key != key:
             stale.append((lay, m, w, key, lay.scale_blend))
     homeless.sort(key=lambda e: e[2].numel())
-    _merge(layer.state, stale + [e for e in homeless if e[1]._buffer(e[2]) is not None])
+    for lay, m, w, _, _ in homeless:
+        if m._buffer(w) is None and lay.merged.groups:  # per-prompt copies are regenerable: the blend goes first
+            for copy in lay.merged.groups.values():
+                copy.release()
+            lay.merged.groups = {}
+            m.denied = -1
+            m._buffer(w)
+    _merge(layer.state, stale + [e for e in homeless if e[1].buf is not None])
     m = layer.merged
     return m.buf if m.buf is not None and m.key == merged_key(layer, W) else None
 
