@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_pipeline import step_ms  # noqa: E402  (the suite's one step timer)
 
 import fdlora  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
@@ -75,17 +78,7 @@ class Run:
             torch.cuda.synchronize()
 
     def once_ms(self, fn) -> float:
-        """One step; CUDA events around it (the GPU is idle at the start, so host-bound steps count host time)."""
-        if self.dev.type != "cuda":
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
+        return step_ms(fn, self.dev)
 
     def interleaved(self, base, fn) -> tuple[float, float, float]:
         """(median ms, median base ms, median of per-round ratios); the order alternates so neither always follows

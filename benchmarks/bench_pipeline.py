@@ -116,21 +116,24 @@ def timer(dev, repeats):
     return ms
 
 
+def step_ms(fn, dev) -> float:
+    """One call of `fn`; CUDA events around it (the GPU is idle at the start, so host-bound steps count host
+    time), wall time on CPU."""
+    if dev.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def interleaved(fns: dict, dev, rounds: int) -> dict[str, tuple[float, float]]:
     """{name: (median ms, median over rounds of ms / that round's "base" ms)}; each round runs every fn once,
     in an order rotated from round to round (a step that follows a heavy one can run slower: clocks, allocator)."""
-    def once(fn):
-        if dev.type != "cuda":
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b)
-
     times = {k: [] for k in fns}
     names = list(fns)
     with torch.inference_mode():
@@ -139,7 +142,7 @@ def interleaved(fns: dict, dev, rounds: int) -> dict[str, tuple[float, float]]:
             fn()
         for r in range(rounds):  # each round starts at the next variant: no variant always follows the same one
             for k in names[r % len(names):] + names[:r % len(names)]:
-                times[k].append(once(fns[k]))
+                times[k].append(step_ms(fns[k], dev))
     return {k: (statistics.median(v), statistics.median(x / b for x, b in zip(v, times["base"])))
             for k, v in times.items()}
 

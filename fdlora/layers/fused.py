@@ -198,8 +198,9 @@ class _FusedLora(nn.Module):
         return self._with_weight(x, buf, params["bias"])
 
     def merge_into(self, out: torch.Tensor, W: torch.Tensor, stamp: torch.Tensor) -> None:
-        """out = W + sum_s scale_blend[s] B_s A_s, shaped like the base weight (the cache's refresh), unless `stamp`
-        says on the device that out already holds this blend of this bank (fdlora.layers.merged)."""
+        """out = W + sum_s scale_blend[s] B_s A_s, shaped like the base weight (the device-checked cache of
+        compiled, frozen and captured calls), unless `stamp` says on the device that out already holds this blend of
+        this bank (fdlora.layers.merged; eager calls refresh through fdlora.layers.remerge)."""
         self._ops.lora_merge(*remerge.entry(self, out, W, self.scale_blend[:self.bank.slots]), stamp,
                              self.bank.dversion)
 
