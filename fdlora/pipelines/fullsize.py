@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .targets import TARGETS
+from .diffusers.targets import TARGETS
 
 SDXL_UNET = dict(
     block_out_channels=(320, 640, 1280), layers_per_block=2, sample_size=128, in_channels=4, out_channels=4,

@@ -2,35 +2,19 @@
 
 The full-size configs are those of the published checkpoints (stabilityai/stable-diffusion-xl-base-1.0
 unet/config.json, black-forest-labs/FLUX.1-dev transformer/config.json, meta-llama/Meta-Llama-3-8B
-config.json); fdlora/pipelines/fullsize.py carries the same numbers for the benchmarks, and one of the
-two should import the other once both have landed. The tiny ones are the shapes of fdlora's tests.
+config.json), kept once in fdlora/pipelines/fullsize.py (which builds them for the benchmarks; importing it
+imports neither diffusers nor transformers). The tiny ones are the shapes of fdlora's planner tests.
 Each entry: family (unet | flux | llm), the class to build, its config, the default LoRA targets, dtype
 and workload (batch, tokens or resolution) that a user of that model most often runs.
 """
 
 from __future__ import annotations
 
-SDXL_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out")
-FLUX_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out")
-LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from ..pipelines import fullsize as F
 
-SDXL_UNET = dict(
-    act_fn="silu", addition_embed_type="text_time", addition_time_embed_dim=256, attention_head_dim=[5, 10, 20],
-    block_out_channels=[320, 640, 1280], center_input_sample=False, cross_attention_dim=2048,
-    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"], in_channels=4,
-    layers_per_block=2, norm_num_groups=32, out_channels=4, projection_class_embeddings_input_dim=2816,
-    sample_size=128, transformer_layers_per_block=[1, 2, 10],
-    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], use_linear_projection=True,
-)
-FLUX_DEV = dict(
-    attention_head_dim=128, guidance_embeds=True, in_channels=64, joint_attention_dim=4096, num_attention_heads=24,
-    num_layers=19, num_single_layers=38, patch_size=1, pooled_projection_dim=768, axes_dims_rope=[16, 56, 56],
-)
-LLAMA_3_8B = dict(
-    model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-    num_hidden_layers=32, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-)
+SDXL_TARGETS, FLUX_TARGETS, LLM_TARGETS = (tuple(t) for t in (F.SDXL_TARGETS, F.FLUX_TARGETS, F.LLAMA_TARGETS))
+SDXL_UNET, FLUX_DEV = F.SDXL_UNET, F.FLUX_DEV
+LLAMA_3_8B = dict(model_type="llama", **F.LLAMA3_8B)  # the planner picks the transformers class by model_type
 TINY_UNET = dict(
     block_out_channels=[32, 64], layers_per_block=2, sample_size=16, down_block_types=["DownBlock2D",
     "CrossAttnDownBlock2D"], up_block_types=["CrossAttnUpBlock2D", "UpBlock2D"], attention_head_dim=[2, 4],
