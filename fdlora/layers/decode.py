@@ -11,6 +11,8 @@ replays it: base GEMM + one launch whose only new arguments are y, x, the scales
 When (`forward`, from FusedLoraLinear.forward): eager (not compiling, not frozen: frozen models are
 captured or compiled and keep the traced ops), CUDA, a backend with `prepare_delta_rows`, and
 - per-row mode (fdlora.per_row), or
+- blend mode with exactly one adapter active and at most BLEND_ROWS rows, when the merged-weight cache does not
+  serve the layer (turned off, or no room): every row on that adapter's slot at its blend scale, or
 - per-sample mode with one row per sample (a decode step) where every sample has at most one adapter
   and every adapter one weight (PEFT's adapter_names; ModelState.sample_rows), which is per-row mode
   with per-layer scales alpha/r * weight.
@@ -25,6 +27,7 @@ import torch
 from .state import Mode
 
 RETRIES = 3  # calls that may try to keep a launch ready (the first launch of a shape goes through the autotuner)
+BLEND_ROWS = 64  # blend mode with one active adapter takes this path up to this many rows (decode, no cache)
 
 
 def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -40,6 +43,11 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
         if row_slot.shape[0] != M:
             return None  # the regular path raises the clear error
         scale = layer.scale_unit
+    elif st.mode is Mode.BLEND:
+        row_slot = st.blend_rows(M, x.device) if M <= BLEND_ROWS else None
+        if row_slot is None:
+            return None
+        scale = layer.scale_blend
     else:
         got = st.sample_rows(M, x.device) if x.shape[0] == M else None  # one row per sample only
         if got is None:

@@ -291,28 +291,61 @@ class FusedLoraLinear(_FusedLora):
         self._ops.lora_delta(y, x, A, B, scale, gw, ranks)
         return y
 
+    def _kept_linear(self, x: torch.Tensor) -> torch.Tensor | None:
+        """An eager blend call without the merged-weight cache through the backend's kept-ready form of lora_linear
+        (prepare_linear: one merge replayed with bound arguments, one GEMM), made once per shape, stream and
+        addresses; None when this call does not take it (compiled, frozen, capturing, autograd, a lora bias, or a
+        shape the dispatch runs on another path)."""
+        st, b, base = self.state, self.bank, self.base
+        prepare = getattr(self._ops, "prepare_linear", None)
+        W = base.weight
+        if (prepare is None or st.static or torch.compiler.is_compiling() or b._buffers["bias"] is not None
+                or (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad))
+                or torch._C._cuda_isCurrentStreamCapturing()):
+            return None
+        x2 = x.reshape(-1, self.in_features).to(W.dtype)
+        stream = torch._C._cuda_getCurrentRawStream(x.device.index)
+        key = (x2.shape[0], x2.dtype, stream, W.data_ptr(), b.A.data_ptr(), self.scale_blend.data_ptr())
+        kept = self.__dict__.get("_kept")
+        if kept is None or kept[0] != key:
+            kept = self.__dict__["_kept"] = (key, prepare(x2, W, base.bias, b.A, b.B, self.scale_blend, b.ranks,
+                                                          stream))
+        if kept[1] is None:
+            return None
+        return kept[1](x2).view(*x.shape[:-1], self.out_features)
+
     def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Per-sample adapters at merged speed: the batch's distinct blends each get a merged-weight copy
         (fdlora.layers.remerge.refresh_groups), and each group of samples runs one GEMM on its copy (an all-zero
         blend on W itself). None when this call does not take this path: not eager, autograd, few rows per sample
-        (decode: the per-row kernel is cheaper than a copy per adapter), more blends than copies, no room."""
+        (decode: the per-row kernel is cheaper than a copy per adapter), more blends than copies, no room.
+        The copies a layer found are kept with the batch's grouping, its key and the budget's generation (a release
+        bumps it), so a repeated batch costs a key compare before its GEMMs."""
         st = self.state
+        groups = st.groups.get(x.shape[0])
+        if groups is None:
+            return None
         W = self.base.weight
         K, N = self.in_features, self.out_features
         M = x.numel() // K if K else 0
-        groups = st.groups.get(x.shape[0])
-        if (groups is None or st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear
-                or not _merged.BUDGET.enabled(x.device.type) or M < GROUP_MIN_ROWS * len(groups.of_sample)
-                or len(groups.blends) > remerge.MAX_GROUP_COPIES
+        if (st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear
+                or M < GROUP_MIN_ROWS * len(groups.of_sample) or len(groups.blends) > remerge.MAX_GROUP_COPIES
+                or not _merged.BUDGET.enabled(x.device.type)
                 or (torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))
                 or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
             return None
-        key, copies = merged_key(self, W), self.merged.groups
-        weights = [W if not any(b) else getattr(copies.get(b), "buf", None) for b in groups.blends]
-        if any(w is None or (w is not W and copies[b].key != key) for w, b in zip(weights, groups.blends)):
-            weights = remerge.refresh_groups(self, W, groups.blends)
-            if weights is None:
-                return None
+        key = merged_key(self, W)
+        kept = self.__dict__.get("_groups")
+        if kept is not None and kept[0] is groups and kept[1] == key and kept[2] == _merged.BUDGET.generation:
+            weights = kept[3]
+        else:
+            copies = self.merged.groups
+            weights = [W if not any(b) else getattr(copies.get(b), "buf", None) for b in groups.blends]
+            if any(w is None or (w is not W and copies[b].key != key) for w, b in zip(weights, groups.blends)):
+                weights = remerge.refresh_groups(self, W, groups.blends)
+                if weights is None:
+                    return None
+            self.__dict__["_groups"] = (groups, key, _merged.BUDGET.generation, weights)
         G = len(groups.of_sample)
         x2 = x.reshape(M, K).to(W.dtype)
         y2 = torch.empty(M, N, dtype=W.dtype, device=x.device)
@@ -351,7 +384,7 @@ class FusedLoraLinear(_FusedLora):
             y = self._grouped_forward(x)
             if y is not None:
                 return y
-        if (mode is Mode.SAMPLES or mode is Mode.ROWS) and not skip:
+        if not skip and mode is not Mode.OFF:
             y = decode.forward(self, x, args, kwargs)  # eager decode: one kept-ready launch
             if y is not None:
                 return y
@@ -364,6 +397,10 @@ class FusedLoraLinear(_FusedLora):
             if b.bias is not None:
                 self._add_bias(y2, self.scale_blend, self.blend_weight, None)
             return y2.view(*x.shape[:-1], self.out_features)
+        if mode is Mode.BLEND and not skip and self._whole and x.is_cuda:
+            y = self._kept_linear(x)
+            if y is not None:
+                return y
         if mode in (Mode.BLEND, Mode.SAMPLES) and not skip and self._whole:
             A, B, ranks, S = self._bank()
             x2 = x.reshape(-1, self.in_features).to(A.dtype)

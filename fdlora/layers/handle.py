@@ -67,6 +67,7 @@ class FdLoraHandle:
             return []
         self._reshapeable("wrap more modules")
         L0 = len(self.layers)
+        self.state.epoch += 1
         self.state.table.resize(L0 + len(new), self.state.slots.capacity)
         made = []
         for i, path in enumerate(new):
@@ -187,6 +188,7 @@ class FdLoraHandle:
             for layer in wrapped:
                 self._unwrap(layer.path)
             raise
+        self.state.epoch += 1
         self.state.slots.by_name[plan.name] = plan.slot
         if activate:
             self.set_adapters([plan.name])
@@ -200,10 +202,12 @@ class FdLoraHandle:
                 f"(e.g. {missing[:3]}); it was probably made for another model.")
 
     def _unwrap(self, path: str) -> None:
+        self.state.epoch += 1
         self._swap(path, self._originals.pop(path))
         self.layers.pop(path).release_merged()
 
     def _clear_slot(self, slot: int) -> None:
+        self.state.epoch += 1
         for layer in self.layers.values():
             if layer.bank.used[slot]:
                 layer.bank.clear(slot)
@@ -358,6 +362,7 @@ class FdLoraHandle:
         self._resize(S, max(padded_rank(max_rank or 1), self.max_rank))
 
     def _resize(self, S: int, R: int) -> None:
+        self.state.epoch += 1
         for layer in self.layers.values():
             layer.bank.resize(S, R)
         self.state.table.resize(len(self.layers), S)

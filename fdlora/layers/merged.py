@@ -118,6 +118,7 @@ class MergeBudget:
 
 
 BUDGET = MergeBudget()
+PASS_HOLDERS: weakref.WeakSet = weakref.WeakSet()  # model states whose kept refresh (remerge) references buffers
 
 
 def set_merge_cache(limit: int | float | str) -> None:
@@ -211,6 +212,9 @@ class MergedWeight:
         for copy in self.groups.values():
             copy.release()
         self.groups = {}
+        for st in list(PASS_HOLDERS):  # a kept refresh must neither keep this buffer alive nor write it
+            st.fast_pass = None
+        PASS_HOLDERS.clear()
         if self.pinned:
             self._mark_stale()
             return

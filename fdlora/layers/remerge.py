@@ -12,10 +12,12 @@ backend has no lora_merge_many (the torch reference, conv layers) merge one by o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from .merged import MergedWeight, merged_key
+from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, merged_key
 from .state import Mode
 
 
@@ -43,6 +45,37 @@ def refresh(layer, W: torch.Tensor) -> torch.Tensor | None:
     """W' of `layer` for the current blend, after re-merging every stale cached layer of its model; None when the
     budget gives `layer` no buffer."""
     device = layer.bank.A.device
+    st = layer.state
+    if not _replay(st, device):
+        _full(layer, device)
+    m = layer.merged
+    return m.buf if m.buf is not None and m.key == merged_key(layer, W) else None
+
+
+def _replay(st, device: torch.device) -> bool:
+    """The slider's fast path: while no layer, bank, buffer or budget changed since the last full refresh, only the
+    blend weights can have, so every layer of that refresh re-merges with the same launches; each layer's check is
+    a few attribute reads (the full pass lists, keys and batches every layer again). False if anything else moved."""
+    kept = st.fast_pass
+    if kept is None or kept[0] != (st.epoch, device, BUDGET.generation, st.mode):
+        return False
+    items, calls = kept[1], kept[2]
+    tv = st.table.version
+    for lay, m, w, ptr, bank in items:
+        if m.buf is None or lay.base._parameters["weight"] is not w or w.data_ptr() != ptr or lay.bank is not bank:
+            return False
+    for _, m, w, ptr, bank in items:
+        m._mark_stale()
+        m.key = (tv, bank.version, ptr, _version(w))
+    for call in calls:
+        call()
+    return True
+
+
+def _full(layer, device: torch.device) -> None:
+    """List every cacheable layer, give buffers to those without (smallest first), merge the stale ones, and keep
+    the pass for _replay."""
+    st = layer.state
     stale, homeless = [], []
     for lay in list(layer.state.members.values()):
         if not cacheable(lay, device):
@@ -62,9 +95,16 @@ def refresh(layer, W: torch.Tensor) -> torch.Tensor | None:
             lay.merged.groups = {}
             m.denied = -1
             m._buffer(w)
-    _merge(layer.state, stale + [e for e in homeless if e[1].buf is not None])
-    m = layer.merged
-    return m.buf if m.buf is not None and m.key == merged_key(layer, W) else None
+    _merge(st, stale + [e for e in homeless if e[1].buf is not None])
+    items, entries = [], []
+    for lay in st.members.values():  # every layer the cache now serves: what a slider move re-merges
+        m = lay.merged
+        if m.buf is not None and cacheable(lay, device):
+            w = lay.base._parameters["weight"]
+            items.append((lay, m, w, w.data_ptr(), lay.bank))
+            entries.append((lay, m, w, None, lay.scale_blend))
+    st.fast_pass = ((st.epoch, device, BUDGET.generation, st.mode), items, _calls(st, entries))
+    PASS_HOLDERS.add(st)
 
 
 MAX_GROUP_COPIES = 4  # per-sample blends a layer keeps a copy of (beyond that, least recently used go first)
@@ -127,20 +167,27 @@ def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> l
 
 
 def _merge(st, todo: list[tuple]) -> None:
-    """Merge (layer, copy, W, key, scale) entries: one lora_merge_many launch per (device, dtype, bank shape) where
-    the backend has it, one lora_merge per layer elsewhere; then each copy holds `key`."""
-    batches: dict[tuple, tuple] = {}
-    for lay, m, w, key, scale in todo:
+    """Merge (layer, copy, W, key, scale) entries, then each copy holds `key`."""
+    for _, m, _, key, _ in todo:
         m._mark_stale()  # the device stamp no longer vouches for the buffer either
-        e = entry(lay, m.buf, w, scale)
-        many = getattr(lay._ops, "lora_merge_many", None) if lay.kind == "linear" else None
-        if many is None:
-            lay._ops.lora_merge(*e)
-        else:
-            batches.setdefault((w.device, w.dtype, *e[2].shape[:2]), (lay._ops, []))[1].append(e)
         m.key = key
+    for call in _calls(st, todo):
+        call()
+
+
+def _calls(st, todo: list[tuple]) -> list:
+    """The launches that merge (layer, copy, W, key, scale) entries: one lora_merge_many per (device, dtype, bank
+    shape) where the backend has it, one lora_merge per layer elsewhere (the torch reference, convs)."""
+    calls, batches = [], {}
+    for lay, m, w, _, scale in todo:
+        e = entry(lay, m.buf, w, scale)
+        if lay.kind == "linear" and hasattr(lay._ops, "lora_merge_many"):
+            batches.setdefault((w.device, w.dtype, *e[2].shape[:2]), (lay._ops, []))[1].append(e)
+        else:
+            calls.append(functools.partial(lay._ops.lora_merge, *e))
     for shape, (ops, entries) in batches.items():
         table = st.merge_tables.get(shape)
         if table is None:
             table = st.merge_tables[shape] = ops.merge_table()
-        ops.lora_merge_many(entries, table)
+        calls.append(functools.partial(ops.lora_merge_many, entries, table))
+    return calls

@@ -153,9 +153,12 @@ class ModelState:
         self._rows_host: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # batch -> sample_rows' host form
         self._rows_dev: dict[tuple[int, torch.device], tuple] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self._blend_rows: dict[tuple, torch.Tensor] = {}  # (rows, device, slot) -> row slots of blend_rows
         self.groups: dict[int, SampleGroups] = {}  # batch size -> how its samples group by blend (per-sample mode)
         self.members: dict = {}  # path -> fused layer: the handle's own dict (the cache re-merges them all)
         self.merge_tables: dict = {}  # (device, dtype, S, R) -> kept table of fdlora.layers.remerge
+        self.epoch = 0  # bumped by the handle whenever layers or banks change (wrap, load, delete, resize)
+        self.fast_pass = None  # the last full refresh, replayed while only blend weights change (remerge)
 
     def any_active(self) -> bool:
         return bool(self.active)
@@ -187,7 +190,11 @@ class ModelState:
         self._group_weight = fresh
         self._rows_host = {b: as_rows(gw.cpu()) for b, gw in by_batch.items()}
         self._rows_dev = {}
-        self.groups = {b: SampleGroups.of(gw.tolist()) for b, gw in by_batch.items()}
+        groups = {}
+        for b, gw in by_batch.items():  # the same grouping object while the specs repeat (layers key on it)
+            rows, old = gw.tolist(), self.groups.get(b)
+            groups[b] = old if old is not None and old.rows == rows else SampleGroups.of(rows)
+        self.groups = groups
 
     def group_weight(self, batch: int, rows: int, device: torch.device) -> torch.Tensor | None:
         """The [G, S] weights for an input of `batch` samples and `rows` flattened rows, or None."""
@@ -200,6 +207,18 @@ class ModelState:
                 return None
             src = next(v for (b, _), v in self._group_weight.items() if b == batch)
             t = self._group_weight[(batch, device)] = src.to(device)
+        return t
+
+    def blend_rows(self, rows: int, device: torch.device) -> torch.Tensor | None:
+        """[rows] int32, every row on the one active adapter's slot, when blend mode has exactly one adapter
+        active (eager decode without the merged-weight cache runs it as per-row: fdlora.layers.decode); else None."""
+        if len(self.active) != 1 or not self.enabled:
+            return None
+        slot = self.slots.by_name[next(iter(self.active))]
+        key = (rows, device, slot)
+        t = self._blend_rows.get(key)
+        if t is None:
+            t = self._blend_rows[key] = torch.full((rows,), slot, dtype=torch.int32, device=device)
         return t
 
     def set_row_slot(self, rs: torch.Tensor) -> None:
@@ -251,10 +270,10 @@ class SampleGroups:
     samples that share one, and the shortest period of that sequence (diffusers' CFG batches [uncond..., cond...]
     repeat the prompts' blends: one strided batched GEMM per prompt position then serves both halves)."""
 
-    __slots__ = ("blends", "of_sample", "runs", "period")
+    __slots__ = ("rows", "blends", "of_sample", "runs", "period")
 
-    def __init__(self, blends: list[tuple], of_sample: list[int]) -> None:
-        self.blends, self.of_sample = blends, of_sample
+    def __init__(self, rows: list[list[float]], blends: list[tuple], of_sample: list[int]) -> None:
+        self.rows, self.blends, self.of_sample = rows, blends, of_sample
         G = len(of_sample)
         self.runs = [(i, j, of_sample[i]) for i, j in _runs(of_sample)]
         self.period = next(p for p in range(1, G + 1) if G % p == 0 and of_sample == of_sample[:p] * (G // p))
@@ -262,7 +281,7 @@ class SampleGroups:
     @classmethod
     def of(cls, rows: list[list[float]]) -> SampleGroups:
         blends = list(dict.fromkeys(tuple(r) for r in rows))
-        return cls(blends, [blends.index(tuple(r)) for r in rows])
+        return cls(rows, blends, [blends.index(tuple(r)) for r in rows])
 
 
 def _runs(seq: list[int]) -> list[tuple[int, int]]:

@@ -184,3 +184,29 @@ def test_sample_rows_scales_follow_the_table():
         assert torch.allclose(scales[layer.index], layer.scale_unit)
         assert torch.allclose(scales[layer.index][:2], 2.0 * torch.tensor([2.0, 2.0]))  # alpha / r = 2, times 2
         assert h.state.sample_rows(4, torch.device("cpu")) is None  # no spec for 4 samples
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_one_adapter_without_the_cache_runs_as_per_row_decode(spy):
+    net = build(96, 80, [8, 16], torch.float16, "cuda")
+    fdlora.set_adapters(net, ["a1"], [0.7])
+    fdlora.set_merge_cache(0)
+    try:
+        with torch.no_grad():
+            outs = []
+            for i in range(4):
+                x = torch.randn(6, 1, 96, device="cuda", dtype=torch.float16,
+                                generator=torch.Generator("cuda").manual_seed(i))
+                outs.append((x, net(x)))
+            assert all(spy["decode"]) and spy["replayed"] and all(spy["replayed"])
+            row_scale = torch.zeros(6, 3)
+            row_scale[:, 1] = net.proj.scale_blend[1].cpu()
+            for x, got in outs:
+                ref = oracle(net, x, row_scale.cuda())
+                assert max_err(got, ref) <= bound(max_err(eager(net, x, row_scale.cuda()), ref), ref, torch.float16)
+            fdlora.set_adapters(net, ["a0", "a1"], [0.5, 0.5])  # a blend of two: the regular ops
+            net(outs[0][0])
+            assert spy["decode"][-1] is False
+    finally:
+        fdlora.set_merge_cache("auto")

@@ -154,6 +154,17 @@ def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] |
     return None if keep is None else Prepared(run, full, keep)
 
 
+def kept(jitted, grid, *args, **kwargs) -> Prepared | None:
+    """Launch `jitted` once (eager, plain tensors) and return that launch kept ready with every argument fixed (a
+    Prepared replayed with no tensors), or None where none can be kept (the interpreter)."""
+    kernel = jitted[grid](*args, **kwargs)
+    bound = None if INTERPRET else _bound(jitted, args, kwargs)
+    if bound is None or not (hasattr(kernel, "__getitem__") and hasattr(kernel, "packed_metadata")):
+        return None
+    full = bound[0]
+    return Prepared(kernel[_grid3(grid, jitted, full)], full, ())
+
+
 def _grid3(grid, jitted, full: list) -> tuple[int, int, int]:
     """The launch grid as three extents, from the bound arguments when `grid` is a function of them."""
     g = grid(dict(zip(jitted.arg_names, full))) if callable(grid) else grid

@@ -107,7 +107,8 @@ def launch_merge(
     blocks: dict | None = None,  # BN, BK, num_warps, num_stages instead of BLOCKS (sweeps)
     stamp: torch.Tensor | None = None,  # [S + 2] int32: merge only if stale (G = 1; see new_stamp)
     version: torch.Tensor | None = None,  # [1] int32, with stamp: the bank's device-side version
-) -> torch.Tensor:  # [G, N, K] in W's dtype
+    keep: bool = False,  # also return the launch kept ready (C.kept), every argument fixed
+) -> torch.Tensor | tuple[torch.Tensor, C.Prepared | None]:  # [G, N, K] in W's dtype
     N, K = W.shape
     S, R, _ = A.shape
     G = group_weight.shape[0]
@@ -121,13 +122,15 @@ def launch_merge(
     if stamped and (G != 1 or version is None or stamp.shape != (S + 2,) or stamp.dtype != torch.int32):
         raise C.FdLoraError(f"lora_merge: a stamp needs one group, a version and int32 [S + 2 = {S + 2}]; "
                             f"got G={G}, stamp {tuple(stamp.shape)} {stamp.dtype}. Make it with new_stamp(S).")
-    wrap_triton(lora_merge_kernel)[grid](
-        out, W, A, B, scale, group_weight, ranks.contiguous(), stamp if stamped else ranks,
-        version if stamped else ranks,
-        N, K, S, R,
-        out.stride(0), out.stride(1), out.stride(2), W.stride(0), W.stride(1), A.stride(0), A.stride(1), A.stride(2),
-        B.stride(0), B.stride(1), B.stride(2), scale.stride(0), group_weight.stride(0), group_weight.stride(1),
-        S_PAD=C.slot_pad(S), RC=RC, **C.dot_flags(A.dtype), **blocks, STAMPED=stamped,
-    )
+    ranks = ranks.contiguous()
+    args = (out, W, A, B, scale, group_weight, ranks, stamp if stamped else ranks, version if stamped else ranks,
+            N, K, S, R,
+            out.stride(0), out.stride(1), out.stride(2), W.stride(0), W.stride(1), A.stride(0), A.stride(1),
+            A.stride(2), B.stride(0), B.stride(1), B.stride(2), scale.stride(0), group_weight.stride(0),
+            group_weight.stride(1))
+    flags = dict(S_PAD=C.slot_pad(S), RC=RC, **C.dot_flags(A.dtype), **blocks, STAMPED=stamped)
+    if keep:
+        return out, C.kept(lora_merge_kernel, grid, *args, **flags)
+    wrap_triton(lora_merge_kernel)[grid](*args, **flags)
     return out
 

@@ -21,20 +21,25 @@ kernel runs. Everything else goes through torch.ops.fdlora.*, which compile and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import config as C
 from . import lora_delta as _delta  # registers fdlora::lora_delta
 from . import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
 from . import lora_expand_add as _expand  # registers fdlora::lora_expand_add
 from . import lora_linear as _linear  # registers fdlora::lora_linear
+from . import lora_linear_dispatch as D
 from . import lora_merge as _merge
 from . import lora_merge_many as _many
 from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
-           "lora_shrink", "merge_table"]
+           "lora_shrink", "merge_table", "prepare_linear"]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a base layer's weight is a Parameter: still a plain tensor here
@@ -174,3 +179,49 @@ def lora_merge_many(entries: list[tuple[torch.Tensor, ...]], table: _many.MergeT
     fp32, ranks [S]) of one device, dtype and bank shape; the eager merged-weight cache's refresh
     (fdlora.layers.remerge)."""
     table.launch([e[:5] for e in entries])
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, dtype, stream) -> the merged weight of the layer running now
+
+
+def prepare_linear(
+    x: torch.Tensor,  # [M, K]
+    W: torch.Tensor,  # [N, K] the base nn.Linear weight
+    bias: torch.Tensor | None,  # [N]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    scale: torch.Tensor,  # [S] fp32 blend weights
+    ranks: torch.Tensor,  # [S] int32
+    stream: int,  # the current CUDA stream's handle
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """lora_linear's "merged" path kept ready for eager blend calls without the merged-weight cache: `run(x)` replays
+    the merge W' = W + sum_s scale[s] B_s A_s into a scratch buffer with every argument bound, then runs one GEMM on
+    it. The scratch is one per device, dtype and stream, shared by every layer (layers on one stream run one after
+    another, so the next merge waits for the GEMM that reads it); a layer that needs more makes a bigger one, and
+    earlier kept launches keep theirs alive. None when the dispatch picks another path for this shape (few rows:
+    the delta) or no launch can be kept (plain calls, the interpreter).
+    Why: the regular op costs ~300 us of host time per call (operand checks, dispatch, Triton's Python launcher);
+    eager diffusion steps are host-bound, so that time was the step time (SDXL without the cache: 3.4x base)."""
+    M, K = C.dims(x)
+    N = C.dims(W)[0]
+    S, R, _ = C.dims(A)
+    if D.plan(D.Problem(M, K, N, S, R, x.dtype, x.device.type, C.device_sms(x), 1)).path != "merged":
+        return None
+    key = (W.device, W.dtype, stream)
+    scratch = _SCRATCH.get(key)
+    if scratch is None or scratch.numel() < N * K:
+        scratch = _SCRATCH[key] = torch.empty(N * K, device=W.device, dtype=W.dtype)
+    out = scratch[: N * K].view(N, K)
+    ones = _ONES.get((S, A.device))
+    if ones is None:
+        ones = _ONES[(S, A.device)] = torch.ones(1, S, device=A.device)
+    with set_wrap_triton_enabled(False):
+        _, ready = _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], keep=True)
+    if ready is None:
+        return None
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        ready()
+        return F.linear(x, out, bias)
+
+    return run
