@@ -27,7 +27,8 @@ import torch
 from .state import Mode
 
 RETRIES = 3  # calls that may try to keep a launch ready (the first launch of a shape goes through the autotuner)
-BLEND_ROWS = 64  # blend mode with one active adapter takes this path up to this many rows (decode, no cache)
+BLEND_ROWS = 256  # blend mode with one active adapter takes this path up to this many rows (decode, short
+# text inputs such as cross-attention's 77 tokens, without the cache; the dispatch's few-rows range)
 
 
 def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -336,16 +336,16 @@ class FusedLoraLinear(_FusedLora):
             return None
         key = merged_key(self, W)
         kept = self.__dict__.get("_groups")
+        copies = self.merged.groups
         if kept is not None and kept[0] is groups and kept[1] == key and kept[2] == _merged.BUDGET.generation:
-            weights = kept[3]
-        else:
-            copies = self.merged.groups
+            weights = [W if not any(b) else copies[b].buf for b in groups.blends]  # (the copies, not their tensors,
+        else:  # are kept: a released copy's memory must go back)
             weights = [W if not any(b) else getattr(copies.get(b), "buf", None) for b in groups.blends]
             if any(w is None or (w is not W and copies[b].key != key) for w, b in zip(weights, groups.blends)):
                 weights = remerge.refresh_groups(self, W, groups.blends)
                 if weights is None:
                     return None
-            self.__dict__["_groups"] = (groups, key, _merged.BUDGET.generation, weights)
+            self.__dict__["_groups"] = (groups, key, _merged.BUDGET.generation)
         G = len(groups.of_sample)
         x2 = x.reshape(M, K).to(W.dtype)
         y2 = torch.empty(M, N, dtype=W.dtype, device=x.device)

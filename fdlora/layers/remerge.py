@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, merged_key
-from .state import Mode
+from .state import Mode, to_device
 
 
 def cacheable(layer, device: torch.device) -> bool:
@@ -125,7 +125,7 @@ def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> l
     device = layer.bank.A.device
     live = [b for b in dict.fromkeys(blends) if any(b)]
     unit = st.table.on(device)[1]  # [L, S] alpha / r (times the multiplier)
-    scales = {b: unit * torch.tensor(b, device=device) for b in live}  # [L, S] per blend
+    scales = {b: unit * to_device(torch.tensor(b), device) for b in live}  # [L, S] per blend
     stale, homeless = [], []
     for lay in list(st.members.values()):
         if not groupable(lay, device):

@@ -22,6 +22,19 @@ import torch
 from ..errors import CapacityError, DuplicateAdapterError, UnknownAdapterError
 
 
+def to_device(src: torch.Tensor, device: torch.device | str, dst: torch.Tensor | None = None) -> torch.Tensor:
+    """A small host tensor onto `device` (into `dst` when given) without waiting for the GPU: a copy from pageable
+    memory blocks the host until the stream has run everything queued before it, so a set_adapters or a
+    per-prompt call before every step would cost the host its lead over the GPU (the step became host time plus
+    the GPU's backlog). Through the caching pinned allocator (blocks are not reused before their copy ran)."""
+    device = torch.device(device)
+    if device.type == "cuda" and src.device.type == "cpu":
+        src = src.pin_memory()
+    if dst is None:
+        return src.to(device, non_blocking=True)
+    return dst.copy_(src, non_blocking=True)
+
+
 class Mode(enum.Enum):
     OFF = "off"  # base only
     BLEND = "blend"  # active slots as one rank-sum adapter
@@ -111,7 +124,7 @@ class ScaleTable:
             device = torch.device("cuda", torch.cuda.current_device())
         t = self._device.get(device)
         if t is None:
-            t = self._device[device] = self.host().to(device)
+            t = self._device[device] = to_device(self.host(), device)
         return t
 
     def flush(self) -> None:
@@ -119,7 +132,7 @@ class ScaleTable:
         with self._lock:
             host = self.host()
             for t in self._device.values():
-                t.copy_(host, non_blocking=t.device.type == "cuda")
+                to_device(host, t.device, t)
             self.version += 1
 
     def resize(self, layers: int, slots: int) -> None:
@@ -183,10 +196,9 @@ class ModelState:
             for d in devices:
                 t = self._group_weight.get((b, d))
                 if t is not None and t.shape == gw.shape:
-                    t.copy_(gw)
-                    fresh[(b, d)] = t
+                    fresh[(b, d)] = to_device(gw, d, t)
                 else:
-                    fresh[(b, d)] = gw.to(d, torch.float32).clone()
+                    fresh[(b, d)] = to_device(gw.to(torch.float32), d)
         self._group_weight = fresh
         self._rows_host = {b: as_rows(gw.cpu()) for b, gw in by_batch.items()}
         self._rows_dev = {}
@@ -225,9 +237,9 @@ class ModelState:
         for d in list(self._row_slot) or [rs.device]:
             t = self._row_slot.get(d)
             if t is None or t.shape != rs.shape:
-                self._row_slot[d] = rs.to(d, torch.int32).clone()
+                self._row_slot[d] = to_device(rs.to(torch.int32), d)
             else:
-                t.copy_(rs)
+                to_device(rs, d, t)
 
     def row_slot(self, device: torch.device) -> torch.Tensor:
         t = self._row_slot.get(device)
@@ -247,8 +259,8 @@ class ModelState:
         got = self._rows_dev.get((batch, device))
         if got is None or got[0] != self.table.version:
             rs, w = host
-            scales = (self.table.scaling * self.table.multiplier * w).to(device)  # [L, S]
-            got = self._rows_dev[(batch, device)] = (self.table.version, rs.to(device), scales.unbind(0))
+            scales = to_device(self.table.scaling * self.table.multiplier * w, device)  # [L, S]
+            got = self._rows_dev[(batch, device)] = (self.table.version, to_device(rs, device), scales.unbind(0))
         return got[1], got[2]
 
 
