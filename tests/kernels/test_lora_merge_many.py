@@ -11,15 +11,16 @@ from triton_cases import DEVICES, skip_unless
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (N, K) per layer: odd sizes, one layer narrower than a tile, one wider than several; one transposed (Conv1D)
 LAYERS = [(40, 24, False), (16, 70, False), (33, 33, False), (20, 48, True), (130, 17, False)]
+ALIGNED = [(40, 32, False), (16, 64, False), (130, 160, False)]  # K % 16 == 0, contiguous: the vectorized form
 
 
-def _case(device, dtype, S, R, zero_slot):
+def _case(device, dtype, S, R, zero_slot, layers):
     g = torch.Generator().manual_seed(S * 100 + R)
-    table = torch.randn(len(LAYERS), S, generator=g)
+    table = torch.randn(len(layers), S, generator=g)
     if zero_slot:
         table[:, 0] = 0  # an inactive slot: its chunks are skipped, so poison it
     entries, oracles = [], []
-    for i, (N, K, transposed) in enumerate(LAYERS):
+    for i, (N, K, transposed) in enumerate(layers):
         W = torch.randn(N, K, generator=g)
         A = torch.randn(S, R, K, generator=g) * 0.3
         B = torch.randn(N, S, R, generator=g) * 0.3
@@ -40,18 +41,21 @@ def _case(device, dtype, S, R, zero_slot):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layers", [LAYERS, ALIGNED], ids=["odd", "aligned"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("S,R,zero_slot", [(1, 16, False), (3, 16, True), (2, 32, False)],
                          ids=["S1-R16", "S3-R16-idle", "S2-R32"])
-def test_merge_many_matches_the_oracle_and_one_layer_merges(device, dtype, S, R, zero_slot):
+def test_merge_many_matches_the_oracle_and_one_layer_merges(device, layers, dtype, S, R, zero_slot):
     skip_unless(device)
     if device == "cpu" and dtype == "bf16":
         pytest.skip("the interpreter mis-computes bf16 (DESIGN.md)")
     from fdlora.kernels.triton import ops
 
     dt = DTYPES[dtype]
-    entries, oracles = _case(device, dt, S, R, zero_slot)
-    ops.lora_merge_many(entries, ops.merge_table())
+    entries, oracles = _case(device, dt, S, R, zero_slot, layers)
+    table = ops.merge_table()
+    ops.lora_merge_many(entries, table)
+    assert table.tables[4] == (layers is ALIGNED)  # the case exercises the form it names
     eps = torch.finfo(dt).eps
     for (out, W, A, B, scale, ranks), exact in zip(entries, oracles):
         got = out.double().cpu()

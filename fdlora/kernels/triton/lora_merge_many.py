@@ -38,7 +38,7 @@ def lora_merge_many_kernel(
     first_ptr,  # [L + 1] int32: tiles before layer l
     L,
     S: tl.constexpr, R: tl.constexpr, LOG_L: tl.constexpr, DTYPE: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     t = tl.program_id(0)
     lo = t * 0
@@ -57,6 +57,10 @@ def lora_merge_many_kernel(
     d = dims_ptr + lo.to(tl.int64) * 6
     N, K = tl.load(d), tl.load(d + 1)
     swn, swk, son, sok = tl.load(d + 2), tl.load(d + 3), tl.load(d + 4), tl.load(d + 5)
+    if ALIGNED:  # checked on the host: what the loaded sizes, strides and addresses let loads vectorize by
+        K = tl.multiple_of(K, 16)
+        swn = tl.multiple_of(swn, 16)
+        son = tl.multiple_of(son, 16)
     u = t - tl.load(first_ptr + lo)
     n_k = tl.cdiv(K, BK)
     nn = (u // n_k) * BN + tl.arange(0, BN)
@@ -64,15 +68,26 @@ def lora_merge_many_kernel(
     n_in, k_in = nn < N, kk < K
     nn, kk = nn.to(tl.int64), kk.to(tl.int64)
     inside = n_in[:, None] & k_in[None, :]
-    acc = tl.load(w + nn[:, None] * swn + kk[None, :] * swk, mask=inside, other=0.0).to(tl.float32)
+    if ALIGNED:  # the hints go on the pointer tiles: a loaded address carries no alignment facts of its own
+        wp = tl.max_contiguous(tl.multiple_of(w + nn[:, None] * swn + kk[None, :], [16, 16]), [1, BK])
+        op = tl.max_contiguous(tl.multiple_of(out + nn[:, None] * son + kk[None, :], [16, 16]), [1, BK])
+    else:
+        wp = w + nn[:, None] * swn + kk[None, :] * swk
+        op = out + nn[:, None] * son + kk[None, :] * sok
+    acc = tl.load(wp, mask=inside, other=0.0).to(tl.float32)
     rr = tl.arange(0, 16)
     for c in tl.static_range(0, S * R, 16):
         sc = tl.load(scale + c // R)
         if sc != 0.0:
-            bt = tl.load(b + nn[:, None] * (S * R) + (c + rr)[None, :], mask=n_in[:, None], other=0.0)  # [BN, 16]
-            at = tl.load(a + (c + rr)[:, None] * K + kk[None, :], mask=k_in[None, :], other=0.0)  # [16, BK]
+            bp = b + nn[:, None] * (S * R) + (c + rr)[None, :]  # [BN, 16]
+            ap = a + (c + rr)[:, None] * K + kk[None, :]  # [16, BK]
+            if ALIGNED:
+                bp = tl.max_contiguous(tl.multiple_of(bp, [16, 16]), [1, 16])
+                ap = tl.max_contiguous(tl.multiple_of(ap, [16, 16]), [1, BK])
+            bt = tl.load(bp, mask=n_in[:, None], other=0.0)
+            at = tl.load(ap, mask=k_in[None, :], other=0.0)
             acc = mma((bt.to(tl.float32) * sc).to(DTYPE), at, acc, UPCAST, IEEE)
-    tl.store(out + nn[:, None] * son + kk[None, :] * sok, acc.to(DTYPE), mask=inside)
+    tl.store(op, acc.to(DTYPE), mask=inside)
 
 
 class MergeTable:
@@ -84,7 +99,7 @@ class MergeTable:
 
     def __init__(self) -> None:
         self.host: list[int] | None = None
-        self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool] | None = None
 
     def launch(self, entries: list[tuple[torch.Tensor, ...]]) -> None:
         out0, _, A0, _, _ = entries[0]
@@ -94,15 +109,16 @@ class MergeTable:
         if host != self.host:
             self.tables = self._build(entries, blocks, out0.device)
             self.host = host
-        addr, dims, first, tiles = self.tables
+        addr, dims, first, tiles, aligned = self.tables
         with set_wrap_triton_enabled(False):
             lora_merge_many_kernel[(tiles,)](
                 addr, dims, first, len(entries), S=S, R=R, LOG_L=max(1, (len(entries) - 1).bit_length()),
-                DTYPE=_DTYPES[out0.dtype], **C.dot_flags(out0.dtype), **blocks)
+                DTYPE=_DTYPES[out0.dtype], **C.dot_flags(out0.dtype), **blocks, ALIGNED=aligned)
 
     @staticmethod
-    def _build(entries, blocks, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _build(entries, blocks, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
         addr, dims, first = [], [], [0]
+        aligned = True  # every row of W and W' contiguous along K and starting on 16 elements (vectorized access)
         for out, W, A, B, scale in entries:
             S, R, K = A.shape
             N = W.shape[0]
@@ -111,6 +127,8 @@ class MergeTable:
             if tuple(W.shape) != (N, K) or tuple(out.shape) != (N, K) or tuple(B.shape) != (N, S, R):
                 raise C.FdLoraError(f"lora_merge_many: W {tuple(W.shape)}, W' {tuple(out.shape)}, A {tuple(A.shape)}"
                                     f" and B {tuple(B.shape)} disagree.")
+            aligned = (aligned and K % 16 == 0 and all(t.data_ptr() % 32 == 0 for t in (A, B))
+                       and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 32 == 0 for t in (W, out)))
             addr.append((out.data_ptr(), W.data_ptr(), A.data_ptr(), B.data_ptr(), scale.data_ptr()))
             dims.append((N, K, *W.stride(), *out.stride()))
             first.append(first[-1] + C.cdiv(N, blocks["BN"]) * C.cdiv(K, blocks["BK"]))
@@ -118,4 +136,4 @@ class MergeTable:
             raise C.FdLoraError("lora_merge_many: more than 2^31 tiles in one table; merge in several tables.")
         as_dev = dict(device=device)
         return (torch.tensor(addr, dtype=torch.int64, **as_dev), torch.tensor(dims, dtype=torch.int64, **as_dev),
-                torch.tensor(first, dtype=torch.int32, **as_dev), first[-1])
+                torch.tensor(first, dtype=torch.int32, **as_dev), first[-1], aligned)
