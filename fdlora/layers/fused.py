@@ -204,6 +204,14 @@ class _FusedLora(nn.Module):
         self._ops.lora_merge(*remerge.entry(self, out, W, self.scale_blend[:self.bank.slots]), stamp,
                              self.bank.dversion)
 
+    def prepare_merge(self, out: torch.Tensor, W: torch.Tensor, stamp: torch.Tensor):
+        """merge_into now, and that launch kept ready to replay (the backend's prepare_merge), or None."""
+        prepare = getattr(self._ops, "prepare_merge", None)
+        if prepare is None:
+            self.merge_into(out, W, stamp)
+            return None
+        return prepare(*remerge.entry(self, out, W, self.scale_blend[:self.bank.slots]), stamp, self.bank.dversion)
+
     # --- forward ------------------------------------------------------------------------------
     def _skip(self) -> bool:
         st = self.state
@@ -338,14 +346,16 @@ class FusedLoraLinear(_FusedLora):
         kept = self.__dict__.get("_groups")
         copies = self.merged.groups
         if kept is not None and kept[0] is groups and kept[1] == key and kept[2] == _merged.BUDGET.generation:
+            if not kept[3]:  # no room for this batch's copies: until the budget changes, the per-call path
+                return None
             weights = [W if not any(b) else copies[b].buf for b in groups.blends]  # (the copies, not their tensors,
         else:  # are kept: a released copy's memory must go back)
             weights = [W if not any(b) else getattr(copies.get(b), "buf", None) for b in groups.blends]
             if any(w is None or (w is not W and copies[b].key != key) for w, b in zip(weights, groups.blends)):
                 weights = remerge.refresh_groups(self, W, groups.blends)
-                if weights is None:
-                    return None
-            self.__dict__["_groups"] = (groups, key, _merged.BUDGET.generation)
+            self.__dict__["_groups"] = (groups, key, _merged.BUDGET.generation, weights is not None)
+            if weights is None:
+                return None
         G = len(groups.of_sample)
         x2 = x.reshape(M, K).to(W.dtype)
         y2 = torch.empty(M, N, dtype=W.dtype, device=x.device)

@@ -152,7 +152,7 @@ class MergedWeight:
     """One layer's W' buffer, the host key it was merged under (eager calls), and its device stamp (the weights and
     bank version it holds, which compiled and captured calls check on the device)."""
 
-    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "groups", "_free", "__weakref__")
+    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "groups", "kept", "_free", "__weakref__")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -162,6 +162,7 @@ class MergedWeight:
         self._free: weakref.finalize | None = None  # gives the bytes back once, on release or collection
         self.denied = -1  # budget generation at which a reservation failed (no retry until it changes)
         self.groups: dict[tuple, MergedWeight] = {}  # per-sample blend -> its copy, least recently used first
+        self.kept: tuple | None = None  # (addresses, the stamped merge kept ready) of weight_on_device
         BUDGET.caches.add(self)
 
     def _buffer(self, W: torch.Tensor) -> torch.Tensor | None:
@@ -194,7 +195,14 @@ class MergedWeight:
         None if the budget has no room."""
         if self._buffer(W) is None:
             return None
-        layer.merge_into(self.buf, W, self._stamp(layer))
+        b, stamp = layer.bank, self._stamp(layer)
+        at = (self.buf.data_ptr(), W.data_ptr(), b.A.data_ptr(), b.B.data_ptr(), layer.scale_blend.data_ptr(),
+              stamp.data_ptr())
+        kept = self.kept
+        if kept is not None and kept[0] == at and kept[1] is not None:
+            kept[1]()  # the same launch, every argument bound: the check (and a merge if stale) on the device
+        else:
+            self.kept = (at, layer.prepare_merge(self.buf, W, stamp))
         self.key = None  # the eager key no longer vouches for the buffer
         if W.is_cuda and torch.cuda.is_current_stream_capturing():
             self.pinned = True
@@ -218,7 +226,7 @@ class MergedWeight:
         if self.pinned:
             self._mark_stale()
             return
-        self.buf = self.key = self.stamp = None
+        self.buf = self.key = self.stamp = self.kept = None
         if self._free is not None:
             self._free()
             self._free = None

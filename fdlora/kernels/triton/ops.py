@@ -39,7 +39,7 @@ from . import lora_merge_many as _many
 from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
-           "lora_shrink", "merge_table", "prepare_linear"]
+           "lora_shrink", "merge_table", "prepare_linear", "prepare_merge"]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a base layer's weight is a Parameter: still a plain tensor here
@@ -167,6 +167,27 @@ def lora_merge(
     with set_wrap_triton_enabled(False):
         _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], stamp=stamp, version=version)
     return out
+
+
+def prepare_merge(
+    out: torch.Tensor,  # [N, K] written in place
+    W: torch.Tensor,  # [N, K]
+    A: torch.Tensor,  # [S, R, K]
+    B: torch.Tensor,  # [N, S, R]
+    scale: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    stamp: torch.Tensor,  # [S + 2] int32
+    version: torch.Tensor,  # [1] int32
+) -> C.Prepared | None:
+    """lora_merge with a stamp now, and the same launch kept ready with every argument bound (None where none can
+    be kept): the device-checked cache of compiled and captured calls replays it every call, since the launch
+    derivation (operand checks, Triton's binder) cost ~80 us of host time per layer per step."""
+    ones = _ONES.get((A.shape[0], A.device))
+    if ones is None:
+        ones = _ONES[(A.shape[0], A.device)] = torch.ones(1, A.shape[0], device=A.device)
+    with set_wrap_triton_enabled(False):
+        return _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], stamp=stamp, version=version,
+                                   keep=True)[1]
 
 
 def merge_table() -> _many.MergeTable:
