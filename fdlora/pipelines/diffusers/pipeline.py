@@ -23,6 +23,7 @@ from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
 from .. import fuse as fusing
 from ..scope import pipe_lock
+from . import schedule
 from .targets import SCALE_KWARGS, targets_for
 
 logger = logging.getLogger("fdlora")
@@ -164,7 +165,8 @@ class FdLoraPipelineMixin:
             return report
 
     def _fd_reactivate(self, active: Mapping[str, Mapping[str, Any]]) -> None:
-        """Put back each component's active set (after a failed load whose room-making evicted some)."""
+        """Put back each component's active set (after a call that changed it: a failed load whose room-making
+        evicted some, per-prompt adapters that needed room, a per-step schedule)."""
         for comp, h in self.fd_lora_handles().items():
             want = active.get(comp)
             if want is not None and want != h.state.active:
@@ -370,8 +372,10 @@ class FdLoraPipelineMixin:
             for h, m in zip(handles, saved):
                 h.set_multiplier(m)
 
-    def __call__(self, *args: Any, fd_lora_adapters: Sequence[Any] | None = None, **kwargs: Any):
-        """A generation; `fd_lora_adapters` gives one adapter (name, None, or {name: weight}) per prompt."""
+    def __call__(self, *args: Any, fd_lora_adapters: Sequence[Any] | None = None,
+                 fd_lora_schedule: Mapping[str, Any] | None = None, **kwargs: Any):
+        """A generation; `fd_lora_adapters` gives one adapter (name, None, or {name: weight}) per prompt;
+        `fd_lora_schedule` a strength per denoising step for the adapters it names (see diffusers/schedule.py)."""
         scale = None
         for key in SCALE_KWARGS:  # diffusers' per-call LoRA scale: one table write instead of a module walk
             kw = kwargs.get(key)
@@ -387,6 +391,15 @@ class FdLoraPipelineMixin:
                 stack.callback(self._fd_reactivate, before)
                 for h, by_batch in self._fd_sample_specs(fd_lora_adapters, args, kwargs):
                     stack.enter_context(h.per_sample(by_batch))
+            if fd_lora_schedule:
+                schedule.check(fd_lora_schedule)
+                steps = int(kwargs.get("num_inference_steps") or 50)
+                names = list(fd_lora_schedule)
+                before = {c: dict(h.state.active) for c, h in self.fd_lora_handles().items()}
+                self.set_adapters(names, [schedule.strength_at(fd_lora_schedule[n], 0, steps) for n in names])
+                stack.callback(self._fd_reactivate, before)
+                kwargs["callback_on_step_end"] = schedule.step_callback(self, fd_lora_schedule, steps,
+                                                                        kwargs.get("callback_on_step_end"))
             return super().__call__(*args, **kwargs)
 
     def _fd_sample_specs(self, specs: Sequence[Any], args: tuple, kwargs: dict):
