@@ -1,7 +1,8 @@
 """The main job on an embedded default: a tiny Llama built from a config, two PEFT adapters, and
 fd-lora serving them with the same outputs, blends, instant weight changes and per-sample rows.
 
-Nothing is downloaded; it runs on CPU in well under a minute (and on CUDA if present).
+Nothing is downloaded; it runs on CPU in well under a minute. With CUDA the pipeline part runs on the GPU and a
+full-size SDXL UNet section follows (quickstart_fullsize.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from ..testing import median_ms
 SEQ, BATCH = 32, 3
 
 
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per row of the table")
-    p.add_argument("--part", choices=["all", "llm", "pipeline"], default="all")
+    p.add_argument("--part", choices=["all", "llm", "pipeline", "fullsize"], default="all",
+                   help="fullsize: a full-size SDXL UNet section (CUDA only, ~2 minutes)")
     p.add_argument("--out", type=Path, default=Path("fdlora-quickstart"), help="where the image grids go")
 
 
@@ -71,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
     if args.part in ("all", "pipeline"):
         from .quickstart_pipeline import run as run_pipeline
 
-        ok &= run_pipeline(args.out, repeats=max(3, args.repeats // 4))
+        ok &= run_pipeline(args.out, repeats=max(3, args.repeats // 4), device=args.device)
+    if args.part in ("all", "fullsize") and args.device == "cuda":
+        from .quickstart_fullsize import run as run_fullsize
+
+        ok &= run_fullsize()
     print("\nquickstart:", "all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -32,19 +32,20 @@ def _grid(images: torch.Tensor, cols: int):
     return Image.fromarray(arr).resize((arr.shape[1] * 2, arr.shape[0] * 2), Image.NEAREST)
 
 
-def run(out_dir: Path, repeats: int = 5) -> bool:
+def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
     import fdlora  # noqa: F401  (attaches pipe.load_fd_lora)
     from fdlora.hub.localcache import populate
     from fdlora.pipelines.diffusers import tiny
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = tiny.sd15()
+    base = tiny.sd15().to(device)
     base.set_progress_bar_config(disable=True)
     cache = tempfile.mkdtemp(prefix="fdlora-hub-cache-")
     for i, repo in enumerate(REPOS.values()):
         populate(cache, repo, tiny.random_lora_files(base, seed=i + 1))
     hub = dict(cache_dir=cache, local_files_only=True)
-    print(f"\n[pipeline] tiny SD1.5 from configs; adapters published to a local Hub cache: {list(REPOS.values())}")
+    print(f"\n[pipeline] tiny SD1.5 from configs on {device}; adapters published to a local Hub cache: "
+          f"{list(REPOS.values())}")
 
     pipe = copy.deepcopy(base)
     t = time.perf_counter()
@@ -70,7 +71,7 @@ def run(out_dir: Path, repeats: int = 5) -> bool:
         pipe.set_adapters(["pixel", "watercolor"], [1 - w, w])
         ref.set_adapters(["pixel", "watercolor"], [1 - w, w])
         img, want = gen(pipe), gen(ref)
-        sweep.append(img[0])
+        sweep.append(img[0].float().cpu())
         diffs.append(float((img - want).abs().max()))
     grid = out_dir / "blend_grid.png"
     _grid(torch.stack(sweep), cols=5).save(grid)
@@ -85,19 +86,19 @@ def run(out_dir: Path, repeats: int = 5) -> bool:
         with fdlora.adapters(pipe, s):
             alone.append(gen(pipe, prompt=p, latents=lat[i: i + 1])[0])
     per_prompt = float((batch - torch.stack(alone)).abs().max())
-    _grid(batch, cols=3).save(out_dir / "per_prompt.png")
+    _grid(batch.float().cpu(), cols=3).save(out_dir / "per_prompt.png")
     print(f"  per-prompt batch {specs} saved to {out_dir / 'per_prompt.png'}; vs one call each: {per_prompt:.2e}")
 
     step = iter(range(10**9))
     rows = [
         ("load one adapter from the local Hub cache", load_fd, load_ref),
         ("set_adapters weight change",
-         median_ms(lambda: pipe.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10),
-         median_ms(lambda: ref.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10)),
+         median_ms(lambda: pipe.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10, device),
+         median_ms(lambda: ref.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10, device)),
         ("generate (2 steps, 64x64), 2-adapter blend",
-         median_ms(lambda: gen(pipe), repeats), median_ms(lambda: gen(ref), repeats)),
+         median_ms(lambda: gen(pipe), repeats, device), median_ms(lambda: gen(ref), repeats, device)),
     ]
-    print(f"\n  {'timing (median ms, CPU)':46s} {'fd-lora':>10s} {'diffusers+PEFT':>15s}")
+    print(f"\n  {f'timing (median ms, {device})':46s} {'fd-lora':>10s} {'diffusers+PEFT':>15s}")
     for what, fd, dp in rows:
         print(f"  {what:46s} {fd:10.3f} {dp:15.3f}")
     ok = max(diffs) < 1e-4 and per_prompt < 1e-4
