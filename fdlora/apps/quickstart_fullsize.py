@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import time
 
 import torch
 
@@ -17,6 +18,10 @@ def _shared_copy(model):
 
 
 def _step_ms(fn) -> float:
+    if not torch.cuda.is_available():  # the CPU smoke run (tests): wall time
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -25,15 +30,16 @@ def _step_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
-def run(rounds: int = 6) -> bool:
+def run(rounds: int = 6, device: str = "cuda", tiny: bool = False) -> bool:
+    """tiny: the same section on toy widths (a CPU smoke test of every step of it)."""
     from peft import LoraConfig
 
     import fdlora
     from fdlora.pipelines import fullsize
     from fdlora.pipelines.transformers import adapter_from_peft
 
-    base = fullsize.sdxl_unet("cuda", torch.float16)
-    inputs = fullsize.sdxl_inputs(base, batch=2)
+    base = fullsize.sdxl_unet(device, torch.float16 if device == "cuda" else torch.float32, tiny=tiny)
+    inputs = fullsize.sdxl_inputs(base, batch=2, tokens=fullsize.SDXL_TOKENS_TINY if tiny else fullsize.SDXL_TOKENS)
     peft = _shared_copy(base)
     names = [f"a{i}" for i in range(4)]
     for i, n in enumerate(names):
@@ -48,7 +54,8 @@ def run(rounds: int = 6) -> bool:
     h = fdlora.inject(fd, fullsize.SDXL_TARGETS, max_slots=4, max_rank=16)
     for n in names:
         h.add_adapter(adapter_from_peft(peft, n), n, activate=False)
-    print(f"\n[full size, {torch.cuda.get_device_name()}] SDXL UNet (2.6 B params, fp16, batch 2, 1024x1024), "
+    where = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"\n[full size, {where}] SDXL UNet ({'toy widths' if tiny else '2.6 B params, fp16, batch 2, 1024x1024'}), "
           f"{len(h.layers)} LoRA layers r16")
 
     def out(m, **kw):
