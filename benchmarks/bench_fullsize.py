@@ -36,12 +36,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_pipeline import step_ms  # noqa: E402  (the suite's one step timer)
 
 import fdlora  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.testing import step_ms  # noqa: E402  (the suite's one step timer)
 
 warnings.filterwarnings("ignore")
 TARGETS = {  # x_base targets of issue 22

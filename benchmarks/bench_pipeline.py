@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from fdlora.testing import step_ms
+
 warnings.filterwarnings("ignore")
 
 SDXL_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"]
@@ -114,21 +116,6 @@ def timer(dev, repeats):
                 ts.append(a.elapsed_time(b))
             return statistics.median(ts)
     return ms
-
-
-def step_ms(fn, dev) -> float:
-    """One call of `fn`; CUDA events around it (the GPU is idle at the start, so host-bound steps count host
-    time), wall time on CPU."""
-    if dev.type != "cuda":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
 
 
 def interleaved(fns: dict, dev, rounds: int) -> dict[str, tuple[float, float]]:

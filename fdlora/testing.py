@@ -58,3 +58,18 @@ def median_ms(fn, repeats: int, device: str = "cpu") -> float:
         sync()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def step_ms(fn, device: torch.device | str) -> float:
+    """One call of `fn` in ms: CUDA events around it (the GPU is idle at the start, so host-bound steps count host
+    time), wall time on CPU."""
+    if torch.device(device).type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)

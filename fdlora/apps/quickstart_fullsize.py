@@ -7,27 +7,15 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import torch
+
+from ..testing import step_ms
 
 
 def _shared_copy(model):
     """A second module tree over the same weight tensors (no second copy of the weights)."""
     return copy.deepcopy(model, memo={id(t): t for t in [*model.parameters(), *model.buffers()]})
-
-
-def _step_ms(fn) -> float:
-    if not torch.cuda.is_available():  # the CPU smoke run (tests): wall time
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def run(rounds: int = 6, device: str = "cuda", tiny: bool = False) -> bool:
@@ -92,7 +80,7 @@ def run(rounds: int = 6, device: str = "cuda", tiny: bool = False) -> bool:
             if blend is not None:
                 fdlora.set_adapters(fd, *blend)
             fn(), base(**inputs)
-            pairs = [(_step_ms(lambda: base(**inputs)), _step_ms(fn)) for _ in range(rounds)]
+            pairs = [(step_ms(lambda: base(**inputs), device), step_ms(fn, device)) for _ in range(rounds)]
             ms = statistics.median(p[1] for p in pairs)
             x = statistics.median(p[1] / p[0] for p in pairs)
             print(f"  {what:44s} {ms:8.1f} {x:7.2f}")

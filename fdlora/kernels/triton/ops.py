@@ -148,6 +148,14 @@ def lora_linear(
 _ONES: dict[tuple[int, torch.device], torch.Tensor] = {}  # lora_merge's group weights: none made per call
 
 
+def _ones(S: int, device: torch.device) -> torch.Tensor:
+    """[1, S] ones: the one group of a blend merge."""
+    ones = _ONES.get((S, device))
+    if ones is None:
+        ones = _ONES[(S, device)] = torch.ones(1, S, device=device)
+    return ones
+
+
 def lora_merge(
     out: torch.Tensor,  # [N, K] written in place
     W: torch.Tensor,  # [N, K]
@@ -161,9 +169,7 @@ def lora_merge(
     """W' = W + sum_s scale[s] B_s A_s into `out`: the merged-weight cache's refresh (fdlora.layers.merged), called
     eagerly or from inside the opaque fdlora::merged_linear op, so it needs no torch.library registration of its
     own. With a stamp it checks on the device whether anything changed since the last merge and skips if not."""
-    ones = _ONES.get((A.shape[0], A.device))
-    if ones is None:
-        ones = _ONES[(A.shape[0], A.device)] = torch.ones(1, A.shape[0], device=A.device)
+    ones = _ones(A.shape[0], A.device)
     with set_wrap_triton_enabled(False):
         _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], stamp=stamp, version=version)
     return out
@@ -182,9 +188,7 @@ def prepare_merge(
     """lora_merge with a stamp now, and the same launch kept ready with every argument bound (None where none can
     be kept): the device-checked cache of compiled and captured calls replays it every call, since the launch
     derivation (operand checks, Triton's binder) cost ~80 us of host time per layer per step."""
-    ones = _ONES.get((A.shape[0], A.device))
-    if ones is None:
-        ones = _ONES[(A.shape[0], A.device)] = torch.ones(1, A.shape[0], device=A.device)
+    ones = _ones(A.shape[0], A.device)
     with set_wrap_triton_enabled(False):
         return _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], stamp=stamp, version=version,
                                    keep=True)[1]
@@ -233,9 +237,7 @@ def prepare_linear(
     if scratch is None or scratch.numel() < N * K:
         scratch = _SCRATCH[key] = torch.empty(N * K, device=W.device, dtype=W.dtype)
     out = scratch[: N * K].view(N, K)
-    ones = _ONES.get((S, A.device))
-    if ones is None:
-        ones = _ONES[(S, A.device)] = torch.ones(1, S, device=A.device)
+    ones = _ones(S, A.device)
     with set_wrap_triton_enabled(False):
         _, ready = _merge.launch_merge(W, A, B, scale, ones, ranks, out=out[None], keep=True)
     if ready is None:
