@@ -10,7 +10,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from .hub.adapter import LoraAdapter
 from .layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
 from .layers.handle import SampleSpec
 from .layers.targets import Targets
+from .pipelines.scope import lock_of
 
 
 def inject(
@@ -64,26 +66,32 @@ def handle(model: nn.Module) -> FdLoraHandle:
 
 def add_adapter(model: nn.Module, adapter: LoraAdapter, name: str | None = None, *, activate: bool = True,
                 validate: bool = True, max_slots: int = 4, max_rank: int | None = None) -> int:
-    """Load `adapter` into `model`, injecting fused layers for its modules if needed; returns its slot."""
-    h = registry_of_models.get(model)
-    if h is None:
-        need = max(padded_rank(m.rank) for m in adapter.modules.values())
-        h = FdLoraHandle(model, max_slots=max_slots, max_rank=max(max_rank or 64, need))
-        registry_of_models[model] = h
-        try:
-            return h.add_adapter(adapter, name, activate=activate, validate=validate)
-        except Exception:
-            h.restore()
-            raise
-    return h.add_adapter(adapter, name, activate=activate, validate=validate)  # type: ignore[union-attr]
+    """Load `adapter` into `model`, injecting fused layers for its modules if needed; returns its slot.
+
+    Waits for the model's calls in flight (fdlora.pipelines.scope.lock_of); an interrupted first load
+    (Ctrl-C included) takes the fused layers out again."""
+    with lock_of(model):
+        h = registry_of_models.get(model)
+        if h is None:
+            need = max(padded_rank(m.rank) for m in adapter.modules.values())
+            h = FdLoraHandle(model, max_slots=max_slots, max_rank=max(max_rank or 64, need))
+            registry_of_models[model] = h
+            try:
+                return h.add_adapter(adapter, name, activate=activate, validate=validate)
+            except BaseException:
+                h.restore()
+                raise
+        return h.add_adapter(adapter, name, activate=activate, validate=validate)  # type: ignore[union-attr]
 
 
 def set_adapters(model: nn.Module, names: str | Sequence[str], weights: Any = None) -> None:
-    handle(model).set_adapters(names, weights)
+    with lock_of(model):
+        handle(model).set_adapters(names, weights)
 
 
 def delete_adapter(model: nn.Module, names: str | Sequence[str]) -> None:
-    handle(model).delete_adapter(names)
+    with lock_of(model):
+        handle(model).delete_adapter(names)
 
 
 def active_adapters(model: nn.Module) -> list[str]:
@@ -102,11 +110,17 @@ def restore(model: nn.Module) -> nn.Module:
     return handle(model).restore()
 
 
-def per_sample(model: nn.Module, adapters: Sequence[SampleSpec]):
-    """Context: sample i of each batch uses adapters[i] (name, None, or {name: weight})."""
-    return handle(model).per_sample(adapters)
+@contextlib.contextmanager
+def per_sample(model: nn.Module, adapters: Sequence[SampleSpec]) -> Iterator[None]:
+    """Context: sample i of each batch uses adapters[i] (name, None, or {name: weight}).
+
+    The block holds the model's lock: other threads' scopes and calls on `model` wait for it."""
+    with lock_of(model), handle(model).per_sample(adapters):
+        yield
 
 
-def per_row(model: nn.Module, adapters: Sequence[str | None]):
-    """Context: row m of each flattened [M, K] input uses adapters[m] (None = base)."""
-    return handle(model).per_row(adapters)
+@contextlib.contextmanager
+def per_row(model: nn.Module, adapters: Sequence[str | None]) -> Iterator[None]:
+    """Context: row m of each flattened [M, K] input uses adapters[m] (None = base); holds the model's lock."""
+    with lock_of(model), handle(model).per_row(adapters):
+        yield

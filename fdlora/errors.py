@@ -58,6 +58,10 @@ class ResolveError(FdLoraError, OSError):
     """A source that cannot be found or fetched: Hub repo, revision, file, local path, or an offline cache miss."""
 
 
+class SaveError(FdLoraError, OSError):
+    """An adapter that could not be written: the target is a file, read-only, on a full disk; names the path."""
+
+
 class UnsafeFileError(FormatError):
     """A file fd-lora will not open as given: pickle without allow_pickle=True, or a corrupt/truncated safetensors."""
 

@@ -6,6 +6,12 @@ The embedded default is a tiny SD1.5 pipeline built from configs (CPU, nothing d
 LoRAs published to a temporary local Hub cache and loaded by repo id. Each request generates inside
 `fdlora.adapters(pipe, its own spec)`: the pipe's lock serialises calls, so users never see each
 other's adapters, while the sliders set the pipe's default mix live.
+
+Remote callers pick adapters, they never name files: "Add adapter" (`/add_adapter`) loads only what
+the operator allowed, the bundled adapters plus each `--allow PATH_OR_REPO` given at start, by that
+exact string or its short name. Anything else (another path, `..`, an absolute path, a directory)
+gets one refusal that says nothing about the server's filesystem; nothing is opened for it. The
+server listens on 127.0.0.1 unless `--host` says otherwise.
 """
 
 from __future__ import annotations
@@ -51,25 +57,51 @@ def tiny_pipe(steps: int = 4):
     cache = tempfile.mkdtemp(prefix="fdlora-demo-hub-")
     for i, repo in enumerate(REPOS.values()):
         populate(cache, repo, tiny.random_lora_files(pipe, seed=i + 1))
+    hub = dict(cache_dir=cache, local_files_only=True)
     for name, repo in REPOS.items():
-        pipe.load_fd_lora(repo, adapter_name=name, cache_dir=cache, local_files_only=True, max_slots=MAX_ADAPTERS)
+        pipe.load_fd_lora(repo, adapter_name=name, max_slots=MAX_ADAPTERS, **hub)
     pipe.set_adapters(list(REPOS), [1.0] * len(REPOS))
     pipe._fdlora_demo_size = TINY_SIZE
+    pipe._fdlora_demo_bundled = {repo: hub for repo in REPOS.values()}  # what /add_adapter may load again
     log.info("demo: tiny SD1.5 with adapters %s from local Hub cache %s", list(REPOS), cache)
     return pipe
 
 
-class Demo:
-    """The handlers, independent of Gradio: adapter names in slider order, and the calls on the pipe."""
+def short_name(source: str) -> str:
+    """A slider name for a source: the last path / repo component without its weight-file suffix."""
+    base = re.sub(r"\.(safetensors|bin|pt)$", "", source.rstrip("/").split("/")[-1])
+    return re.sub(r"\W+", "_", base) or "adapter"
 
-    def __init__(self, pipe: Any, steps: int = 4):
+
+def allowlist(bundled: dict[str, dict], allow: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[str, dict]]:
+    """What a remote caller may type -> (source, load kwargs): each allowed source by its exact string and by
+    its short name (the first source to claim a short name keeps it)."""
+    entries = [(src, dict(kw)) for src, kw in bundled.items()] + [(src, {}) for src in allow]
+    out: dict[str, tuple[str, dict]] = {}
+    for src, kw in entries:
+        out.setdefault(src, (src, kw))
+        out.setdefault(short_name(src), (src, kw))
+    return out
+
+
+class Demo:
+    """The handlers, independent of Gradio: adapter names in slider order, and the calls on the pipe.
+
+    `allow`: the adapters (Hub ids, files, folders) that `add` may load besides the bundled ones."""
+
+    def __init__(self, pipe: Any, steps: int = 4, allow: list[str] | tuple[str, ...] = ()):
         import fdlora
 
         self.fd, self.pipe, self.steps = fdlora, pipe, steps
         handles = pipe.fd_lora_handles() if hasattr(pipe, "fd_lora_handles") else {}
         self.names = list(dict.fromkeys(n for h in handles.values() for n in h.list_adapters()))
         self.size = getattr(pipe, "_fdlora_demo_size", None)
+        self.allowed = allowlist(getattr(pipe, "_fdlora_demo_bundled", {}), allow)
         self._add = threading.Lock()
+
+    def offered(self) -> list[str]:
+        """The short names a caller may add (shown in the UI and in every refusal)."""
+        return sorted({short_name(src) for src, _ in self.allowed.values()})
 
     def spec(self, active: list[str] | None, weights: tuple[float, ...]) -> dict[str, float]:
         w = dict(zip(self.names, weights))
@@ -130,29 +162,36 @@ class Demo:
         status = f"gallery: {len(lines)} prompts in one batch | step {step_ms:.1f} ms"
         return list(zip(images, captions)), status
 
-    def add(self, source: str) -> str:
-        """Load an adapter by Hub id or path; returns its name."""
-        source = (source or "").strip()
-        if not source:
-            raise FdLoraError("give a Hub repo id or a path to a LoRA file or folder")
+    def refusal(self) -> FdLoraError:
+        """The one answer to every request outside the allowlist: it names no path and echoes nothing."""
+        offered = ", ".join(self.offered()) or "none"
+        return FdLoraError(f"not an adapter this demo offers; choose one of: {offered} "
+                           "(the operator adds more with --allow)")
+
+    def add(self, choice: str) -> str:
+        """Load one of the allowed adapters (by its exact source string or short name); returns its name."""
+        picked = self.allowed.get((choice or "").strip()) if isinstance(choice, str) else None
+        if picked is None:  # decided from the string alone: nothing on disk is looked at
+            raise self.refusal()
+        source, kwargs = picked
         with self._add:
             if len(self.names) >= MAX_ADAPTERS:
                 raise FdLoraError(f"the demo shows at most {MAX_ADAPTERS} adapters; delete one first")
-            base = re.sub(r"\.(safetensors|bin|pt)$", "", source.rstrip("/").split("/")[-1])
-            name = re.sub(r"\W+", "_", base) or "adapter"
+            name = short_name(source)
             while name in self.names:
                 name += "_"
             first = {} if self.names else {"max_slots": MAX_ADAPTERS}
-            self.pipe.load_fd_lora(source, adapter_name=name, **first)
+            self.pipe.load_fd_lora(source, adapter_name=name, **first, **kwargs)
             self.names.append(name)
         log.info("demo: loaded %s as %r", source, name)
         return name
 
 
-def build(pipe: Any = None, steps: int = 4):
-    """The Gradio Blocks app; `pipe` defaults to the embedded tiny SD1.5 with two adapters."""
+def build(pipe: Any = None, steps: int = 4, allow: list[str] | tuple[str, ...] = ()):
+    """The Gradio Blocks app; `pipe` defaults to the embedded tiny SD1.5 with two adapters; `allow`: the
+    extra adapters (Hub ids, files, folders) the "Add adapter" box may load."""
     gr = _gradio()
-    demo = Demo(pipe if pipe is not None else tiny_pipe(), steps)
+    demo = Demo(pipe if pipe is not None else tiny_pipe(), steps, allow)
 
     def slider_updates():
         return [gr.update(visible=i < len(demo.names), label=f"{demo.names[i]} weight" if i < len(demo.names)
@@ -167,7 +206,8 @@ def build(pipe: Any = None, steps: int = 4):
                                      label=f"{demo.names[i]} weight" if i < len(demo.names) else f"slot {i}",
                                      elem_id=f"w{i}") for i in range(MAX_ADAPTERS)]
                 with gr.Row():
-                    source = gr.Textbox(label="Add adapter (Hub id or path)", elem_id="source", scale=3)
+                    source = gr.Textbox(label=f"Add adapter (one of: {', '.join(demo.offered()) or 'none'})",
+                                        elem_id="source", scale=3)
                     add = gr.Button("Add", elem_id="add", scale=1)
                 prompt = gr.Textbox("a cat", label="Prompt", elem_id="prompt")
                 go = gr.Button("Generate", variant="primary", elem_id="go")
@@ -191,7 +231,7 @@ def build(pipe: Any = None, steps: int = 4):
             except Exception as e:  # shown in the UI, not a stack trace
                 raise gr.Error(str(e)) from e
             return [gr.update(choices=demo.names, value=[*(chosen or []), name]), *slider_updates(),
-                    f"loaded {src} as {name!r}"]
+                    f"loaded {src.strip()} as {name!r}"]
 
         add.click(on_add, [source, active], [active, *sliders, status], api_name="add_adapter")
     app.fd_demo = demo
@@ -204,6 +244,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a diffusers pipeline (Hub id or folder); default: the embedded tiny SD1.5 (CPU, no download)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps per image")
+    p.add_argument("--allow", action="append", default=[], metavar="PATH_OR_REPO",
+                   help="an adapter (Hub id, file or folder) that visitors may add from the page; repeatable. "
+                        "Nothing else can be loaded remotely")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,5 +261,5 @@ def run(args: argparse.Namespace) -> int:
         pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.float16 if cuda else torch.float32)
         pipe = pipe.to("cuda" if cuda else "cpu")
         pipe.set_progress_bar_config(disable=True)
-    build(pipe, args.steps).launch(server_name=args.host, server_port=args.port)
+    build(pipe, args.steps, args.allow).launch(server_name=args.host, server_port=args.port)
     return 0

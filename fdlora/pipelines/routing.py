@@ -25,6 +25,7 @@ from torch import nn
 from ..errors import FdLoraError
 from ..layers import registry_of_models
 from ..layers.handle import SampleSpec
+from .scope import lock_of
 from .session import session_of
 
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_features", "input_values", "attention_mask")
@@ -71,6 +72,14 @@ def adapter_rows(model: nn.Module, specs: object, args: Sequence[object], kwargs
     `fd_lora_adapters` (fdlora.per_sample): a name applies at 1.0; {name: weight} blends per sample.
     """
     specs = check_specs(specs, kw)
+    with lock_of(model):  # the rows live in the model's state: one routed call at a time (see .scope)
+        with _routed(model, specs, args, kwargs, kw):
+            yield
+
+
+@contextlib.contextmanager
+def _routed(model: nn.Module, specs: list[SampleSpec], args: Sequence[object], kwargs: Mapping[str, object],
+            kw: str) -> Iterator[None]:
     h = registry_of_models.get(model)
     if h is None:
         raise FdLoraError(f"{kw} given but {type(model).__name__} has no fd-lora adapters; load one with "

@@ -5,6 +5,12 @@ therefore serialises the calls that touch it: every generation, `set_adapters` a
 `fdlora.adapters(...)` block holds the pipeline's re-entrant lock, so two threads generating with
 different adapters run one after the other, each with exactly its own adapters. (Generations on one
 GPU queue up anyway; what this buys is that they cannot bleed into each other.)
+
+Transformers models served by fd-lora do the same with a lock of their own (`lock_of(model)`): every
+forward / generate of an `FdLoraModel` (with or without `adapter_names`) and every load, delete and
+switch holds it, because the per-sample weights and row slots of one call live in the model's shared
+state (fdlora.layers.state.ModelState). Calls are correct under threads but serialized; running them
+truly concurrently needs per-call state in the layers.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from ..layers.state import CopyableLock
 _CREATE = threading.Lock()
 
 
-def pipe_lock(pipe: Any) -> CopyableLock:
-    lock = pipe.__dict__.get("_fdlora_lock")
+def lock_of(obj: Any) -> CopyableLock:
+    """The re-entrant lock serializing fd-lora calls on `obj` (a pipeline or a model), created on first use."""
+    lock = obj.__dict__.get("_fdlora_lock")
     if lock is None:
         with _CREATE:
-            lock = pipe.__dict__.setdefault("_fdlora_lock", CopyableLock())
+            lock = obj.__dict__.setdefault("_fdlora_lock", CopyableLock())
     return lock
+
+
+pipe_lock = lock_of
 
 
 @contextlib.contextmanager

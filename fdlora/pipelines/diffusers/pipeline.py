@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...errors import DuplicateAdapterError, FdLoraError, TargetError, UnknownAdapterError
+from ...errors import DuplicateAdapterError, FdLoraError, PartialLoadWarning, TargetError, UnknownAdapterError
 from ...hub.adapter import LoraAdapter
 from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
@@ -112,6 +113,7 @@ class FdLoraPipelineMixin:
                 if strict:
                     raise FdLoraError(msg + " Load it into a matching pipeline, or pass strict=False to skip them.")
                 logger.warning("fd-lora: skipping %s", msg)
+                warnings.warn(f"fd-lora: skipping {len(absent)} component(s): {msg}", PartialLoadWarning, stacklevel=2)
                 adapters = {c: a for c, a in adapters.items() if c not in absent}
             if not adapters:
                 raise FdLoraError("nothing to load: the adapter has no weights for this pipeline's components.")
@@ -141,7 +143,7 @@ class FdLoraPipelineMixin:
             try:  # every component checked: now full pools make room (evicting their least recently used)
                 plans = [(comp, h, pool, fresh, pool.make_room(plan, evict_active=True))
                          for comp, h, pool, fresh, plan in plans]
-            except Exception:
+            except BaseException:  # Ctrl-C too: no half-made room
                 self._fd_reactivate(before)
                 raise
             extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
@@ -153,7 +155,7 @@ class FdLoraPipelineMixin:
                         registry_of_models[h.model] = h
                     done.append((h, pool, fresh))
                     pool.commit(plan, activate=False)
-            except Exception:
+            except BaseException:  # Ctrl-C too: the name is free again, every component as before
                 for h, pool, fresh in done:
                     if fresh:
                         h.restore()

@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from ...hub.adapter import LoraAdapter
+from ..scope import lock_of
 from . import save
 from .attach import attach, attach_live
 from .live import read_live
@@ -60,7 +61,8 @@ def convert_live(model: nn.Module) -> nn.Module:
 
     Returns the model that holds them now (inside a PeftModel wrapper: its base model)."""
     live = read_live(model)
-    attach_live(live)
+    with lock_of(live.root):
+        attach_live(live)
     return live.root
 
 
@@ -79,7 +81,8 @@ def from_peft(peft_model: nn.Module) -> nn.Module:
 
 def save_peft(model: nn.Module, directory: str | os.PathLike, adapter_name: str = "default") -> str:
     """Write adapter `adapter_name` of `model` as a PEFT adapter folder (see fdlora.pipelines.transformers.save)."""
-    return save.write_peft(unwrap(model), directory, adapter_name)
+    with lock_of(unwrap(model)):
+        return save.write_peft(unwrap(model), directory, adapter_name)
 
 
 def merge_and_unload(model: nn.Module, adapter_names: Sequence[str] | None = None, *,
@@ -90,9 +93,11 @@ def merge_and_unload(model: nn.Module, adapter_names: Sequence[str] | None = Non
     fd-lora model is used up, as with PEFT's merge_and_unload); `copy=True` returns a merged deep copy
     and leaves `model` serving its adapters.
     """
-    return disable(save.merge(unwrap(model), adapter_names, copy=copy))
+    with lock_of(unwrap(model)):
+        return disable(save.merge(unwrap(model), adapter_names, copy=copy))
 
 
 def unload(model: nn.Module) -> nn.Module:
     """Every original module back, all adapters dropped (PEFT's `unload`); returns the plain model."""
-    return disable(save.remove(unwrap(model)))
+    with lock_of(unwrap(model)):
+        return disable(save.remove(unwrap(model)))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ...layers import FdLoraHandle, padded_rank, registry_of_models
+from ..scope import lock_of
 from ..session import session_of
 from . import saved_modules
 from .convert import PeftLoad
@@ -35,14 +36,21 @@ def ensure_handle(model: nn.Module, loads: Sequence[PeftLoad]) -> tuple[FdLoraHa
 
 
 def attach(model: nn.Module, named: Sequence[tuple[str, PeftLoad]], activate: str | None = None) -> FdLoraHandle:
-    """Load every (name, load) into `model` (all or nothing); activate `activate` if given."""
+    """Load every (name, load) into `model` (all or nothing, Ctrl-C included); activate `activate` if given.
+
+    Holds the model's lock (fdlora.pipelines.scope.lock_of): calls in flight finish first."""
+    with lock_of(model):
+        return _attach(model, named, activate)
+
+
+def _attach(model: nn.Module, named: Sequence[tuple[str, PeftLoad]], activate: str | None) -> FdLoraHandle:
     h, created = ensure_handle(model, [ld for _, ld in named])
     done: list[str] = []
     try:
         for name, ld in named:
             h.add_adapter(ld.adapter, name, activate=False)
             done.append(name)
-    except Exception:
+    except BaseException:  # KeyboardInterrupt too: a half-attached adapter must not keep its name
         if created:
             h.restore()
         elif done:

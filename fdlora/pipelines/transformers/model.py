@@ -17,7 +17,10 @@ transformers class is reassigned); `unload()` / `merge_and_unload()` switch it b
 `forward` / `generate` take `adapter_names` (PEFT's list of names, "__base__" for none) or
 `fd_lora_adapters` (fd-lora's: a name, None or a {name: weight} blend per sample), run the
 original inside a per-sample scope (fdlora.pipelines.routing) and report the original signatures
-(`__wrapped__`), so Transformers' own kwarg checks are unchanged. The diffusers integration
+(`__wrapped__`), so Transformers' own kwarg checks are unchanged. Each call holds the model's lock
+(fdlora.pipelines.scope.lock_of) from start to end, a whole generate included: the per-sample state
+is the model's, so concurrent calls run one after the other instead of reading each other's rows;
+loads, deletes and switches wait for them the same way. The diffusers integration
 switches pipelines the same way.
 
 The methods that end fd-lora on a model (`merge_and_unload`, `unload`) switch the class back after
@@ -41,6 +44,7 @@ from torch import nn
 from ...errors import FdLoraError
 from ...layers import registry_of_models
 from ..routing import adapter_rows
+from ..scope import lock_of
 from ..session import session_of
 from . import save, saved_modules
 from .attach import attach
@@ -63,7 +67,7 @@ class FdLoraModel:
 
         As there, the new adapter is active only if no other adapter is.
         """
-        activate = not self._fd_handle().active_adapters()
+        self._fd_handle()
         for k in ("device_map", "max_memory", "offload_folder", "offload_index", "low_cpu_mem_usage",
                   "is_trainable", "hotswap", "adapter_kwargs"):
             hub_kwargs.pop(k, None)
@@ -73,39 +77,47 @@ class FdLoraModel:
                 raise FdLoraError("adapter_state_dict needs its peft_config (a LoraConfig or its dict).")
             load = adapter_from_state(self, lora_config(peft_config), adapter_state_dict, name)
         else:
-            load = read(self, peft_model_id, name, **hub_kwargs)
-        attach(self, [(name, load)], activate=name if activate else None)
+            load = read(self, peft_model_id, name, **hub_kwargs)  # outside the lock: calls go on while it reads
+        with lock_of(self):
+            activate = not self._fd_handle().active_adapters()
+            attach(self, [(name, load)], activate=name if activate else None)
 
     def set_adapter(self, adapter_name: str | Sequence[str]) -> None:
-        self._fd_handle().set_adapters(adapter_name)
+        with lock_of(self):
+            self._fd_handle().set_adapters(adapter_name)
 
     def active_adapters(self) -> list[str]:
         return self._fd_handle().active_adapters()
 
     def disable_adapters(self) -> None:
-        self._fd_handle().disable()
+        with lock_of(self):
+            self._fd_handle().disable()
 
     def enable_adapters(self) -> None:
-        self._fd_handle().enable()
+        with lock_of(self):
+            self._fd_handle().enable()
 
     def delete_adapter(self, adapter_names: str | Sequence[str]) -> None:
-        self._fd_handle().delete_adapter(adapter_names)
-        s = session_of(self)
-        for n in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
-            s.configs.pop(n, None)
-            saved_modules.drop(self, s, n)
+        """Waits for calls in flight (the model's lock): a call never loses an adapter halfway."""
+        with lock_of(self):
+            self._fd_handle().delete_adapter(adapter_names)
+            s = session_of(self)
+            for n in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+                s.configs.pop(n, None)
+                saved_modules.drop(self, s, n)
 
     @contextlib.contextmanager
     def disable_adapter(self) -> Iterator[None]:
-        """PEFT's context manager: the base model inside the block."""
-        h = self._fd_handle()
-        was = h.state.enabled
-        h.disable()
-        try:
-            yield
-        finally:
-            if was:
-                h.enable()
+        """PEFT's context manager: the base model inside the block (which holds the model's lock)."""
+        with lock_of(self):
+            h = self._fd_handle()
+            was = h.state.enabled
+            h.disable()
+            try:
+                yield
+            finally:
+                if was:
+                    h.enable()
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, adapter_name: str | None = None,
                         **kwargs: Any) -> None:
@@ -113,17 +125,20 @@ class FdLoraModel:
 
         For a full checkpoint with the adapter baked in: `model.merge_and_unload().save_pretrained(...)`.
         """
-        h = self._fd_handle()
-        names = h.active_adapters() or h.list_adapters()
-        save.write_peft(self, save_directory, adapter_name or names[0])
+        with lock_of(self):
+            h = self._fd_handle()
+            names = h.active_adapters() or h.list_adapters()
+            save.write_peft(self, save_directory, adapter_name or names[0])
 
     def merge_and_unload(self, adapter_names: Sequence[str] | None = None, *, copy: bool = False) -> nn.Module:
         """PEFT's: a plain model with the adapters merged in (fdlora.merge_and_unload)."""
-        return disable(save.merge(self, adapter_names, copy=copy))
+        with lock_of(self):
+            return disable(save.merge(self, adapter_names, copy=copy))
 
     def unload(self) -> nn.Module:
         """Every original module back, no adapters, the model's own class back (PEFT's `unload`)."""
-        return disable(save.remove(self))
+        with lock_of(self):
+            return disable(save.remove(self))
 
 
 def _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
@@ -140,7 +155,7 @@ def _forward_of(cls: type):
     @functools.wraps(cls.forward)
     def forward(self, *args: Any, adapter_names: Sequence[str | None] | None = None,
                 fd_lora_adapters: Sequence[Any] | None = None, **kwargs: Any) -> Any:
-        with _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
+        with lock_of(self), _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
             return cls.forward(self, *args, **kwargs)
 
     return forward
@@ -152,7 +167,7 @@ def _generate_of(cls: type):
                  fd_lora_adapters: Sequence[Any] | None = None, **kwargs: Any) -> Any:
         """Sample i generates with adapter_names[i] (or fd_lora_adapters[i]); beam search and
         num_return_sequences repeat each sample in place and the spec follows (fdlora.pipelines.routing)."""
-        with _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
+        with lock_of(self), _rows(self, adapter_names, fd_lora_adapters, args, kwargs):
             return cls.generate(self, *args, **kwargs)
 
     return generate

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ...errors import FdLoraError, UnsupportedFeatureError
+from ...errors import FdLoraError, SaveError, UnsupportedFeatureError
 from ...layers import registry_of_models
 from ...layers.fused import _is_conv1d
 from ..fuse import delta_weight
@@ -83,6 +83,7 @@ def _config_from_banks(model: nn.Module, h, weights, saved_paths: list[str]):
 
 def write_peft(base: nn.Module, directory: str | os.PathLike, adapter_name: str = "default") -> str:
     """Write adapter `adapter_name` as a PEFT adapter folder; returns the directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     h = _handle(base)
@@ -104,10 +105,15 @@ def write_peft(base: nn.Module, directory: str | os.PathLike, adapter_name: str 
     for path, module in saved.items():
         tensors.update({f"{PREFIX}{path}.{k}": v for k, v in module.state_dict().items()})
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    config.save_pretrained(directory)
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
-              os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+    try:
+        os.makedirs(directory, exist_ok=True)
+        config.save_pretrained(directory)
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+                  os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+    except (OSError, SafetensorError) as e:  # NotADirectoryError, PermissionError, a full disk: name the path
+        why = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
+        raise SaveError(f"could not save adapter {adapter_name!r} to {directory!r} ({why}); give a directory path "
+                        "that is a folder or does not exist yet, and that you can write to.") from e
     return directory
 
 

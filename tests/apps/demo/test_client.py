@@ -47,18 +47,56 @@ def test_gallery_one_image_per_prompt(demo_url):
     assert np.abs(cat - dog).max() > 0 and np.abs(cat - cow).max() > 0
 
 
-def test_add_adapter_by_path(demo_app, tmp_path):
+def test_add_adapter_allowed_by_path_or_short_name(demo_app, allowed_lora):
     from gradio_client import Client
 
-    from fdlora.pipelines.diffusers import tiny
-
-    pipe = demo_app.fd_demo.pipe
-    for name, data in tiny.random_lora_files(tiny.sd15(), seed=7).items():
-        (tmp_path / name).write_bytes(data)
     c = Client(demo_app.local_url, verbose=False)
-    *_, status = c.predict(str(tmp_path / "pytorch_lora_weights.safetensors"), ["pixel"], api_name="/add_adapter")
+    *_, status = c.predict(str(allowed_lora), ["pixel"], api_name="/add_adapter")
     assert "as 'pytorch_lora_weights'" in status
-    assert "pytorch_lora_weights" in demo_app.fd_demo.names
-    assert "pytorch_lora_weights" in pipe.get_list_adapters()["unet"]
-    _, status = c.predict("a cat", ["pytorch_lora_weights"], *weights(1.0, 1.0, 0.5), api_name="/generate")
-    assert "active: pytorch_lora_weights=0.50 |" in status
+    *_, status = c.predict("pytorch_lora_weights", ["pixel"], api_name="/add_adapter")
+    assert "as 'pytorch_lora_weights_'" in status
+    *_, status = c.predict("fdlora-demo/watercolor", ["pixel"], api_name="/add_adapter")  # a bundled one
+    assert "as 'watercolor_'" in status
+
+
+def test_add_adapter_refuses_everything_else_alike(demo_app, allowed_lora, tmp_path):
+    """Not a file oracle: paths outside the allowlist, '..', absolute paths, directories, existing or not,
+    all get the same one-line refusal, and no file is opened for them."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    (tmp_path / "secret.safetensors").write_bytes(b"x" * 64)
+    attempts = [
+        "/etc/passwd", "/etc/does-not-exist", "../../../../etc/passwd", "..", str(allowed_lora.parent),
+        str(allowed_lora.parent) + "/", str(allowed_lora.parent / ".." / allowed_lora.parent.name / allowed_lora.name),
+        str(tmp_path / "secret.safetensors"), str(tmp_path), "secret", "some-user/some-repo", "", " ",
+    ]
+    c = Client(demo_app.local_url, verbose=False)
+    messages = set()
+    names = list(demo_app.fd_demo.names)
+    for src in attempts:
+        with pytest.raises(AppError) as e:
+            c.predict(src, ["pixel"], api_name="/add_adapter")
+        messages.add(str(e.value))
+    assert len(messages) == 1, messages
+    (msg,) = messages
+    assert "not an adapter this demo offers" in msg and "\n" not in msg.strip()
+    assert "passwd" not in msg and "header" not in msg and "exist" not in msg and str(tmp_path) not in msg
+    assert demo_app.fd_demo.names == names  # nothing loaded
+
+
+def test_add_refusal_opens_nothing(demo_app, monkeypatch):
+    """The decision is made from the string alone: no filesystem call for a refused request."""
+    import builtins
+    import os
+
+    from fdlora.errors import FdLoraError
+
+    touched = []
+    for mod, attr in ((builtins, "open"), (os, "stat"), (os, "listdir"), (os, "scandir")):
+        real = getattr(mod, attr)
+        monkeypatch.setattr(mod, attr, lambda *a, _real=real, **k: (touched.append(a[:1]), _real(*a, **k))[1])
+    with pytest.raises(FdLoraError, match="not an adapter this demo offers"):
+        demo_app.fd_demo.add("/etc/passwd")
+    monkeypatch.undo()
+    assert touched == []

@@ -141,3 +141,22 @@ def test_merge_and_unload_matches_peft(case_id, names, changed):
     for k in want:
         assert torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6 * float(want[k].abs().max())), k
     check_close(run(ours, inputs), run(theirs, inputs), oracle, "merged")
+
+
+def test_save_peft_os_errors_name_the_path(tmp_path):
+    """A file where the folder should be, or a weight path that is a folder: SaveError (an OSError) naming it."""
+    from fdlora.errors import SaveError
+
+    b = built("llama")
+    model = fdlora.load_fd_lora(copy.deepcopy(b.base), b.dirs["one"], "one")
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a folder")
+    cases = {"file-as-dir": a_file, "under-a-file": a_file / "sub"}
+    blocked = tmp_path / "blocked"
+    (blocked / "adapter_model.safetensors").mkdir(parents=True)  # the weights file's name is a folder
+    cases["weights-name-is-a-dir"] = blocked
+    for case, target in cases.items():
+        with pytest.raises(SaveError, match="could not save adapter 'one' to") as e:
+            fdlora.save_peft(model, target, "one")
+        assert str(target) in str(e.value) and isinstance(e.value, OSError), case
+    assert fdlora.save_peft(model, tmp_path / "ok", "one")  # the model still saves where it can
