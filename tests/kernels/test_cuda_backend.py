@@ -42,6 +42,28 @@ def test_status_without_nvcc_says_so_and_selection_falls_back(monkeypatch, tmp_p
     monkeypatch.setattr(cuda, "_probed", False)
 
 
+def test_env_command_reports_each_backend_and_why(monkeypatch, tmp_path, capsys) -> None:
+    from fdlora.apps.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(build, "_packaged", lambda: None)
+    monkeypatch.setattr(build, "_cached", lambda: None)
+    monkeypatch.setattr(build, "nvcc", lambda: None)
+    cuda = registry.backends()["cuda"]
+    monkeypatch.setattr(cuda, "_probed", False)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch       {torch.__version__}" in out
+    assert "cuda ext    not built: nvcc not found" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(lines) == set(registry.backends())
+    assert lines["torch"].split(None, 1)[1] == "available"
+    assert "not built: nvcc not found" in lines["cuda"]
+    monkeypatch.setattr(cuda, "_probed", False)
+
+
 def test_status_names_a_missing_ninja(monkeypatch, tmp_path) -> None:
     nvcc = tmp_path / "cuda" / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True)
