@@ -174,8 +174,14 @@ def main() -> int:
     layer = {b: layer_host_us(b) for b in ("cuda", "triton", "torch")}
     linear = torch.nn.Linear(256, 256).cuda().half()
     xs = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    t = inputs(64, 256, 256, 4, 16, [16, 0, 0, 0], [0.7, 0, 0, 0], torch.float16, "blend")
+    bound = cuda_ops.prepare_linear(t["x"], t["W"], None, t["A"], t["B"], t["scale"], t["ranks"], 0)
     with torch.no_grad():
         layer["nn.Linear"] = host_us(lambda: linear(xs))
+        layer["F.linear"] = host_us(lambda: F.linear(xs, linear.weight))
+        layer["cuda op, bound (prepare_linear)"] = host_us(lambda: bound(t["x"]))
+        layer["cuda op, through torch.ops"] = host_us(lambda: torch.ops.fdlora_cuda.lora_linear(
+            t["x"], t["W"], None, t["A"], t["B"], t["scale"], t["gw"], t["ranks"]))
     print("host us per layer call (eager blend, no merge cache):", {k: round(v, 1) for k, v in layer.items()},
           flush=True)
     rows = []

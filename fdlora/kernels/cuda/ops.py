@@ -27,7 +27,7 @@ _conv = _ops.lora_conv_delta.default
 _bias = _ops.lora_bias_add.default
 
 __all__ = ["lora_bias_add", "lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear",
-           "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_linear"]
+           "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_linear"]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -73,6 +73,22 @@ def lora_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: 
     if _direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or _direct(bias)):
         return _C.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
     return _linear(x, W, bias, A, B, scale, group_weight, ranks)
+
+
+def prepare_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+                       row_slot: torch.Tensor, ranks: torch.Tensor):
+    """lora_delta_rows now, and for plain eager calls the call kept with the bank bound: `ready(y, x, scale,
+    row_slot)` runs it on new tensors (True), as fdlora.layers.decode replays one launch per layer."""
+    lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
+    if not _direct(y, x, A, B, scale, row_slot, ranks):
+        return None
+    run = _C.lora_delta_rows
+
+    def ready(y: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, row_slot: torch.Tensor) -> bool:
+        run(y, x, A, B, scale, row_slot, ranks)
+        return True
+
+    return ready
 
 
 _ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
