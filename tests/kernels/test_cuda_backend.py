@@ -316,7 +316,11 @@ def test_compiled_model_on_the_cuda_backend_switches_without_recompiling(cops) -
                 fdlora.set_adapters(model, list(active), list(active.values()))
                 torch.testing.assert_close(model(x).float(), expected(active), rtol=2e-2, atol=2e-2)
         fdlora.handle(model).freeze()
-        compiled = torch.compile(model, fullgraph=True)
+        import importlib.util
+
+        # inductor generates Triton code on CUDA; without triton the graph still compiles whole (aot_eager)
+        compiled = torch.compile(model, fullgraph=True,
+                                 backend="inductor" if importlib.util.find_spec("triton") else "aot_eager")
         try:
             with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
                 for active in cases:
