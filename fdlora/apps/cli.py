@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "bench": ("fdlora.apps.bench", "run the benchmark suite or a named subset; prints a table, writes JSON"),
     "plan": ("fdlora.apps.plan", "merge, serve dynamically or cache merged weights? predicted from configs"),
     "run": ("fdlora.apps.run", "build a pipeline or model from a YAML config, load its adapters, optionally generate"),
+    "serve": ("fdlora.apps.serve", "serve a run config's pipeline and adapters over HTTP on Ray Serve (fd-lora[serve])"),
 }
 
 
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         from ..errors import FdLoraError
+        from ..extras import translate
 
+        e = translate(e, f"fdlora {args.command}")  # a missing optional package: one line naming the extra
         kind = "error" if isinstance(e, FdLoraError) else type(e).__name__
         print(f"fdlora {args.command}: {kind}: {e}", file=sys.stderr)
         return 1
