@@ -146,6 +146,10 @@ def _text(name: str, v: Any) -> str:
         raise RequestError(422, f"{name}: longer than {MAX_PROMPT} characters")
     if "\x00" in v:
         raise RequestError(422, f"{name}: contains a NUL character")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:  # JSON allows "\ud800"; a tokenizer does not
+        raise RequestError(422, f"{name}: not valid Unicode (a lone surrogate escape)") from None
     return v
 
 
