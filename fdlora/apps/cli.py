@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "bench": ("fdlora.apps.bench", "run the benchmark suite or a named subset; prints a table, writes JSON"),
     "plan": ("fdlora.apps.plan", "merge, serve dynamically or cache merged weights? predicted from configs"),
     "run": ("fdlora.apps.run", "build a pipeline or model from a YAML config, load its adapters, optionally generate"),
-    "serve": ("fdlora.apps.serve", "serve a run config's pipeline and adapters over HTTP on Ray Serve (fd-lora[serve])"),
+    "serve": ("fdlora.apps.serve", "serve a run config's pipeline and adapters over HTTP (Ray Serve; fd-lora[serve])"),
 }
 
 

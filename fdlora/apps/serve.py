@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
                           "models are not served yet")
     names = ", ".join(a.name for a in cfg.adapters) or "none (base model only)"
     print(f"{args.config}: {cfg.base} x{s['replicas']} replicas, {s['adapters_per_replica']} adapters per replica, "
-          f"batches of up to {s['max_batch']}; allowed adapters: {names}")
+          f"batches of up to {s['max_batch']}, on {s['host']}:{s['port']}; allowed adapters: {names}")
     if args.check:
         print("config is valid")
         return 0
