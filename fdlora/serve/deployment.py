@@ -144,9 +144,14 @@ class _Resident:
     """What Ray's multiplexed LRU holds per adapter; dropping it releases the adapter from the pipeline."""
 
     def __init__(self, engine: Engine, name: str) -> None:
-        self.engine, self.name = engine, name
+        self.engine, self.name, self.released = engine, name, False
 
     def __del__(self) -> None:
+        # Ray calls this when its LRU drops the adapter, and Python again when the object is collected (an
+        # instance attribute cannot replace a type's __del__): release once, or a reload in between is undone
+        if self.released:
+            return
+        self.released = True
         try:
             self.engine.release(self.name)
         except Exception:  # never raise from a finalizer; the pool keeps working either way

@@ -7,7 +7,8 @@ cache) into the pipeline's slot pool, sized `adapters_per_replica`: the pool is 
 GPU-resident adapters (fdlora.hub.pool), and an adapter it evicts comes back from RAM. Ray Serve's
 multiplexing (fdlora.serve.deployment) routes requests to the replica that holds their adapter and calls
 `release` when its own LRU drops one; a release of an adapter a queued request still needs is harmless,
-since `run` loads what its batch names first.
+since `run` loads what its batch names first. The other adapters of a blend load here too, outside Ray's
+LRU: host memory holds at most the allowlist's adapters, the device at most `adapters_per_replica`.
 
 Each request keeps its own seed (one torch.Generator per prompt), so a request's image does not depend on
 the batch it lands in, up to float rounding of batched matmuls (CPU: ~2e-6, at most 1/255 after the PNG

@@ -151,12 +151,12 @@ def test_four_processes_one_empty_cache_never_see_a_partial_file(pytestconfig, t
         assert p.returncode == 0, err[-3000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     for o in outs:
-        assert o["bad"] == [] and o["checked"] > 0
-        assert o["hub"] == want and o["local"] == want
+        assert o["bad"] == [] and o["checked"] > 0, o
+        assert o["hub"] == want and o["local"] == want, o
     assert partial_files(hf_cache, local) == []
     blobs = [p for p in (hf_cache / f"models--{repo.replace('/', '--')}" / "blobs").iterdir()
              if not p.name.endswith(TEMP_SUFFIXES)]
-    assert len(blobs) == 1  # one copy of the file, not one per process
+    assert len(blobs) == 1, blobs  # one copy of the file, not one per process
 
 
 def _mount(*args: str) -> bool:

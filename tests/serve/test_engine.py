@@ -1,0 +1,57 @@
+"""One replica's work without Ray (fdlora.serve.engine): mixed-adapter batches as per-prompt calls, split only by
+shape and slot count, each image equal to its request run alone; release and reload; allowlist only."""
+
+from __future__ import annotations
+
+import pytest
+from support import serving
+
+from fdlora.config import validate
+from fdlora.hub.localcache import populate
+from fdlora.pipelines.diffusers import tiny
+from fdlora.serve import ImageRequest, RequestError
+from fdlora.serve.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(pytestconfig):
+    pipe = tiny.sd15()
+    names = {}
+    for i in range(3):
+        populate(pytestconfig.fakehub.root, f"serve-engine/l{i}", tiny.random_lora_files(pipe, seed=40 + i))
+        names[f"e{i}"] = f"serve-engine/l{i}"
+    cfg = validate({"pipeline": "tiny-sd15", "device": "cpu", "steps": 2, "size": 64,
+                    "adapters": [{"name": n, "source": r} for n, r in names.items()],
+                    "serve": {"adapters_per_replica": 2, "max_steps": 4, "max_size": 128}})
+    return Engine(cfg)
+
+
+def R(adapters, seed=0, steps=2, size=64, prompt="a cat"):
+    return ImageRequest(prompt, adapters, None, seed, steps, size, size)
+
+
+def test_plan_groups_by_shape_and_splits_only_past_the_slots(engine):
+    reqs = [R({"e0": 1}), R({"e1": 1}), R({}, size=72), R({"e0": 0.5, "e1": 1}), R({"e2": 1}), R({"e2": 1}, steps=3)]
+    assert engine.plan(reqs) == [[0, 1, 3], [4], [2], [5]]  # e0+e1 fill the 2 slots; e2 starts a new call
+
+
+def test_a_mixed_batch_equals_each_request_alone(engine):
+    reqs = [R({"e0": 0.8}, seed=1), R({"e1": -0.6}, seed=2, prompt="a dog"), R({}, seed=3),
+            R({"e0": 0.3, "e1": 0.9}, seed=4), R({"e2": 1.2}, seed=5), R({"e0": 0.8}, seed=1, size=72)]
+    calls = engine.calls
+    batch = engine.run(reqs)
+    assert engine.calls - calls == 3  # [0..3], [4] (a third adapter past 2 slots), [5] (another size)
+    alone = [engine.run([r])[0] for r in reqs]
+    for b, a in zip(batch, alone):
+        d = abs(serving.decode_png(b) - serving.decode_png(a))
+        assert d.max() <= 1 and (d > 0).mean() < 0.01
+    assert abs(serving.decode_png(batch[0]) - serving.decode_png(batch[2])).max() > 2  # adapters act
+
+
+def test_release_then_reload_and_the_allowlist(engine):
+    before = engine.run([R({"e1": 0.7}, seed=9)])[0]
+    engine.release("e1")
+    assert "e1" not in engine.known()
+    assert engine.run([R({"e1": 0.7}, seed=9)])[0] == before  # loaded again from the cache, same image
+    with pytest.raises(RequestError):
+        engine.ensure(["../e1"])
