@@ -228,7 +228,9 @@ def init_ray(cfg, *, num_cpus: int | None = None, **ray_kwargs: Any) -> None:
     path = os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "FDLORA_", "TRANSFORMERS_", "DIFFUSERS_"))}
     ray_kwargs.setdefault("include_dashboard", False)
-    ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {**env, "PYTHONPATH": path}}, **ray_kwargs)
+    # address="local": a new cluster of our own, never one that `ray start` (or another `fdlora serve`) left here
+    ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": {**env, "PYTHONPATH": path}},
+             **ray_kwargs)
 
 
 def deploy(cfg, *, num_cpus: int | None = None, **ray_kwargs: Any) -> Served:
