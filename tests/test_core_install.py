@@ -158,3 +158,24 @@ def test_cli_names_the_extra_with_the_core_alone(tmp_path):
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'fd-lora[serve]'" in lines[0], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("targets, exclude", [
+    (["q_proj", "v_proj"], None), (["0.q_proj", "q"], None), (["blocks.0.q_proj"], None), (r".*\.(q|v)_proj", None),
+    (["q_proj", "v_proj"], ["blocks.1.q_proj"]), (r".*_proj", r"blocks\.0\..*"), (["mlp", "head"], "head"),
+], ids=["suffixes", "dotted-and-partial-suffix", "full-path", "regex", "exclude-list", "exclude-regex", "exclude-str"])
+def test_core_target_matching_equals_peft(monkeypatch, targets, exclude):
+    pytest.importorskip("peft")
+    from torch import nn
+
+    from fdlora.layers.targets import match_targets
+
+    def net():
+        blocks = nn.ModuleList(nn.ModuleDict({"q_proj": nn.Linear(4, 4), "v_proj": nn.Linear(4, 4),
+                                              "mlp": nn.Linear(4, 4)}) for _ in range(2))
+        return nn.ModuleDict({"blocks": blocks, "head": nn.Linear(4, 2)})
+
+    with_peft = match_targets(net(), targets, exclude)
+    for mod in ("peft", "peft.tuners.tuners_utils"):
+        monkeypatch.setitem(sys.modules, mod, None)  # `import peft` now raises ModuleNotFoundError
+    assert match_targets(net(), targets, exclude) == with_peft

@@ -89,7 +89,7 @@ def make_app(cfg, *, num_gpus: float = 0.0):
 
         def stats(self) -> dict[str, Any]:
             return {"replica": self.replica, "known": self.engine.known(), "calls": self.engine.calls,
-                    "loads": self.engine.loads, "pid": os.getpid()}
+                    "mixed_calls": self.engine.mixed, "loads": self.engine.loads, "pid": os.getpid()}
 
     @serve.deployment(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=1000)

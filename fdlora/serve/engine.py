@@ -44,6 +44,7 @@ class Engine:
         self._lock = threading.RLock()  # ensure + call, and release, never interleave
         self.calls = 0  # pipeline calls (a batch of several shapes makes several)
         self.loads = 0
+        self.mixed = 0  # calls whose requests named different adapter sets: one per-prompt batch for all
 
     # --- adapters ------------------------------------------------------------------------------
     def known(self) -> list[str]:
@@ -107,6 +108,7 @@ class Engine:
             with torch.inference_mode():
                 images = self.pipe(**kw).images
             self.calls += 1
+            self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [png(im) for im in images]
 
 

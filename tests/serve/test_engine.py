@@ -38,9 +38,10 @@ def test_plan_groups_by_shape_and_splits_only_past_the_slots(engine):
 def test_a_mixed_batch_equals_each_request_alone(engine):
     reqs = [R({"e0": 0.8}, seed=1), R({"e1": -0.6}, seed=2, prompt="a dog"), R({}, seed=3),
             R({"e0": 0.3, "e1": 0.9}, seed=4), R({"e2": 1.2}, seed=5), R({"e0": 0.8}, seed=1, size=72)]
-    calls = engine.calls
+    calls, mixed = engine.calls, engine.mixed
     batch = engine.run(reqs)
     assert engine.calls - calls == 3  # [0..3], [4] (a third adapter past 2 slots), [5] (another size)
+    assert engine.mixed - mixed == 1  # e0, e1, none and a blend in one per-prompt call
     alone = [engine.run([r])[0] for r in reqs]
     for b, a in zip(batch, alone):
         d = abs(serving.decode_png(b) - serving.decode_png(a))

@@ -113,6 +113,7 @@ def test_64_concurrent_requests_with_random_adapters_equal_each_run_alone(live, 
     stats = replica_stats()
     calls = sum(s["calls"] for s in stats)
     assert calls < len(reqs), f"{calls} pipeline calls for {len(reqs)} requests: no batching"
+    assert sum(s["mixed_calls"] for s in stats) > 0  # requests with different adapters shared one call
     print(f"\n64 requests in {wall:.1f}s, {calls} pipeline calls, {exact}/64 bit-exact, stats {stats}")
 
 
