@@ -12,14 +12,15 @@
     steps: 2
     output: out.png                # ... and save it here
     serve:                         # optional; `fdlora serve` only (fdlora.serve): every key has a default
-      replicas: 1                  #   pipelines on Ray Serve, one per replica
+      replicas: 1                  #   pipelines (or models) on Ray Serve, one per replica
       adapters_per_replica: 4      #   GPU slots per replica (LRU); also Ray's multiplexed models per replica
       max_batch: 8                 #   requests (any adapters) put into one per-prompt batch
       batch_wait_s: 0.05           #   how long a batch waits to fill
       host: 127.0.0.1              #   HTTP interface (loopback unless told otherwise)
       port: 8000
       address: null                #   an existing Ray cluster (ray://host:10001 or auto); default: start a local one
-      max_steps: 50                #   request limits: num_inference_steps, height / width (multiples of 8)
+      max_steps: 50                #   request limits: num_inference_steps (models: max_new_tokens),
+                                   #   height / width (multiples of 8)
       max_size: 1024
 
 `load_config(path)` returns a validated `Config`; `from_config(path)` builds the pipeline or model

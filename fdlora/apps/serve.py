@@ -1,4 +1,5 @@
-"""`fdlora serve CONFIG.yaml`: serve the config's pipeline and adapters over HTTP on Ray Serve.
+"""`fdlora serve CONFIG.yaml`: serve the config's pipeline (POST /v1/images) or Transformers model
+(POST /v1/generate) and its adapters over HTTP on Ray Serve.
 
 The config is an `fdlora run` YAML plus an optional `serve:` section (replicas, adapters_per_replica, max_batch,
 batch_wait_s, host, port, address, max_steps, max_size; see fdlora.config). The adapters the config lists are
@@ -33,11 +34,6 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
     cfg = dataclasses.replace(cfg, serve=s)
-    if cfg.kind != "pipeline":
-        from ..errors import ConfigError
-
-        raise ConfigError(f"{cfg.source}: fdlora serve serves diffusers pipelines ('pipeline:'); Transformers "
-                          "models are not served yet")
     names = ", ".join(a.name for a in cfg.adapters) or "none (base model only)"
     print(f"{args.config}: {cfg.base} x{s['replicas']} replicas, {s['adapters_per_replica']} adapters per replica, "
           f"batches of up to {s['max_batch']}, on {s['host']}:{s['port']}; allowed adapters: {names}")
@@ -52,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import deploy
 
     served = deploy(cfg)
-    print(f"serving on {served.url}  (POST /v1/images, GET /v1/adapters); Ctrl-C stops", flush=True)
+    route = "/v1/images" if cfg.kind == "pipeline" else "/v1/generate"
+    print(f"serving on {served.url}  (POST {route}, GET /v1/adapters); Ctrl-C stops", flush=True)
     try:
         while True:
             time.sleep(3600)

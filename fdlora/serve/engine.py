@@ -28,13 +28,17 @@ from ..errors import FdLoraError
 from .schema import ImageRequest, Limits, RequestError
 
 
+def make_engine(cfg):
+    """The engine for a config: images for `pipeline:`, greedy token generation for `model:`."""
+    return Engine(cfg) if cfg.kind == "pipeline" else TextEngine(cfg)
+
+
 class Engine:
     def __init__(self, cfg, pipe: Any = None) -> None:
         from ..config import build
 
         if cfg.kind != "pipeline":
-            raise FdLoraError(f"{cfg.source}: fdlora serve serves diffusers pipelines ('pipeline:'); "
-                              "Transformers models ('model:') are not served yet")
+            raise FdLoraError(f"{cfg.source}: Engine serves diffusers pipelines; use TextEngine for 'model:'")
         self.cfg = cfg
         self.limits = Limits.from_config(cfg)
         self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
@@ -121,3 +125,75 @@ def png(image) -> bytes:
 def json_body(image_png: bytes, request: ImageRequest, replica: str | None) -> dict[str, Any]:
     return {"image": base64.b64encode(image_png).decode(), "format": "png", "adapters": request.adapters,
             "seed": request.seed, "replica": replica}
+
+
+class TextEngine(Engine):
+    """A Transformers model (`model:` config): requests of the same prompt length and token budget run as one
+    `generate(..., fd_lora_adapters=[one spec per row])`, greedy, no padding."""
+
+    def __init__(self, cfg, model: Any = None) -> None:
+        from ..config import build
+
+        self.cfg = cfg
+        self.limits = Limits.from_config(cfg)
+        self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
+        self.specs = {a.name: a for a in cfg.adapters}
+        self.pipe = model if model is not None else build(replace(cfg, adapters=[]))
+        self.vocab = int(self.pipe.get_input_embeddings().num_embeddings)
+        self._lock = threading.RLock()
+        self.calls = self.loads = self.mixed = 0
+
+    def known(self) -> list[str]:
+        from ..layers import registry_of_models
+
+        h = registry_of_models.get(self.pipe)
+        return list(h.list_adapters()) if h is not None else []
+
+    def ensure(self, names: Sequence[str]) -> None:
+        from ..pipelines.transformers import load_fd_lora
+
+        with self._lock:
+            for name in names:
+                if name in self.known():
+                    continue
+                spec = self.specs.get(name)
+                if spec is None:
+                    raise RequestError(422, "adapters: not an adapter this server offers")
+                load_fd_lora(self.pipe, spec.source, adapter_name=name, activate=False, **spec.hub)
+                self.loads += 1
+
+    def release(self, name: str) -> None:
+        from .. import api
+
+        with self._lock:
+            if name in self.known():
+                api.delete_adapter(self.pipe, name)
+
+    def _call(self, reqs: list) -> list[list[int]]:
+        import torch
+
+        bad = [r for r in reqs if max(r.input_ids) >= self.vocab]
+        if bad:
+            raise RequestError(422, f"input_ids: token ids must be below the vocabulary size {self.vocab}")
+        names = sorted({n for r in reqs for n in r.adapters})
+        ids = torch.tensor([list(r.input_ids) for r in reqs], dtype=torch.long)
+        eos = self.pipe.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        kw: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), max_new_tokens=reqs[0].max_new_tokens,
+                                  do_sample=False, pad_token_id=next(iter(eos), 0))
+        with self._lock:
+            self.ensure(names)
+            if self.known():
+                kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
+            with torch.inference_mode():
+                out = self.pipe.generate(ids, **kw)[:, ids.shape[1]:]
+            self.calls += 1
+            self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
+        return [_until_eos(row.tolist(), eos) for row in out]
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

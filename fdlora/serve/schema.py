@@ -8,6 +8,13 @@ every malformed request gets a 4xx whose body is one line, `{"error": "<reason>"
      "seed": 0, "num_inference_steps": 20, "height": 512, "width": 512,
      "response_format": "png"}           "png" (image/png body) or "json" ({"image": base64 PNG, ...})
 
+A Transformers model (`model:` config) is served at `POST /v1/generate` instead, greedy decoding:
+
+    {"input_ids": [1, 15, 27],           required, 1..MAX_TOKENS token ids of the model's vocabulary
+     "adapters": {"chat": 1.0},          as above
+     "max_new_tokens": 16}               1..serve.max_steps
+    -> {"output_ids": [...], "adapters": ..., "replica": ...}   (up to and including the first EOS)
+
 A reason never echoes a caller's adapter name or anything about the server's files: an adapter outside the
 allowlist gets the same refusal whatever it looks like (`../../etc/passwd`, an absolute path, a repo id).
 """
@@ -25,6 +32,8 @@ MAX_BODY_BYTES = 64 * 1024
 MAX_PROMPT = 2000
 MAX_WEIGHT = 100.0
 MAX_SEED = 2**63 - 1
+MAX_TOKENS = 2048
+TEXT_KEYS = ("input_ids", "adapters", "max_new_tokens")
 KEYS = ("prompt", "negative_prompt", "adapters", "seed", "num_inference_steps", "height", "width", "response_format")
 FORMATS = ("png", "json")
 
@@ -47,14 +56,49 @@ class Limits:
     max_size: int = 1024
     default_steps: int = 20
     default_size: int = 512
+    vocab: int | None = None  # models: token ids must be below it
 
     @classmethod
     def from_config(cls, cfg) -> Limits:
         s = cfg.serve or {}
         tiny = cfg.base.startswith("tiny-")
         max_steps, max_size = s.get("max_steps", 50), s.get("max_size", 1024)
+        vocab = 256 if cfg.base == "tiny-llama" else None  # a Hub model's vocabulary is checked by its replica
         return cls(tuple(a.name for a in cfg.adapters), s.get("adapters_per_replica", 4), max_steps, max_size,
-                   min(cfg.steps, max_steps), min(cfg.size or (64 if tiny else 512), max_size))
+                   min(cfg.steps, max_steps), min(cfg.size or (64 if tiny else 512), max_size), vocab)
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    input_ids: tuple[int, ...]
+    adapters: dict[str, float] = field(default_factory=dict)
+    max_new_tokens: int = 16
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    primary = property(lambda self: ImageRequest.primary.fget(self))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Requests that share one generate call: same prompt length (no padding) and new-token budget."""
+        return (len(self.input_ids), self.max_new_tokens)
+
+
+def parse_text(data: Any, limits: Limits) -> TextRequest:
+    """A TextRequest from parsed JSON or a dict; RequestError(422) otherwise."""
+    if not isinstance(data, dict):
+        raise RequestError(422, f"request body must be a JSON object, got {type(data).__name__}")
+    if any(k not in TEXT_KEYS for k in data):
+        raise RequestError(422, f"unknown field (allowed: {', '.join(TEXT_KEYS)})")
+    ids = data.get("input_ids")
+    if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_TOKENS:
+        raise RequestError(422, f"input_ids: required, a list of 1 to {MAX_TOKENS} token ids")
+    hi = (limits.vocab or 2**31) - 1
+    ids = tuple(_int("input_ids[]", t, 0, hi) for t in ids)
+    adapters = _adapters(data.get("adapters", {}), limits)
+    n = _int("max_new_tokens", data.get("max_new_tokens", min(16, limits.max_steps)), 1, limits.max_steps)
+    return TextRequest(ids, adapters, n)
 
 
 @dataclass(frozen=True)
@@ -88,8 +132,9 @@ def _one_line(s: str) -> str:
     return " ".join(str(s).split())[:300]
 
 
-def parse_body(body: bytes, content_type: str | None, limits: Limits) -> ImageRequest:
-    """An ImageRequest from raw HTTP bytes; RequestError (415 / 413 / 400 / 422) otherwise."""
+def parse_body(body: bytes, content_type: str | None, limits: Limits, parser=None) -> ImageRequest:
+    """An ImageRequest (or what `parser` makes: parse_text) from raw HTTP bytes; RequestError (415 / 413 / 400 /
+    422) otherwise."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise RequestError(415, "Content-Type must be application/json")
@@ -105,7 +150,7 @@ def parse_body(body: bytes, content_type: str | None, limits: Limits) -> ImageRe
         raise RequestError(400, "request body nests too deeply") from None
     except (ValueError, OverflowError) as e:
         raise RequestError(400, f"request body is not valid JSON ({_one_line(e)[:80]})") from None
-    return parse(data, limits)
+    return (parser or parse)(data, limits)
 
 
 def _no_constant(name: str):

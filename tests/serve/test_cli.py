@@ -50,9 +50,9 @@ def test_bad_serve_sections_are_one_line_config_errors(tmp_path, capsys, section
     assert len(err.splitlines()) == 1 and f": {key}:" in err and "error:" in err, err
 
 
-def test_serving_a_model_config_says_not_yet(tmp_path, capsys):
-    assert main(["serve", str(write(tmp_path, "model: tiny-llama\n")), "--check"]) == 1
-    assert "not served yet" in capsys.readouterr().err
+def test_a_model_config_is_served_at_generate(tmp_path, capsys):
+    assert main(["serve", str(write(tmp_path, "model: tiny-llama\nserve: {max_steps: 8}\n")), "--check"]) == 0
+    assert "tiny-llama" in capsys.readouterr().out
 
 
 def test_fdlora_serve_starts_a_local_cluster_and_stops_on_ctrl_c(pytestconfig, tmp_path):

@@ -56,3 +56,28 @@ def test_release_then_reload_and_the_allowlist(engine):
     assert engine.run([R({"e1": 0.7}, seed=9)])[0] == before  # loaded again from the cache, same image
     with pytest.raises(RequestError):
         engine.ensure(["../e1"])
+
+
+def test_text_engine_batches_mixed_adapters_like_each_alone(pytestconfig):
+    from fdlora.serve.engine import TextEngine, make_engine
+    from fdlora.serve.schema import TextRequest, parse_text
+
+    repos = serving.publish_text_adapters(pytestconfig.fakehub.root)
+    cfg = validate({"model": "tiny-llama", "device": "cpu",
+                    "adapters": [{"name": n, "source": r} for n, r in repos.items()],
+                    "serve": {"adapters_per_replica": 4, "max_steps": 8}})
+    eng = make_engine(cfg)
+    assert isinstance(eng, TextEngine)
+    prompt = (1, 17, 33, 90)
+    reqs = [TextRequest(prompt, a, 6) for a in ({"t0": 1.0}, {}, {"t1": 0.7, "t2": 0.5}, {"t2": 1.0})]
+    reqs.append(TextRequest((1, 5), {"t0": 1.0}, 6))  # another length: its own call
+    calls = eng.calls
+    batch = eng.run(reqs)
+    assert eng.calls - calls == 2 and eng.mixed >= 1
+    alone = [eng.run([r])[0] for r in reqs]
+    assert batch == alone
+    assert batch[0] != batch[1] or batch[3] != batch[1]  # adapters change the tokens
+    with pytest.raises(RequestError):
+        eng.run([TextRequest((300,), {}, 2)])  # past the vocabulary: a 422, not an IndexError
+    with pytest.raises(RequestError):
+        parse_text({"input_ids": [1], "adapters": {"../t0": 1}}, eng.limits)

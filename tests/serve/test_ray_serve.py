@@ -162,6 +162,55 @@ def test_handle_api_validates_like_http_and_matches_the_oracle(live, oracle):
         client.generate("a cat", adapters={"/etc/passwd": 1.0})
 
 
+def test_a_transformers_model_served_beside_it(live, pytestconfig):
+    """A `model:` config on the same cluster and proxy (app "fdlora-text" at /text): POST /v1/generate, greedy,
+    12 concurrent requests with random adapters (same prompt length, so they batch), each equal to the same
+    request alone on an in-process model with every adapter loaded; /v1/images there is a 4xx."""
+    import torch
+
+    from fdlora.config import build, validate
+    from fdlora.pipelines.transformers import load_fd_lora
+    from fdlora.serve import deploy
+
+    repos = serving.publish_text_adapters(pytestconfig.fakehub.root)
+    cfg = validate({"model": "tiny-llama", "device": "cpu",
+                    "adapters": [{"name": n, "source": r} for n, r in repos.items()],
+                    "serve": {"replicas": 1, "adapters_per_replica": 4, "max_batch": 8, "max_steps": 8,
+                              "port": int(live.url.rsplit(":", 1)[1])}})
+    text = deploy(cfg, name="fdlora-text", route_prefix="/text")
+    try:
+        model = build(replace(cfg, adapters=[]))
+        for a in cfg.adapters:
+            load_fd_lora(model, a.source, adapter_name=a.name, activate=False)
+        rng = random.Random(7)
+        names = sorted(repos)
+        reqs = [{"input_ids": [1] + [rng.randrange(3, 256) for _ in range(5)], "max_new_tokens": 6,
+                 "adapters": {n: round(rng.uniform(-1, 1.5), 2) for n in rng.sample(names, rng.choice([0, 1, 2]))}}
+                for _ in range(12)]
+        with ThreadPoolExecutor(12) as ex:
+            results = list(ex.map(lambda r: serving.post(text.url, json.dumps(r).encode(), path="/v1/generate"),
+                                  reqs))
+        eos = model.generation_config.eos_token_id
+        for r, (status, _, body) in zip(reqs, results):
+            assert status == 200, body[:300]
+            with torch.inference_mode():
+                ids = torch.tensor([r["input_ids"]])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                     pad_token_id=eos, fd_lora_adapters=[r["adapters"] or None])[0, 6:].tolist()
+            want = out[: out.index(eos) + 1] if eos in out else out
+            assert json.loads(body)["output_ids"] == want, r
+        assert text.client.complete(reqs[0]["input_ids"], adapters=reqs[0]["adapters"], max_new_tokens=6) \
+            == json.loads(results[0][2])["output_ids"]
+        status, _, body = serving.post(text.url, json.dumps({"input_ids": [300]}).encode(), path="/v1/generate")
+        assert status == 422 and b"0 to 255" in body  # tiny-llama: checked at the ingress
+        status, _, body = serving.post(text.url, json.dumps({"prompt": "a cat"}).encode())
+        assert status == 404 and b"/v1/generate" in body
+        status, _, body = serving.post(live.url, json.dumps({"input_ids": [1]}).encode(), path="/v1/generate")
+        assert status == 404 and b"/v1/images" in body
+    finally:
+        text.shutdown()
+
+
 def test_a_replica_killed_mid_run_loses_no_request(live, oracle):
     import ray
 

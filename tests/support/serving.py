@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import io
-import os
 import socket
 import threading
 import time
@@ -45,6 +44,7 @@ def free_port() -> int:
 
 
 def _publish(root: str) -> dict[str, str]:
+    """8 diffusers-format LoRAs for the tiny SD1.5 pipeline on the loopback Hub."""
     from fdlora.hub.localcache import populate
     from fdlora.pipelines.diffusers import tiny
 
@@ -54,6 +54,40 @@ def _publish(root: str) -> dict[str, str]:
         repo = f"serve-tests/lora-{i}"
         populate(root, repo, tiny.random_lora_files(pipe, seed=100 + i, strength=2.0))
         repos[f"a{i}"] = repo
+    return repos
+
+
+def peft_files(model, seed: int) -> dict[str, bytes]:
+    """A PEFT adapter for the tiny Llama, saved by PEFT itself (random A and B: it changes the tokens)."""
+    import copy
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from fdlora.hub.localcache import files_from_dir
+
+    torch.manual_seed(seed)
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    for n, p in pm.named_parameters():
+        if "lora_B" in n:
+            p.data.mul_(20)
+    with tempfile.TemporaryDirectory() as d:
+        pm.save_pretrained(d)
+        return files_from_dir(d)
+
+
+def publish_text_adapters(root, n: int = 3) -> dict[str, str]:
+    """n PEFT adapters for the tiny Llama (fdlora.config's tiny-llama) on the loopback Hub."""
+    from fdlora.config import _tiny_llama
+    from fdlora.hub.localcache import populate
+
+    base = _tiny_llama()
+    repos = {}
+    for i in range(n):
+        repos[f"t{i}"] = f"serve-text/l{i}"
+        populate(root, repos[f"t{i}"], peft_files(base, 60 + i))
     return repos
 
 
@@ -132,5 +166,3 @@ def decode_png(data: bytes):
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
 
 
-def env_summary() -> str:
-    return f"pid {os.getpid()}"
