@@ -126,3 +126,30 @@ def test_the_schema_refuses_the_same_cases_in_process():
         n += 1
     assert n >= 1000
     assert parse_body(_j(GOOD), "application/json; charset=utf-8", limits).adapters == {"a1": 0.7}
+
+
+def test_the_text_schema_refuses_malformed_generate_requests():
+    """POST /v1/generate (Transformers models): the same guarantees for its fields, in-process."""
+    from fdlora.serve.schema import parse_text
+
+    limits = Limits(("t0", "t1"), max_adapters=2, max_steps=8, vocab=256)
+    rng = random.Random(2801)
+    bad_values = {
+        "input_ids": [None, "1 2", [], [1.5], [-1], [256], [True], [[1]], list(range(3000)), {"0": 1}, [2**70]],
+        "max_new_tokens": [0, 9, -1, 1.0, "8", None, True, 10**30],
+        "adapters": [[], "t0", {"t9": 1}, {"../t0": 1}, {"t0": "1"}, {"t0": float("inf")}, {"t0": 1, "t1": 1, "x": 1}],
+    }
+    n = 0
+    for _ in range(scaled(300)):
+        body = {"input_ids": [1, 2, 3]}
+        key = rng.choice([*bad_values, "unknown"])
+        if key == "unknown":
+            body[rng.choice(["prompt", "temperature", "model"])] = 1
+        else:
+            body[key] = rng.choice(bad_values[key])
+        with pytest.raises(RequestError) as e:
+            parse_body(json.dumps(body).encode(), "application/json", limits, parse_text)
+        assert 400 <= e.value.status < 500 and "\n" not in str(e.value)
+        n += 1
+    assert n >= 300
+    assert parse_text({"input_ids": [1, 255], "adapters": {"t1": -0.5}}, limits).input_ids == (1, 255)
