@@ -41,8 +41,10 @@ def __getattr__(name: str):
     the core install alone); moved modules by their old name."""
     if name in _HUB:
         from . import hub
+        from .extras import needs_extras
 
-        return getattr(hub, name)
+        obj = getattr(hub, name)
+        return obj if isinstance(obj, type) else needs_extras(obj)  # a kohya file without diffusers: one line
     if name in _PIPELINES:
         import importlib
 

@@ -124,8 +124,11 @@ CHILD = textwrap.dedent("""
     torch.testing.assert_close(rows[2], oracle[2], rtol=1e-5, atol=1e-5)
 
     # features that need an extra: one line naming the extra
+    kohya = {"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.randn(4, 8),
+             "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.randn(8, 4)}
     for call, extra in [(lambda: fdlora.inject(nn.Sequential(nn.Linear(2, 2)), "all-linear"), "transformers"),
-                        (lambda: fdlora.from_diffusers(object()), "diffusers")]:
+                        (lambda: fdlora.from_diffusers(object()), "diffusers"),
+                        (lambda: fdlora.load_adapters(kohya), "diffusers")]:
         try:
             call()
         except MissingExtraError as e:
