@@ -21,10 +21,8 @@ from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
 from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
 from .layers.merged import merge_cache_bytes, set_merge_cache
-from .pipelines.diffusers import from_diffusers
 from .pipelines.diffusers.hook import install as _install_diffusers_hook
 from .pipelines.scope import adapters
-from .pipelines.transformers import FdLoraModel, from_peft, load_fd_lora, merge_and_unload, save_peft
 
 _install_diffusers_hook()
 _install_moved()
@@ -32,14 +30,30 @@ _install_moved()
 __version__ = "0.1.0"
 
 _HUB = ("load_adapters", "LoadReport", "AdapterPool", "AdapterCache")
+# integration entry points (fdlora.pipelines), imported on first use: the core install has no diffusers /
+# transformers / peft, and a call that needs one raises MissingExtraError naming `pip install fd-lora[extra]`
+_PIPELINES = {"from_diffusers": "diffusers", "FdLoraModel": "transformers", "from_peft": "transformers",
+              "load_fd_lora": "transformers", "merge_and_unload": "transformers", "save_peft": "transformers"}
 
 
 def __getattr__(name: str):
-    """Hub entry points, imported on first use so `import fdlora` stays cheap; moved modules by their old name."""
+    """Hub and integration entry points, imported on first use so `import fdlora` stays cheap (and works with
+    the core install alone); moved modules by their old name."""
     if name in _HUB:
         from . import hub
+        from .extras import needs_extras
 
-        return getattr(hub, name)
+        obj = getattr(hub, name)
+        return obj if isinstance(obj, type) else needs_extras(obj)  # a kohya file without diffusers: one line
+    if name in _PIPELINES:
+        import importlib
+
+        from .extras import needs_extras
+
+        obj = getattr(importlib.import_module(f".pipelines.{_PIPELINES[name]}", __name__), name)
+        obj = obj if isinstance(obj, type) else needs_extras(obj, _PIPELINES[name])
+        globals()[name] = obj
+        return obj
     if name == "plan":  # the planner imports diffusers/transformers only when a plan is made
         from .plan import plan
 

@@ -11,6 +11,17 @@
     prompt: a cat                  # pipelines only: generate one image ...
     steps: 2
     output: out.png                # ... and save it here
+    serve:                         # optional; `fdlora serve` only (fdlora.serve): every key has a default
+      replicas: 1                  #   pipelines (or models) on Ray Serve, one per replica
+      adapters_per_replica: 4      #   GPU slots per replica (LRU); also Ray's multiplexed models per replica
+      max_batch: 8                 #   requests (any adapters) put into one per-prompt batch
+      batch_wait_s: 0.05           #   how long a batch waits to fill
+      host: 127.0.0.1              #   HTTP interface (loopback unless told otherwise)
+      port: 8000
+      address: null                #   an existing Ray cluster (ray://host:10001 or auto); default: start a local one
+      max_steps: 50                #   request limits: num_inference_steps (models: max_new_tokens),
+                                   #   height / width (multiples of 8)
+      max_size: 1024
 
 `load_config(path)` returns a validated `Config`; `from_config(path)` builds the pipeline or model
 with its adapters loaded and weighted. Every error is a ConfigError naming the key path, the bad
@@ -36,11 +47,16 @@ TINY_MODELS = ("tiny-llama",)
 HUB_KEYS = ("revision", "subfolder", "token", "cache_dir", "local_files_only", "force_download", "allow_pickle",
             "weight_name")
 TOP_KEYS = ("pipeline", "model", "dtype", "device", "backend", "hub", "quantization", "adapters", "prompt",
-            "negative_prompt", "steps", "size", "seed", "output")
+            "negative_prompt", "steps", "size", "seed", "output", "serve")
 ADAPTER_KEYS = ("name", "source", "weight", "hub")
 HUB_TYPES = {"revision": str, "subfolder": str, "weight_name": str, "cache_dir": str, "token": (str, bool),
              "local_files_only": bool, "force_download": bool, "allow_pickle": bool}
 LIMITS = {"steps": (1, 10_000), "size": (8, 16_384), "seed": (0, 2**64 - 1)}  # key: (min, max)
+# serve: key -> (type, default, (min, max) or None)
+SERVE_KEYS = {"replicas": (int, 1, (1, 64)), "adapters_per_replica": (int, 4, (1, 64)), "max_batch": (int, 8, (1, 256)),
+              "batch_wait_s": (float, 0.05, (0.0, 10.0)), "host": (str, "127.0.0.1", None),
+              "port": (int, 8000, (0, 65535)), "address": (str, None, None), "max_steps": (int, 50, (1, 1000)),
+              "max_size": (int, 1024, (8, 4096))}
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; a bigger file is not one
 _REPR = reprlib.Repr()  # bounded: YAML aliases can nest deep
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 4, 4
@@ -70,6 +86,7 @@ class Config:
     size: int | None = None
     seed: int = 0
     output: str | None = None
+    serve: dict[str, Any] | None = None  # the `serve:` section with defaults filled in (None: absent)
     source: str = "<dict>"
 
 
@@ -183,7 +200,31 @@ def validate(data: Any, where: str = "<config>") -> Config:
         cfg.output = c.typed("output", d["output"], str, "a file path")
     if cfg.output and not cfg.prompt:
         raise c.fail("output", "an output needs a 'prompt' to generate")
+    if "serve" in d:
+        cfg.serve = _serve(c, d["serve"])
     return cfg
+
+
+def _serve(c: _Checker, v: Any) -> dict[str, Any]:
+    """The `serve:` section (fdlora.serve), every key optional; None means {}."""
+    d = c.mapping("serve", {} if v is None else v, tuple(SERVE_KEYS))
+    out = {}
+    for key, (typ, default, limits) in SERVE_KEYS.items():
+        val = d.get(key, default)
+        if val is None and default is None:
+            out[key] = None
+            continue
+        path = f"serve.{key}"
+        val = c.typed(path, val, (int, float) if typ is float else typ,
+                      {int: "an integer", float: "a number", str: "a string"}[typ])
+        if typ is float:
+            val = float(val) if math.isfinite(float(val)) else math.inf
+        if limits and not limits[0] <= val <= limits[1]:
+            raise c.fail(path, f"got {_short(val)}; expected a value from {limits[0]} to {limits[1]}")
+        if typ is str and not (0 < len(val) <= 256 and val.isprintable()):
+            raise c.fail(path, f"got {_short(val)}; expected a non-empty printable string")
+        out[key] = val
+    return out
 
 
 def _hub(c: _Checker, path: str, v: Any) -> dict[str, Any]:

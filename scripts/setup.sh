@@ -8,8 +8,10 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "[setup] no torch found: installing torch==2.13.0"
     "$PY" -m pip install -q "torch==2.13.0"
 fi
-extras="dev"
-[ "$(uname -s)" = "Linux" ] && extras="dev,triton,quant"
+# The core install is torch, safetensors, huggingface_hub, tqdm, pyyaml (+ triton on Linux); the tests need every extra
+# (diffusers, transformers, demo, serve = ray[serve] + fastapi, quant on Linux).
+extras="dev,diffusers,transformers,train,demo,serve"
+[ "$(uname -s)" = "Linux" ] && extras="$extras,triton,quant"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
 # The demo's browser test drives Debian's chromium through Playwright (no `playwright install`).
 # Best effort: without /usr/bin/chromium that test skips and says so.

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "plan": ("fdlora.apps.plan", "merge, serve dynamically or cache merged weights? predicted from configs"),
     "run": ("fdlora.apps.run", "build a pipeline or model from a YAML config, load its adapters, optionally generate"),
     "env": ("fdlora.apps.env", "print torch, CUDA, GPU and Triton, and why each backend can or cannot run here"),
+    "serve": ("fdlora.apps.serve", "serve a run config's pipeline and adapters over HTTP (Ray Serve; fd-lora[serve])"),
 }
 
 
@@ -38,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         from ..errors import FdLoraError
+        from ..extras import translate
 
+        e = translate(e, f"fdlora {args.command}")  # a missing optional package: one line naming the extra
         kind = "error" if isinstance(e, FdLoraError) else type(e).__name__
         print(f"fdlora {args.command}: {kind}: {e}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ snapshot. Only the chosen file (and a PEFT config) is ever downloaded.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
@@ -49,6 +50,7 @@ WEIGHT_RULE = (
 COMMIT = re.compile(r"[0-9a-f]{40}")
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
+_CACHE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
 _LISTINGS: dict[tuple[str, str, str], tuple[str, ...]] = {}  # (endpoint, repo, sha) -> files; commits never change
 
 
@@ -340,6 +342,16 @@ def hub_error(e: Exception, repo: str, revision: str | None, file: str | None = 
     if type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests"):
         return ResolveError(f"could not reach the Hub at {constants.ENDPOINT} for {repo}@{rev} ({type(e).__name__}: "
                             f"{e}). Check the connection or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the cache.")
+    if isinstance(e, OSError) and e.errno in _CACHE_ERRNOS:  # the cache cannot take the download
+        where = f"{file!r} of {repo}@{rev}" if file else f"{repo}@{rev}"
+        folder = e.filename or constants.HF_HUB_CACHE
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ResolveError(f"no space left for {where} in the Hugging Face cache ({folder}): free space, or "
+                                "point HF_HUB_CACHE / cache_dir= at a bigger disk. The download was not kept (no "
+                                "partial file is ever visible under its final name).")
+        return ResolveError(f"the Hugging Face cache ({folder}) is read-only and {where} is not in it. A read-only "
+                            "cache serves what it holds (pin the commit, or HF_HUB_OFFLINE=1 / local_files_only=True); "
+                            "download this once into a writable cache, or pass cache_dir= a writable folder.")
     if isinstance(e, (ValueError, TypeError)):  # huggingface_hub's argument checks (a bad file name, ...)
         return ResolveError(f"huggingface_hub refused {repo}@{rev}{f' file {file!r}' if file else ''}: "
                             f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}.")

@@ -19,17 +19,24 @@ def match_targets(
     layers_to_transform: int | Sequence[int] | None = None,
     layers_pattern: str | Sequence[str] | None = None,
 ) -> list[str]:
-    """Module paths of `model` that PEFT would target with the same LoraConfig fields."""
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
-
-    cfg = LoraConfig(
-        target_modules=targets if isinstance(targets, str) else list(targets),
-        exclude_modules=exclude if exclude is None or isinstance(exclude, str) else list(exclude),
-        layers_to_transform=layers_to_transform,
-        layers_pattern=layers_pattern,
-    )
-    cfg = _maybe_include_all_linear_layers(cfg, model)
+    """Module paths of `model` that PEFT would target with the same LoraConfig fields (PEFT's own code when it
+    is installed; without it, the core install matches suffix lists and full-match regexes the same way)."""
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
+    except ModuleNotFoundError:
+        LoraConfig = None
+        check_target_module_exists = _core_matcher(targets, exclude, layers_to_transform, layers_pattern)
+    if LoraConfig is not None:
+        cfg = LoraConfig(
+            target_modules=targets if isinstance(targets, str) else list(targets),
+            exclude_modules=exclude if exclude is None or isinstance(exclude, str) else list(exclude),
+            layers_to_transform=layers_to_transform,
+            layers_pattern=layers_pattern,
+        )
+        cfg = _maybe_include_all_linear_layers(cfg, model)
+    else:
+        cfg = None
     inside_fused = set()
     paths = []
     for path, module in model.named_modules():
@@ -55,3 +62,25 @@ def match_targets(
             f"{unsupported[:10]}. Narrow the targets (e.g. 'to_q' instead of 'attn1')."
         )
     return paths
+
+
+def _core_matcher(targets: Targets, exclude: Targets | None, layers_to_transform, layers_pattern):
+    """PEFT's check_target_module_exists for plain targets (a suffix list or a full-match regex, with exclusions),
+    for installs without peft; 'all-linear' and layer selection need peft's own code."""
+    import re
+
+    if targets == "all-linear" or layers_to_transform is not None or layers_pattern is not None:
+        from ..extras import missing
+
+        raise missing("peft", "targets='all-linear' / layers_to_transform / layers_pattern")
+
+    def hit(spec: Targets, path: str) -> bool:
+        if isinstance(spec, str):
+            return re.fullmatch(spec, path) is not None
+        return path in spec or any(path.endswith("." + t) for t in spec)
+
+    def check(_cfg, path: str) -> bool:
+        return hit(targets, path) and not (exclude is not None and hit(exclude, path))
+
+    return check
+

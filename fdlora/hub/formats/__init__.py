@@ -47,6 +47,10 @@ def convert(fmt: Format, raw: Raw, opts: Options) -> Converted:
         return fmt.convert(raw, opts)
     except FdLoraError:
         raise
+    except ModuleNotFoundError as e:  # a converter that needs an extra (diffusers'): say which, not "bad file"
+        from ...extras import translate
+
+        raise translate(e, f"reading a {fmt.name} LoRA") from None
     except Exception as e:
         raise FormatError(f"{raw.name}: the {fmt.name} converter failed ({type(e).__name__}: {e}); the file does not "
                           "follow that layout.") from None

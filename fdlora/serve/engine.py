@@ -1,0 +1,199 @@
+"""What one replica does, without Ray: a pipeline built from a run config, the adapters the config allows, and
+a batch of requests with different adapters run as ONE per-prompt call (`pipe(prompt=[...],
+fd_lora_adapters=[...])`).
+
+Adapters load on first use from the config's sources (through huggingface_hub's cache and fd-lora's RAM
+cache) into the pipeline's slot pool, sized `adapters_per_replica`: the pool is the replica's LRU of
+GPU-resident adapters (fdlora.hub.pool), and an adapter it evicts comes back from RAM. Ray Serve's
+multiplexing (fdlora.serve.deployment) routes requests to the replica that holds their adapter and calls
+`release` when its own LRU drops one; a release of an adapter a queued request still needs is harmless,
+since `run` loads what its batch names first. The other adapters of a blend load here too, outside Ray's
+LRU: host memory holds at most the allowlist's adapters, the device at most `adapters_per_replica`.
+
+Each request keeps its own seed (one torch.Generator per prompt), so a request's image does not depend on
+the batch it lands in, up to float rounding of batched matmuls (CPU: ~2e-6, at most 1/255 after the PNG
+conversion).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..errors import FdLoraError
+from .schema import ImageRequest, Limits, RequestError
+
+
+def make_engine(cfg):
+    """The engine for a config: images for `pipeline:`, greedy token generation for `model:`."""
+    return Engine(cfg) if cfg.kind == "pipeline" else TextEngine(cfg)
+
+
+class Engine:
+    def __init__(self, cfg, pipe: Any = None) -> None:
+        from ..config import build
+
+        if cfg.kind != "pipeline":
+            raise FdLoraError(f"{cfg.source}: Engine serves diffusers pipelines; use TextEngine for 'model:'")
+        self.cfg = cfg
+        self.limits = Limits.from_config(cfg)
+        self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
+        self.specs = {a.name: a for a in cfg.adapters}
+        self.pipe = pipe if pipe is not None else build(replace(cfg, adapters=[]))
+        self.pipe.set_progress_bar_config(disable=True)
+        self._lock = threading.RLock()  # ensure + call, and release, never interleave
+        self.calls = 0  # pipeline calls (a batch of several shapes makes several)
+        self.loads = 0
+        self.mixed = 0  # calls whose requests named different adapter sets: one per-prompt batch for all
+
+    # --- adapters ------------------------------------------------------------------------------
+    def known(self) -> list[str]:
+        names = getattr(self.pipe, "_fd_all_names", None)
+        return list(names()) if names else []
+
+    def ensure(self, names: Sequence[str]) -> None:
+        """Load each allowed adapter not yet known to the pipeline (it stays in RAM until released)."""
+        with self._lock:
+            for name in names:
+                if name in self.known():
+                    continue
+                spec = self.specs.get(name)
+                if spec is None:
+                    raise RequestError(422, "adapters: not an adapter this server offers")
+                self.pipe.load_fd_lora(spec.source, adapter_name=name, max_slots=self.slots, **spec.hub)
+                self.loads += 1
+
+    def release(self, name: str) -> None:
+        """Forget an adapter (Ray's multiplexed LRU dropped it); a later request loads it again."""
+        with self._lock:
+            if name in self.known():
+                self.pipe.delete_adapters(name)
+
+    # --- requests --------------------------------------------------------------------------------
+    def run(self, requests: Sequence[ImageRequest]) -> list[bytes]:
+        """PNG bytes per request; one pipeline call per group of requests sharing steps and size (split further
+        only when a group names more distinct adapters than the pool has slots)."""
+        out: dict[int, bytes] = {}
+        for group in self.plan(requests):
+            images = self._call([requests[i] for i in group])
+            out.update(zip(group, images))
+        return [out[i] for i in range(len(requests))]
+
+    def plan(self, requests: Sequence[ImageRequest]) -> list[list[int]]:
+        groups: dict[tuple, list[list[int]]] = {}
+        for i, r in enumerate(requests):
+            chunks = groups.setdefault(r.shape, [[]])
+            names = {n for j in chunks[-1] for n in requests[j].adapters} | set(r.adapters)
+            if chunks[-1] and len(names) > self.slots:
+                chunks.append([])
+            chunks[-1].append(i)
+        return [c for chunks in groups.values() for c in chunks]
+
+    def _call(self, reqs: list[ImageRequest]) -> list[bytes]:
+        import torch
+
+        names = sorted({n for r in reqs for n in r.adapters})
+        steps, h, w = reqs[0].shape
+        kw: dict[str, Any] = dict(prompt=[r.prompt for r in reqs], num_inference_steps=steps, height=h, width=w,
+                                  generator=[torch.Generator("cpu").manual_seed(r.seed) for r in reqs],
+                                  output_type="pil")
+        if any(r.negative_prompt for r in reqs):
+            kw["negative_prompt"] = [r.negative_prompt or "" for r in reqs]
+        if type(self.pipe).__name__.startswith(("Flux", "StableDiffusion3")) and self.cfg.base.startswith("tiny-"):
+            kw["max_sequence_length"] = 32
+        with self._lock:
+            self.ensure(names)
+            if self.known():  # always per prompt: a load activates its adapter, a request without any is the base
+                kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
+            with torch.inference_mode():
+                images = self.pipe(**kw).images
+            self.calls += 1
+            self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
+        return [png(im) for im in images]
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def json_body(image_png: bytes, request: ImageRequest, replica: str | None) -> dict[str, Any]:
+    return {"image": base64.b64encode(image_png).decode(), "format": "png", "adapters": request.adapters,
+            "seed": request.seed, "replica": replica}
+
+
+class TextEngine(Engine):
+    """A Transformers model (`model:` config): requests of the same prompt length and token budget run as one
+    `generate(..., fd_lora_adapters=[one spec per row])`, greedy, no padding."""
+
+    def __init__(self, cfg, model: Any = None) -> None:
+        from ..config import build
+
+        self.cfg = cfg
+        self.limits = Limits.from_config(cfg)
+        self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
+        self.specs = {a.name: a for a in cfg.adapters}
+        self.pipe = model if model is not None else build(replace(cfg, adapters=[]))
+        self.vocab = int(self.pipe.get_input_embeddings().num_embeddings)
+        self._lock = threading.RLock()
+        self.calls = self.loads = self.mixed = 0
+
+    def known(self) -> list[str]:
+        from ..layers import registry_of_models
+
+        h = registry_of_models.get(self.pipe)
+        return list(h.list_adapters()) if h is not None else []
+
+    def ensure(self, names: Sequence[str]) -> None:
+        from ..pipelines.transformers import load_fd_lora
+
+        with self._lock:
+            for name in names:
+                if name in self.known():
+                    continue
+                spec = self.specs.get(name)
+                if spec is None:
+                    raise RequestError(422, "adapters: not an adapter this server offers")
+                load_fd_lora(self.pipe, spec.source, adapter_name=name, activate=False, **spec.hub)
+                self.loads += 1
+
+    def release(self, name: str) -> None:
+        from .. import api
+
+        with self._lock:
+            if name in self.known():
+                api.delete_adapter(self.pipe, name)
+
+    def _call(self, reqs: list) -> list[list[int]]:
+        import torch
+
+        bad = [r for r in reqs if max(r.input_ids) >= self.vocab]
+        if bad:
+            raise RequestError(422, f"input_ids: token ids must be below the vocabulary size {self.vocab}")
+        names = sorted({n for r in reqs for n in r.adapters})
+        ids = torch.tensor([list(r.input_ids) for r in reqs], dtype=torch.long)
+        eos = self.pipe.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        kw: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), max_new_tokens=reqs[0].max_new_tokens,
+                                  do_sample=False, pad_token_id=next(iter(eos), 0))
+        with self._lock:
+            self.ensure(names)
+            if self.known():
+                kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
+            with torch.inference_mode():
+                out = self.pipe.generate(ids, **kw)[:, ids.shape[1]:]
+            self.calls += 1
+            self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
+        return [_until_eos(row.tolist(), eos) for row in out]
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

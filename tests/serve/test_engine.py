@@ -1,0 +1,83 @@
+"""One replica's work without Ray (fdlora.serve.engine): mixed-adapter batches as per-prompt calls, split only by
+shape and slot count, each image equal to its request run alone; release and reload; allowlist only."""
+
+from __future__ import annotations
+
+import pytest
+from support import serving
+
+from fdlora.config import validate
+from fdlora.hub.localcache import populate
+from fdlora.pipelines.diffusers import tiny
+from fdlora.serve import ImageRequest, RequestError
+from fdlora.serve.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(pytestconfig):
+    pipe = tiny.sd15()
+    names = {}
+    for i in range(3):
+        populate(pytestconfig.fakehub.root, f"serve-engine/l{i}", tiny.random_lora_files(pipe, seed=40 + i))
+        names[f"e{i}"] = f"serve-engine/l{i}"
+    cfg = validate({"pipeline": "tiny-sd15", "device": "cpu", "steps": 2, "size": 64,
+                    "adapters": [{"name": n, "source": r} for n, r in names.items()],
+                    "serve": {"adapters_per_replica": 2, "max_steps": 4, "max_size": 128}})
+    return Engine(cfg)
+
+
+def R(adapters, seed=0, steps=2, size=64, prompt="a cat"):
+    return ImageRequest(prompt, adapters, None, seed, steps, size, size)
+
+
+def test_plan_groups_by_shape_and_splits_only_past_the_slots(engine):
+    reqs = [R({"e0": 1}), R({"e1": 1}), R({}, size=72), R({"e0": 0.5, "e1": 1}), R({"e2": 1}), R({"e2": 1}, steps=3)]
+    assert engine.plan(reqs) == [[0, 1, 3], [4], [2], [5]]  # e0+e1 fill the 2 slots; e2 starts a new call
+
+
+def test_a_mixed_batch_equals_each_request_alone(engine):
+    reqs = [R({"e0": 0.8}, seed=1), R({"e1": -0.6}, seed=2, prompt="a dog"), R({}, seed=3),
+            R({"e0": 0.3, "e1": 0.9}, seed=4), R({"e2": 1.2}, seed=5), R({"e0": 0.8}, seed=1, size=72)]
+    calls, mixed = engine.calls, engine.mixed
+    batch = engine.run(reqs)
+    assert engine.calls - calls == 3  # [0..3], [4] (a third adapter past 2 slots), [5] (another size)
+    assert engine.mixed - mixed == 1  # e0, e1, none and a blend in one per-prompt call
+    alone = [engine.run([r])[0] for r in reqs]
+    for b, a in zip(batch, alone):
+        d = abs(serving.decode_png(b) - serving.decode_png(a))
+        assert d.max() <= 1 and (d > 0).mean() < 0.01
+    assert abs(serving.decode_png(batch[0]) - serving.decode_png(batch[2])).max() > 2  # adapters act
+
+
+def test_release_then_reload_and_the_allowlist(engine):
+    before = engine.run([R({"e1": 0.7}, seed=9)])[0]
+    engine.release("e1")
+    assert "e1" not in engine.known()
+    assert engine.run([R({"e1": 0.7}, seed=9)])[0] == before  # loaded again from the cache, same image
+    with pytest.raises(RequestError):
+        engine.ensure(["../e1"])
+
+
+def test_text_engine_batches_mixed_adapters_like_each_alone(pytestconfig):
+    from fdlora.serve.engine import TextEngine, make_engine
+    from fdlora.serve.schema import TextRequest, parse_text
+
+    repos = serving.publish_text_adapters(pytestconfig.fakehub.root)
+    cfg = validate({"model": "tiny-llama", "device": "cpu",
+                    "adapters": [{"name": n, "source": r} for n, r in repos.items()],
+                    "serve": {"adapters_per_replica": 4, "max_steps": 8}})
+    eng = make_engine(cfg)
+    assert isinstance(eng, TextEngine)
+    prompt = (1, 17, 33, 90)
+    reqs = [TextRequest(prompt, a, 6) for a in ({"t0": 1.0}, {}, {"t1": 0.7, "t2": 0.5}, {"t2": 1.0})]
+    reqs.append(TextRequest((1, 5), {"t0": 1.0}, 6))  # another length: its own call
+    calls = eng.calls
+    batch = eng.run(reqs)
+    assert eng.calls - calls == 2 and eng.mixed >= 1
+    alone = [eng.run([r])[0] for r in reqs]
+    assert batch == alone
+    assert batch[0] != batch[1] or batch[3] != batch[1]  # adapters change the tokens
+    with pytest.raises(RequestError):
+        eng.run([TextRequest((300,), {}, 2)])  # past the vocabulary: a 422, not an IndexError
+    with pytest.raises(RequestError):
+        parse_text({"input_ids": [1], "adapters": {"../t0": 1}}, eng.limits)
