@@ -103,7 +103,7 @@ def load_adapters(
     fmt, why, others = formats.detect(raw)
     conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
     if svd_rank:
-        conv.notes += lycoris.convert_svd(conv.components, svd_rank)[1]
+        lycoris.convert_svd(conv, svd_rank)
     kinds = lycoris.summary(conv.components)
     check_ranks(conv.components, raw.name)
     adapters = {}

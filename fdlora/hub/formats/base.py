@@ -257,6 +257,11 @@ def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str)
         why = untargeted(m[0]) if m else None  # (memoized per module path)
         (skipped if why else keep)[key] = why or t
     out = build_modules(keep, alpha_of, where=where, rank_of=rank_of, lora_bias=bool(config.get("lora_bias", False)))
+    if config.get("use_dora"):  # every DoRA module has its magnitude: without it PEFT's output is not a plain LoRA's
+        bare = [p for p, m in out.components[where].items() if m.magnitude is None]
+        if bare:
+            raise FormatError(f"{where}: the config sets use_dora=True but {len(bare)} modules have no "
+                              f"lora_magnitude_vector (e.g. {bare[:3]}); the weights do not belong to this config.")
     out.unused.update(skipped)
     out.rslora[where] = bool(config.get("use_rslora", False))
     out.configs[where] = {k: config[k] for k in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",

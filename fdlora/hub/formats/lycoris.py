@@ -83,6 +83,11 @@ def _full(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (eye, w) if n <= k else (w, eye)
 
 
+def _kron(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.kron of two matrices (written out: torch.kron trips over the strides of a transposed [n, 1])."""
+    return (a[:, None, :, None] * b[None, :, None, :]).reshape(a.shape[0] * b.shape[0], a.shape[1] * b.shape[1])
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)
 
@@ -127,7 +132,7 @@ def lokr(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int | 
     else:
         B2, A2 = _d(p["lokr_w2_a"]), _flat(_d(p["lokr_w2_b"]))
         dim = dim or int(p["lokr_w2_b"].shape[0])
-    B, A = torch.kron(B1, B2), torch.kron(A1, A2)
+    B, A = _kron(B1, B2), _kron(A1, A2)
     if conv is not None:  # kron(w1, w2) over [a, b] x [c, d, kh, kw]: the rows of A are [b*d, kh, kw]
         conv = (A.shape[1] // math.prod(conv), *conv)
     return B, A, dim, conv
@@ -330,31 +335,34 @@ def parse_conversion(spec: str | None) -> int | None:
                       "/ full-diff modules into plain LoRA of that rank, or None to load them exactly.")
 
 
-def convert_svd(components: dict[str, dict[str, ModuleLora]], rank: int) -> tuple[dict[str, float], list[str]]:
-    """Replace every LoHa / LoKr / full module by its best rank-`rank` LoRA (truncated SVD of ΔW, as PEFT's
-    convert_to_lora); returns ({component.path: relative Frobenius error}, report notes)."""
+def convert_svd(conv: Converted, rank: int) -> None:
+    """Replace every LoHa / LoKr / full module of `conv` by its best rank-`rank` LoRA (truncated SVD of ΔW, as PEFT's
+    convert_to_lora). Each module's relative Frobenius error goes to ``conv.configs[component]["svd_errors"]``,
+    their mean and max to the notes."""
     errors = {}
-    for comp, mods in components.items():
+    for comp, mods in conv.components.items():
         for path, m in list(mods.items()):
             if m.origin == "lora":
                 continue
-            N = m.B.shape[0]
             delta = _flat(_d(m.B)) @ _flat(_d(m.A)) * m.scaling()
             U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
             r = min(rank, S.shape[0])
             total = float(S.square().sum())
-            errors[f"{comp}.{path}"] = math.sqrt(float(S[r:].square().sum()) / total) if total > 0 else 0.0
+            err = math.sqrt(float(S[r:].square().sum()) / total) if total > 0 else 0.0
+            conv.configs.setdefault(comp, {}).setdefault("svd_errors", {})[path.removeprefix(FLAT)] = err
+            errors[f"{comp}.{path.removeprefix(FLAT)}"] = err
             B, A = U[:, :r] * S[:r], Vh[:r]
             if m.A.dim() == 4:
-                A, B = A.reshape(r, *m.A.shape[1:]), B.reshape(N, r, 1, 1)
+                A, B = A.reshape(r, *m.A.shape[1:]), B.reshape(B.shape[0], r, 1, 1)
             mods[path] = m.replace(A.to(m.A.dtype).contiguous(), B.to(m.B.dtype).contiguous(), m.bias,
                                    alpha=float(r), origin="lora", finite=False)
     if not errors:
-        return errors, ["lora_conversion: no LoHa / LoKr / full-diff module to convert"]
+        conv.notes.append("lora_conversion: no LoHa / LoKr / full-diff module to convert")
+        return
     worst = max(errors, key=errors.get)
-    mean = sum(errors.values()) / len(errors)
-    return errors, [f"lora_conversion svd:{rank}: {len(errors)} modules turned into plain LoRA; relative error of "
-                    f"ΔW (Frobenius) mean {mean:.3g}, max {errors[worst]:.3g} ({worst})"]
+    conv.notes.append(f"lora_conversion svd:{rank}: {len(errors)} modules turned into plain LoRA; relative error of "
+                      f"ΔW (Frobenius) mean {sum(errors.values()) / len(errors):.3g}, max {errors[worst]:.3g} "
+                      f"({worst})")
 
 
 # --- PEFT LoHa / LoKr (adapter_config.json with peft_type LOHA / LOKR) -----------------------------------
