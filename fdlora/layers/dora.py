@@ -7,10 +7,13 @@ For an adapter s with delta ΔW_s = B_s A_s, scale c_s (its weight times alpha /
                                                     files, the file dtype's eps for LyCORIS / kohya dora_scale
     y   = base(x) + (g_s − 1) ⊙ (x Wᵀ) + g_s ⊙ c_s (x A_sᵀ) B_sᵀ        ( = bias + g_s ⊙ x (W + c_s ΔW_s)ᵀ )
 
-Blends (PEFT's rule, the one diffusers' set_adapters gets through PEFT): every active adapter adds its own term;
-a DoRA adapter normalises W plus *its own* scaled delta, never the sum, and its blend weight sits inside c_s (so
-inside the norm); a plain LoRA adapter adds c_s (x A_sᵀ) B_sᵀ. Per-sample and per-row batches (PEFT refuses
-``adapter_names`` with DoRA) give each sample exactly what that sample's adapters give as a blend alone.
+Blends follow PEFT's rule (what diffusers' set_adapters gets through PEFT): the active adapters apply in turn, in
+the order `set_adapters` names them; with z the output so far less the base bias, a DoRA adapter makes it
+g_s ⊙ (z + c_s (x A_sᵀ) B_sᵀ) — so it also rescales the adapters applied before it — and a plain LoRA adapter adds
+c_s (x A_sᵀ) B_sᵀ. A DoRA adapter's norm is of W plus *its own* scaled delta, and its blend weight sits inside c_s,
+so inside the norm. Per-sample and per-row batches (PEFT refuses ``adapter_names`` with DoRA) give each sample
+what its adapters give as a blend alone, applied in slot order (the order they were loaded in, unless a delete
+freed an earlier slot).
 
 g_s is computed once per (slot, c_s, bank write, weight edit) and kept; a call costs the base GEMM plus the
 low-rank products of the active slots (one fused path: no merged-weight cache, no kernels — layers with a DoRA
@@ -77,21 +80,34 @@ def _lora(layer, x: torch.Tensor, s: int) -> torch.Tensor:
     return F.conv2d(h, B[:, :, None, None])
 
 
+def order(layer) -> list[int]:
+    """Slots in the order adapters apply: blends in the active set's order (set_adapters), then by slot; per-sample
+    and per-row calls by slot."""
+    st = layer.state
+    if st.mode is not Mode.BLEND:
+        return list(range(layer.bank.slots))
+    first = [st.slots.by_name[n] for n in st.active if n in st.slots.by_name]
+    return first + [s for s in range(layer.bank.slots) if s not in first]
+
+
 def _apply(layer, y: torch.Tensor, x: torch.Tensor, ynb: torch.Tensor, c: list[float]) -> torch.Tensor:
-    """y (fp32, base output of these rows) plus every slot's term at scales `c` [S]."""
+    """y (fp32, base output of these rows; ynb: the same less the base bias) after every slot's term at scales
+    `c` [S], applied in `order`."""
     b = layer.bank
     chan = (None, slice(None), None, None) if layer.kind == "conv2d" else (None, slice(None))
-    for s, cs in enumerate(c):
+    for s in order(layer):
+        cs = c[s]
         if cs == 0 or not b.used[s]:
             continue
         d = _lora(layer, x, s) * cs
-        if b.dora_eps[s] is not None:
+        if b.dora_eps[s] is not None:  # z <- g (z + d): the outputs so far are rescaled too (PEFT)
             g = gain(layer, s, cs)[chan]
-            y = y + (g - 1) * ynb + g * d
+            z = g * (ynb + d)
+            y, ynb = y + (z - ynb), z
         else:
-            y = y + d
             if b.bias is not None:
-                y = y + cs * b.bias[s].float()[chan]
+                d = d + cs * b.bias[s].float()[chan]
+            y, ynb = y + d, ynb + d
     return y
 
 
@@ -136,20 +152,20 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def delta_weight(layer, slot_weights: torch.Tensor) -> torch.Tensor:
-    """Σ_s [(g_s − 1) W + g_s c_s ΔW_s] (plain slots: c_s ΔW_s) in fp32, shaped like the base weight: what fusing
-    adds. `slot_weights` [S] holds c_s."""
+    """W' − W in fp32, shaped like the base weight, for W' from W by the slots in `order` (DoRA: W' <- g_s (W' +
+    c_s ΔW_s); plain: W' += c_s ΔW_s): what fusing adds. `slot_weights` [S] holds c_s."""
     b = layer.bank
     W = _rows_of(layer).float()
-    total = torch.zeros_like(W)
-    for s, cs in enumerate(slot_weights.tolist()[:b.slots]):
+    merged = W.clone()
+    c = slot_weights.tolist()
+    for s in order(layer):
+        cs = c[s] if s < len(c) else 0.0
         if cs == 0 or not b.used[s]:
             continue
-        d = cs * _delta(layer, s)
+        merged += cs * _delta(layer, s)
         if b.dora_eps[s] is not None:
-            g = gain(layer, s, cs)[:, None]
-            total += (g - 1) * W + g * d
-        else:
-            total += d
+            merged *= gain(layer, s, cs)[:, None]
+    total = merged - W
     w = layer.base.weight
     if layer.kind == "linear" and w.shape[0] != layer.out_features:
         return total.t()

@@ -252,7 +252,9 @@ def sdxl():
 def unet_inputs(unet):
     from support import tiny
 
-    return tiny.unet_inputs(unet, batch=2)
+    kw = tiny.unet_inputs(unet, batch=1)
+    kw["sample"] = kw["sample"][..., :8, :8]  # (small latents: the UNet's cost, not the adapter's, dominates)
+    return kw
 
 
 def kohya_network(unet, kw: dict, names: tuple[str, ...], seed: int, tmp):
@@ -273,12 +275,9 @@ def kohya_network(unet, kw: dict, names: tuple[str, ...], seed: int, tmp):
     return {"lora_unet_" + k.removeprefix("lycoris_"): v.detach().clone() for k, v in net.state_dict().items()}
 
 
-KOHYA = {
-    "kohya-loha": dict(algo="loha"),
+KOHYA = {  # (plain LoHa, LoKr with a full w1, DoRA and full diffs in kohya naming: the mixed file below)
     "kohya-loha-tucker": dict(algo="loha", use_tucker=True),
-    "kohya-lokr": dict(algo="lokr", factor=4, decompose_both=True),
-    "kohya-full": dict(algo="full"),
-    "kohya-dora": dict(algo="lora", dora_wd=True),
+    "kohya-lokr-decomposed": dict(algo="lokr", factor=4, decompose_both=True),
 }
 ATTN_CONV = ("attn1.to_q", "attn2.to_v", "ff.net.2", "resnets.0.conv1", "proj_in")
 
@@ -403,14 +402,18 @@ def test_dora_per_sample_is_each_sample_alone():
 
 def test_dora_per_row_and_fuse():
     pm, model, h = peft_dora_pair()
+    def linear(m, x):
+        with torch.no_grad():
+            return m.blocks[0](m.fc(x))
+
     with h.per_row(["d2", None, "d1"]):
-        got = run(model, (X[0], X[1][:1]))[0]
+        got = linear(model, X[0])
     for i, name in enumerate(["d2", None, "d1"]):
         if name is None:
             with pm.disable_adapter():
-                want = run(pm, (X[0][i:i + 1], X[1][:1]))[0]
+                want = linear(pm.base_model.model, X[0][i:i + 1])
         else:
-            want = run(peft_blend(pm, {name: 1.0}), (X[0][i:i + 1], X[1][:1]))[0]
+            want = linear(peft_blend(pm, {name: 1.0}).base_model.model, X[0][i:i + 1])
         assert rel(got[i:i + 1], want) < TOL
     from fdlora.pipelines import fuse
 
