@@ -262,8 +262,8 @@ def kohya_network(unet, kw: dict, names: tuple[str, ...], seed: int, tmp):
     cls = lycoris.LycorisNetwork
     saved = {k: getattr(cls, k) for k in ("TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "ENABLE_CONV")}
     preset = tmp / "preset.toml"
-    preset.write_text("target_module = []\nenable_conv = true\ntarget_name = [%s]\n"
-                      % ", ".join(f'"^.*\\\\.{n.replace(".", "[.]")}$"' for n in names))
+    patterns = ", ".join(f'"^(.*[.])?{n.replace(".", "[.]")}$"' for n in names)
+    preset.write_text(f"target_module = []\nenable_conv = true\ntarget_name = [{patterns}]\n")
     try:
         net = lycoris.create_lycoris(unet, 1.0, linear_dim=2, linear_alpha=3, conv_dim=2, conv_alpha=1.5,
                                      preset=str(preset), **kw)
@@ -287,11 +287,18 @@ def unet_out(unet, kw):
         return unet(**kw).sample
 
 
-@pytest.mark.parametrize("case", list(KOHYA))
+@pytest.mark.parametrize("case", list(KOHYA) + ["kohya-sgm-loha"])
 def test_kohya_sdxl_naming_equals_lycoris(case, sdxl, tmp_path):
     pipe0, enable = sdxl
     oracle = copy.deepcopy(pipe0.unet)
-    sd = kohya_network(oracle, KOHYA[case], ATTN_CONV, seed=5, tmp=tmp_path)
+    if case == "kohya-sgm-loha":  # original SD block names, as kohya's SDXL trainers write them
+        sd = kohya_network(oracle, dict(algo="loha"), ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+                                                       "down_blocks.1.attentions.1.proj_out"), seed=6, tmp=tmp_path)
+        sd = {k.replace("down_blocks_1_attentions_0", "input_blocks_4_1")
+              .replace("down_blocks_1_attentions_1", "input_blocks_5_1"): v for k, v in sd.items()}
+        assert all("input_blocks_" in k for k in sd)
+    else:
+        sd = kohya_network(oracle, KOHYA[case], ATTN_CONV, seed=5, tmp=tmp_path)
     pipe = enable(copy.deepcopy(pipe0))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PartialLoadWarning)
@@ -338,6 +345,33 @@ def test_mixed_kohya_file_loads_whole_and_fuses_exactly(sdxl, tmp_path, capsys):
                           local_files_only=False, strict=False))
     out = capsys.readouterr().out
     assert "format    kohya (" in out and all(k in out for k in ("LoRA", "LoHa", "LoKr", "DoRA", "full diff"))
+
+
+def test_diffusers_naming_dora_equals_load_lora_weights(sdxl, tmp_path):
+    """PEFT DoRA saved by diffusers' save_lora_weights (unet.…lora_magnitude_vector): equal to diffusers+PEFT."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe0, enable = sdxl
+    src = copy.deepcopy(pipe0)
+    src.unet.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "conv1"], use_dora=True,
+                                    init_lora_weights=False), adapter_name="src")
+    randomise([p for n, p in src.unet.named_parameters() if "lora_B" in n], seed=8, std=0.1)
+    with torch.no_grad():
+        for n, p in src.unet.named_parameters():
+            if "lora_magnitude" in n:
+                p.mul_(1.3)
+    type(pipe0).save_lora_weights(tmp_path, unet_lora_layers=get_peft_model_state_dict(src.unet, adapter_name="src"))
+    ref = copy.deepcopy(pipe0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref.load_lora_weights(tmp_path, adapter_name="x")
+    pipe = enable(copy.deepcopy(pipe0))
+    report = pipe.load_fd_lora(str(tmp_path), adapter_name="x")
+    assert "DoRA" in report.format and not report.keys_dropped and not report.keys_unused
+    kw = unet_inputs(pipe.unet)
+    got, want = unet_out(pipe.unet, kw), unet_out(ref.unet, kw)
+    assert rel(got, want) < 1e-4 and rel(want, unet_out(pipe0.unet, kw)) > 1e-2
 
 
 # --- DoRA: blends and per-sample batches follow PEFT ----------------------------------------------------------
