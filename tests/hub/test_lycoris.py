@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import warnings
 
 import pytest
@@ -21,6 +22,7 @@ import fdlora
 from fdlora.errors import PartialLoadWarning, UnsupportedFeatureError
 from fdlora.hub import load_adapters
 
+os.environ.setdefault("LYCORIS_KERNEL_BACKEND", "torch")  # the plain-torch oracle: no inductor compiles on CPU
 lycoris = pytest.importorskip("lycoris")
 logging.getLogger("LyCORIS").setLevel(logging.ERROR)
 TOL = 2e-5
