@@ -259,7 +259,7 @@ def unet_inputs(unet):
     return kw
 
 
-def kohya_network(unet, kw: dict, names: tuple[str, ...], seed: int, tmp):
+def kohya_network(unet, kw: dict, names: tuple[str, ...], seed: int, tmp, prefix: str = "lora_unet_"):
     """lycoris-lora on the UNet modules whose names end with `names`, saved with kohya's lora_unet_ prefix."""
     cls = lycoris.LycorisNetwork
     saved = {k: getattr(cls, k) for k in ("TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "ENABLE_CONV")}
@@ -274,7 +274,7 @@ def kohya_network(unet, kw: dict, names: tuple[str, ...], seed: int, tmp):
             setattr(cls, k, v)
     net.apply_to()
     randomise([p for n, p in net.named_parameters() if "scalar" not in n], seed, std=0.2)
-    return {"lora_unet_" + k.removeprefix("lycoris_"): v.detach().clone() for k, v in net.state_dict().items()}
+    return {prefix + k.removeprefix("lycoris_"): v.detach().clone() for k, v in net.state_dict().items()}
 
 
 KOHYA = {  # (plain LoHa, LoKr with a full w1, DoRA and full diffs in kohya naming: the mixed file below)
@@ -289,7 +289,7 @@ def unet_out(unet, kw):
         return unet(**kw).sample
 
 
-@pytest.mark.parametrize("case", list(KOHYA) + ["kohya-sgm-loha"])
+@pytest.mark.parametrize("case", list(KOHYA) + ["kohya-sgm-loha", "lycoris-names-on-unet"])
 def test_kohya_sdxl_naming_equals_lycoris(case, sdxl, tmp_path):
     pipe0, enable = sdxl
     oracle = copy.deepcopy(pipe0.unet)
@@ -299,6 +299,9 @@ def test_kohya_sdxl_naming_equals_lycoris(case, sdxl, tmp_path):
         sd = {k.replace("down_blocks_1_attentions_0", "input_blocks_4_1")
               .replace("down_blocks_1_attentions_1", "input_blocks_5_1"): v for k, v in sd.items()}
         assert all("input_blocks_" in k for k in sd)
+    elif case == "lycoris-names-on-unet":  # create_lycoris's own lycoris_ prefix on a diffusers UNet
+        sd = kohya_network(oracle, dict(algo="lokr", factor=2), ATTN_CONV[:2], seed=7, tmp=tmp_path,
+                           prefix="lycoris_")
     else:
         sd = kohya_network(oracle, KOHYA[case], ATTN_CONV, seed=5, tmp=tmp_path)
     pipe = enable(copy.deepcopy(pipe0))
@@ -306,6 +309,7 @@ def test_kohya_sdxl_naming_equals_lycoris(case, sdxl, tmp_path):
         warnings.simplefilter("error", PartialLoadWarning)
         report = pipe.load_fd_lora(dict(sd), adapter_name="x")
     assert report.format.startswith("kohya") and not report.keys_dropped and not report.keys_unused
+    assert report.keys_matched == len(sd)
     kw = unet_inputs(pipe.unet)
     got, want, base = unet_out(pipe.unet, kw), unet_out(oracle, kw), unet_out(pipe0.unet, kw)
     assert rel(got, want) < 1e-4 and rel(want, base) > 1e-3, (rel(got, want), rel(want, base))

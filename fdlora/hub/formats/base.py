@@ -144,8 +144,6 @@ def build_modules(sd: dict[str, torch.Tensor], alpha_of: AlphaRule, *, where: st
         except (FormatError, OverflowError, TypeError, ValueError) as e:
             raise FormatError(f"{where}: {path}: {e}") from None
         if path in magnitudes:
-            from .lycoris import magnitude_of
-
             key, t = magnitudes.pop(path)
             if bias is not None:
                 raise UnsupportedFeatureError(f"{where}: {path} has both a DoRA magnitude and a lora_B bias; fd-lora "
@@ -158,6 +156,13 @@ def build_modules(sd: dict[str, torch.Tensor], alpha_of: AlphaRule, *, where: st
         out.dropped[key] = "a DoRA magnitude for a module that has no lora_A / lora_B"
     out.components[where] = mods
     return out
+
+
+def magnitude_of(name: str, t: torch.Tensor, N: int) -> torch.Tensor:
+    """PEFT's DoRA ``lora_magnitude_vector`` ([N], or [1, N, 1, 1] for convs) -> [N] fp32."""
+    if t.numel() != N:
+        raise AdapterShapeError(f"{name}: DoRA magnitude {tuple(t.shape)} does not match the module's {N} outputs.")
+    return t.detach().reshape(N).float()
 
 
 def _classify_other(key: str, out: Converted, where: str) -> None:

@@ -39,6 +39,8 @@ SUFFIX = re.compile(r"\.(lora_down\.weight|lora_up\.weight|alpha)$")
 def detect(raw: Raw) -> str | None:
     keys = list(raw.tensors)
     n = sum(k.startswith(PREFIXES) for k in keys)
+    if not n and any(k.startswith(lycoris.UNET_NAMES) for k in keys):
+        return f"{len(keys)} keys are a LyCORIS network on a diffusers UNet (lycoris_ read as kohya's lora_unet_)"
     if not n or any(FLUX_NAMES.match(k) for k in keys):
         return None
     sgm = " with SGM block names" if any(s in k for k in keys for s in SGM) else ""
@@ -46,6 +48,10 @@ def detect(raw: Raw) -> str | None:
 
 
 def convert(raw: Raw, opts: Options) -> Converted:
+    if not any(k.startswith(PREFIXES) for k in raw.tensors):  # a LyCORIS network on a UNet: kohya's names
+        tensors = {("lora_unet_" + k[len(lycoris.PREFIX):] if k.startswith(lycoris.PREFIX) else k): v
+                   for k, v in raw.tensors.items()}
+        raw = Raw(tensors, raw.metadata, raw.config, raw.name)
     out = Converted()
     sd: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[str, torch.Tensor]] = {}

@@ -201,13 +201,6 @@ def dora_scale(name: str, t: torch.Tensor, N: int) -> tuple[torch.Tensor, float]
     return t.detach().reshape(N).float(), float(torch.finfo(t.dtype).eps)
 
 
-def magnitude_of(name: str, t: torch.Tensor, N: int) -> torch.Tensor:
-    """PEFT's ``lora_magnitude_vector`` ([N], or [1, N, 1, 1] for convs) -> [N]."""
-    if t.numel() != N:
-        raise AdapterShapeError(f"{name}: DoRA magnitude {tuple(t.shape)} does not match the module's {N} outputs.")
-    return t.detach().reshape(N).float()
-
-
 def group(keys: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """({module name: {part: tensor}}, keys that are not LyCORIS parts)."""
     mods: dict[str, dict[str, torch.Tensor]] = {}
@@ -251,22 +244,19 @@ def build(mods: dict[str, dict[str, torch.Tensor]], out: Converted, *,
 
 
 # --- the "lycoris" format: the LyCORIS wrapper's own names (lycoris_<module path with _>) ---------------
+UNET_NAMES = tuple(PREFIX + s for s in ("down_blocks_", "up_blocks_", "mid_block_", "conv_in.", "conv_out."))
+
+
 def detect(raw: Raw) -> str | None:
     n = sum(k.startswith(PREFIX) for k in raw.tensors)
-    if not n:
+    if not n or any(k.startswith(UNET_NAMES) for k in raw.tensors):  # (diffusers UNet names: the kohya format's)
         return None
     return f"{n} of {len(raw.tensors)} keys start with {PREFIX!r} (LyCORIS create_lycoris network)"
 
 
 def convert(raw: Raw, opts: Options) -> Converted:
     """Module names keep LyCORIS's flat spelling (dots as _); `resolve` maps them onto the model at load time.
-    Diffusers UNet names are renamed by the kohya converter (lycoris_ read as lora_unet_)."""
-    from . import kohya
-
-    unet = tuple(PREFIX + s for s in ("down_blocks_", "up_blocks_", "mid_block_", "conv_in.", "conv_out."))
-    if any(k.startswith(unet) for k in raw.tensors) and opts.component in (None, "unet"):
-        renamed = {("lora_unet_" + k[len(PREFIX):] if k.startswith(PREFIX) else k): v for k, v in raw.tensors.items()}
-        return kohya.convert(Raw(renamed, raw.metadata, raw.config, raw.name), opts)
+    (A network on a diffusers UNet is read by the kohya format, lycoris_ as lora_unet_.)"""
     out = Converted()
     mods, rest = group({k: v for k, v in raw.tensors.items() if k.startswith(PREFIX)})
     for k in raw.tensors:
