@@ -197,9 +197,11 @@ def check_ranks(components: Mapping[str, Mapping[str, Any]], where: str) -> None
     for comp, mods in components.items():
         for path, m in mods.items():
             if m.rank > cap:
-                raise CapacityError(f"{where}: {comp}.{path} has rank {m.rank}, above the rank limit {cap}; every bank "
-                                    f"of {comp} would grow to fit it. If the adapter is genuine, raise the limit "
-                                    f"({env.MAX_RANK_VAR}={m.rank}).")
+                exact = (f" (a {m.origin} module held exactly; lora_conversion='svd:RANK' loads it as a plain LoRA "
+                         "of that rank instead)") if m.origin != "lora" else ""
+                raise CapacityError(f"{where}: {comp}.{path} has rank {m.rank}{exact}, above the rank limit {cap}; "
+                                    f"every bank of {comp} would grow to fit it. If the adapter is genuine, raise the "
+                                    f"limit ({env.MAX_RANK_VAR}={m.rank}).")
 
 
 def _finish(adapters, report, name, strict, check_finite):

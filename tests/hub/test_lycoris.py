@@ -351,6 +351,10 @@ def test_mixed_kohya_file_loads_whole_and_fuses_exactly(sdxl, tmp_path, capsys):
                           local_files_only=False, strict=False))
     out = capsys.readouterr().out
     assert "format    kohya (" in out and all(k in out for k in ("LoRA", "LoHa", "LoKr", "DoRA", "full diff"))
+    inspect.run(Namespace(source=str(path), revision=None, weight_name=None, subfolder=None, allow_pickle=False,
+                          local_files_only=False, strict=False, lora_conversion="svd:1"))
+    out = capsys.readouterr().out
+    assert "lora_conversion svd:1: " in out and "modules turned into plain LoRA; relative error of ΔW" in out
 
 
 def test_diffusers_naming_dora_equals_load_lora_weights(sdxl, tmp_path):
