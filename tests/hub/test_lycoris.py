@@ -500,3 +500,19 @@ def test_svd_conversion_reports_its_error():
     assert all(rel(a, b) < 1e-5 for a, b in zip(run(fd_model(base, full)), exact))
     with pytest.raises(fdlora.errors.FormatError, match="svd:RANK"):
         load_adapters(sd, cache=None, lora_conversion="pca")
+
+
+def test_other_lycoris_algorithms_are_dropped_loudly():
+    """A kohya file with a LoHa module and an OFT module: the LoHa loads, the OFT keys are dropped with their reason,
+    and the load warns (every time), naming how many."""
+    g = torch.Generator().manual_seed(4)
+    name = "lora_unet_down_blocks_1_attentions_0_proj_in"
+    sd = {f"{name}.hada_w1_a": torch.randn(8, 2, generator=g), f"{name}.hada_w1_b": torch.randn(2, 8, generator=g),
+          f"{name}.hada_w2_a": torch.randn(8, 2, generator=g), f"{name}.hada_w2_b": torch.randn(2, 8, generator=g),
+          f"{name}.alpha": torch.tensor(2.0),
+          "lora_unet_down_blocks_1_attentions_0_proj_out.oft_blocks": torch.randn(4, 2, 2, generator=g)}
+    for _ in range(2):
+        with pytest.warns(PartialLoadWarning, match="1 of 6 keys were not loaded"):
+            adapters, report = load_adapters(dict(sd), cache=None)
+    assert list(adapters["unet"].modules) == ["down_blocks.1.attentions.0.proj_in"]
+    assert "OFT" in report.keys_dropped["lora_unet_down_blocks_1_attentions_0_proj_out.oft_blocks"]
