@@ -13,6 +13,8 @@ fi
 extras="dev,diffusers,transformers,train,demo,serve"
 [ "$(uname -s)" = "Linux" ] && extras="$extras,triton,quant"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
+# LyCORIS (in the dev extra too) is the LoHa / LoKr / DoRA oracle of tests/hub/test_lycoris.py
+"$PY" -c "import lycoris" >/dev/null 2>&1 || "$PY" -m pip install -q --disable-pip-version-check "lycoris-lora>=4.1,<5"
 # The demo's browser test drives Debian's chromium through Playwright (no `playwright install`).
 # Best effort: without /usr/bin/chromium that test skips and says so.
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then

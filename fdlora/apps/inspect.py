@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pickle", action="store_true", help="also read .bin/.ckpt pickles (trusted sources)")
     parser.add_argument("--strict", action="store_true", help="fail if any key is unused or dropped")
     parser.add_argument("--local-files-only", action="store_true", help="use the local Hugging Face cache only")
+    parser.add_argument("--lora-conversion", metavar="svd:RANK",
+                        help="report what turning LoHa / LoKr / full-diff modules into rank-RANK LoRA would lose")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
 
     _, report = load_adapters(args.source, revision=args.revision, weight_name=args.weight_name,
                               subfolder=args.subfolder, allow_pickle=args.allow_pickle,
-                              local_files_only=args.local_files_only, cache=None)
+                              local_files_only=args.local_files_only, cache=None,
+                              lora_conversion=getattr(args, "lora_conversion", None))
     print(report)
     if args.strict:
         report.check_strict()

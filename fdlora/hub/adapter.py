@@ -8,10 +8,16 @@ weights in the layout of ``nn.Linear`` / ``nn.Conv2d``:
     conv2d:  A [r, C_in, kh, kw], B [N, r, 1, 1]   (kohya LoCon: A has the base kernel/stride/padding)
 
 with ``scale = alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA) times the user's weight.
+
+LyCORIS LoHa / LoKr / full ``diff`` modules arrive here as *exact* A/B factors of their ΔW
+(fdlora.hub.formats.lycoris; `origin` says which), a non-Tucker conv one with a flat A [r, C*kh*kw]
+that `fit_to` shapes once the target layer is known. A DoRA module carries its `magnitude` [N]
+(fdlora.layers.dora applies it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -59,7 +65,10 @@ class ModuleLora:
     A: torch.Tensor
     B: torch.Tensor
     alpha: float | None = None
-    bias: torch.Tensor | None = None  # lora_B bias [N] (PEFT lora_bias=True); scaled like the delta
+    bias: torch.Tensor | None = None  # lora_B bias [N] (PEFT lora_bias=True, LyCORIS diff_b); scaled like the delta
+    magnitude: torch.Tensor | None = None  # DoRA m [N] per output channel (PEFT lora_magnitude_vector, dora_scale)
+    dora_eps: float = 0.0  # added to DoRA's weight norm (LyCORIS adds its dtype's eps; PEFT adds none)
+    origin: str = "lora"  # what the file stored: lora | loha | lokr | full (the factors are exact either way)
     # set by LoraAdapter.check_finite once these tensors passed: cached adapters are checked once, not per load
     finite: bool = field(default=False, repr=False, compare=False)
 
@@ -79,6 +88,9 @@ class ModuleLora:
         if 0 in self.A.shape or 0 in self.B.shape:
             raise AdapterShapeError(f"LoRA A {tuple(self.A.shape)} / B {tuple(self.B.shape)} has an empty dimension; "
                                     "a LoRA needs rank >= 1 and non-empty features. The file is corrupt.")
+        if self.magnitude is not None and tuple(self.magnitude.shape) != (self.out_features,):
+            raise AdapterShapeError(f"DoRA magnitude {tuple(self.magnitude.shape)} does not match the "
+                                    f"{self.out_features} outputs of B {tuple(self.B.shape)}.")
         if self.alpha is None:
             self.alpha = float(self.rank)
         self.alpha = float(self.alpha)  # (checked finite by __setattr__)
@@ -111,8 +123,14 @@ class ModuleLora:
         return self.alpha / (math.sqrt(self.rank) if use_rslora else self.rank)
 
     def nbytes(self) -> int:
-        extra = self.bias.nbytes if self.bias is not None else 0
+        extra = sum(t.nbytes for t in (self.bias, self.magnitude) if t is not None)
         return self.A.nbytes + self.B.nbytes + extra
+
+    def replace(self, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None,
+                magnitude: torch.Tensor | None = None, **kw) -> ModuleLora:
+        """A copy with other tensors (moved, packed, cast, reshaped) and every other field kept."""
+        mag = self.magnitude if magnitude is None else magnitude
+        return dataclasses.replace(self, A=A, B=B, bias=bias, magnitude=mag, **kw)
 
 
 @dataclass
@@ -150,7 +168,7 @@ class LoraAdapter:
                 )
             if m.finite:
                 continue
-            for what, t in (("A", m.A), ("B", m.B), ("bias", m.bias)):
+            for what, t in (("A", m.A), ("B", m.B), ("bias", m.bias), ("magnitude", m.magnitude)):
                 if t is not None and not torch.isfinite(t).all():
                     raise NonFiniteError(
                         f"{who}: {path}.{what} contains NaN or Inf; "
@@ -163,7 +181,8 @@ class LoraAdapter:
         def cv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device=device, dtype=dtype)
 
-        mods = {p: ModuleLora(cv(m.A), cv(m.B), m.alpha, cv(m.bias)) for p, m in self.modules.items()}
+        mods = {p: m.replace(cv(m.A), cv(m.B), cv(m.bias), cv(m.magnitude), finite=False)
+                for p, m in self.modules.items()}
         return LoraAdapter(mods, self.use_rslora, self.name, self.provenance)
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import env
-from .adapter import LoraAdapter, ModuleLora
+from .adapter import LoraAdapter
 from .report import LoadReport
 
 ALIGN = 64  # bytes; every dtype's alignment divides it
@@ -135,7 +135,7 @@ def pack_adapters(adapters: dict[str, LoraAdapter], pin: bool = True) -> dict[st
 
     out = {}
     for comp, a in adapters.items():
-        mods = {p: ModuleLora(place(m.A), place(m.B), m.alpha, place(m.bias)) for p, m in a.modules.items()}
+        mods = {p: m.replace(place(m.A), place(m.B), place(m.bias), finite=False) for p, m in a.modules.items()}
         out[comp] = LoraAdapter(mods, a.use_rslora, a.name, a.provenance)
     return out
 
@@ -239,6 +239,7 @@ def to_device(adapter: LoraAdapter, device: torch.device | str, *, check_finite:
 
         if check_finite:
             adapter.check_finite()
-    return LoraAdapter({p: ModuleLora(move(m.A), move(m.B), m.alpha, move(m.bias), finite=True if check_finite
-                                      else m.finite) for p, m in adapter.modules.items()},
+    return LoraAdapter({p: m.replace(move(m.A), move(m.B), move(m.bias),  # (a DoRA magnitude is not packed)
+                                     None if m.magnitude is None else m.magnitude.to(device),
+                                     finite=True if check_finite else m.finite) for p, m in adapter.modules.items()},
                        adapter.use_rslora, adapter.name, adapter.provenance)

@@ -32,6 +32,7 @@ from ..errors import CapacityError, FormatError, PartialLoadWarning
 from . import formats
 from .adapter import LoraAdapter, Provenance, check_adapter_name
 from .cache import AdapterCache, CacheKey, default_cache
+from .formats import lycoris
 from .report import LoadReport
 from .resolve import Resolved, fetch, resolve
 from .safefile import read_weights
@@ -61,6 +62,7 @@ def load_adapters(
     metadata: Mapping[str, str] | None = None,
     name: str | None = None,
     cache: AdapterCache | str | None = DEFAULT,
+    lora_conversion: str | None = None,
 ) -> tuple[dict[str, LoraAdapter], LoadReport]:
     """Load a LoRA from a Hub repo id, a directory, a file or a state dict; returns ({component: adapter}, report).
 
@@ -71,8 +73,11 @@ def load_adapters(
     `component` forces the component of single-model formats (PEFT); `layers_per_block` maps kohya
     SDXL block numbers. `config` (a LoraConfig or its dict) and `metadata` (safetensors header
     entries) go with an in-memory state dict. `cache` is the RAM cache to use (None: no caching).
+    LyCORIS LoHa / LoKr / full-diff modules load exactly; `lora_conversion="svd:RANK"` turns them into plain
+    LoRA of that rank instead (smaller banks) and the report's notes give the approximation error.
     """
     t0 = time.perf_counter()
+    svd_rank = lycoris.parse_conversion(lora_conversion)
     if name is not None:
         check_adapter_name(name)
     hub_kw = dict(token=token, cache_dir=cache_dir, local_files_only=local_files_only)
@@ -82,7 +87,7 @@ def load_adapters(
     key = None
     if isinstance(ram, AdapterCache) and r.kind != "memory" and config is None and metadata is None:
         key = CacheKey(r.source, r.fingerprint or "", r.file, str(dtype) if dtype else None,
-                       (component, layers_per_block))
+                       (component, layers_per_block) + ((svd_rank,) if svd_rank else ()))
         hit = None if force_download else ram.get(key)
         if hit is not None:
             adapters, report = hit
@@ -97,6 +102,9 @@ def load_adapters(
     t3 = time.perf_counter()
     fmt, why, others = formats.detect(raw)
     conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
+    if svd_rank:
+        lycoris.convert_svd(conv, svd_rank)
+    kinds = lycoris.summary(conv.components)
     check_ranks(conv.components, raw.name)
     adapters = {}
     for comp, mods in conv.components.items():
@@ -106,7 +114,7 @@ def load_adapters(
             adapters[comp] = adapter.to(dtype=dtype) if dtype else adapter
     report = LoadReport(
         source=r.source, kind=r.kind, revision=r.revision, sha=r.sha, file=r.file, file_choice=r.choice,
-        format=fmt.name, format_reason=why, also_matched=others,
+        format=fmt.name + (f" ({kinds})" if kinds else ""), format_reason=why, also_matched=others,
         components={c: len(a.modules) for c, a in adapters.items()},
         rslora={c: a.use_rslora for c, a in adapters.items()}, configs=conv.configs,
         keys_total=len(raw.tensors), keys_matched=conv.matched, keys_unused=conv.unused,
@@ -189,9 +197,11 @@ def check_ranks(components: Mapping[str, Mapping[str, Any]], where: str) -> None
     for comp, mods in components.items():
         for path, m in mods.items():
             if m.rank > cap:
-                raise CapacityError(f"{where}: {comp}.{path} has rank {m.rank}, above the rank limit {cap}; every bank "
-                                    f"of {comp} would grow to fit it. If the adapter is genuine, raise the limit "
-                                    f"({env.MAX_RANK_VAR}={m.rank}).")
+                exact = (f" (a {m.origin} module held exactly; lora_conversion='svd:RANK' loads it as a plain LoRA "
+                         "of that rank instead)") if m.origin != "lora" else ""
+                raise CapacityError(f"{where}: {comp}.{path} has rank {m.rank}{exact}, above the rank limit {cap}; "
+                                    f"every bank of {comp} would grow to fit it. If the adapter is genuine, raise the "
+                                    f"limit ({env.MAX_RANK_VAR}={m.rank}).")
 
 
 def _finish(adapters, report, name, strict, check_finite):

@@ -6,6 +6,7 @@ Layout (shared with every kernel backend, see fdlora.kernels.reference):
     B      [N, S, R]  so B.view(N, S*R) expands all slots as one rank-S*R adapter
     ranks  [S] int32  live rank per slot (0 = empty), lets kernels skip the padding
     bias   [S, N]     lora_B bias (PEFT lora_bias=True), allocated on first use
+    magnitude [S, N]  DoRA magnitude per slot (fp32), allocated on first use; `dora_eps[s]` None = not DoRA
 
 R is a multiple of 16 (tensor-core tile). Loading writes a slot in place and deleting zeroes it;
 nothing here reallocates except `resize`, which callers must not use on a compiled model.
@@ -41,6 +42,8 @@ class AdapterBank(nn.Module):
         self.register_buffer("B", torch.zeros(out_features, slots, R, dtype=dtype, device=device), persistent=False)
         self.register_buffer("ranks", torch.zeros(slots, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("bias", None, persistent=False)  # [S, N], allocated on first use
+        self.register_buffer("magnitude", None, persistent=False)  # [S, N] fp32 DoRA m, allocated on first use
+        self.dora_eps: list[float | None] = [None] * slots  # per slot: the DoRA norm's eps, None = not DoRA
         # bumped on the device with every write: the device-side merged-weight cache stamps it (layers.merged)
         self.register_buffer("dversion", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self.used: list[bool] = [False] * slots  # host mirror of ranks > 0
@@ -73,7 +76,22 @@ class AdapterBank(nn.Module):
             self.bias[slot].copy_(m.bias)
         elif self.bias is not None:
             self.bias[slot].zero_()
+        self._write_magnitude(slot, m)
         self.mark(slot, r)
+
+    def _write_magnitude(self, slot: int, m: ModuleLora | None) -> None:
+        """Slot `slot`'s DoRA magnitude (fdlora.layers.dora), or none."""
+        if m is not None and m.magnitude is not None:
+            if self.magnitude is None:
+                self.magnitude = torch.zeros(self.slots, self.B.shape[0], dtype=torch.float32, device=self.B.device)
+            self.magnitude[slot].copy_(m.magnitude)
+            self.dora_eps[slot] = float(m.dora_eps)
+        else:
+            if self.magnitude is not None:
+                self.magnitude[slot].zero_()
+            self.dora_eps[slot] = None
+            if self.magnitude is not None and all(e is None for e in self.dora_eps):
+                self.magnitude = None  # no DoRA slot left: the layer takes the regular paths again
 
     def mark(self, slot: int, rank: int, device: bool = True) -> None:
         """Bookkeeping after slot `slot` was written with `rank` (0: cleared): host mirrors, both versions (the
@@ -110,7 +128,7 @@ class AdapterBank(nn.Module):
         ranks: dict[torch.device, tuple[list, list]] = {}
         marked = []
         for bank, slot, m in writes:
-            if m.bias is not None or bank.bias is not None:
+            if m.bias is not None or bank.bias is not None or m.magnitude is not None or bank.magnitude is not None:
                 bank.write(slot, m)
                 continue
             r, prev, dev = m.rank, bank.host_ranks[slot], bank.A.device
@@ -148,6 +166,7 @@ class AdapterBank(nn.Module):
         self.ranks[slot] = 0
         if self.bias is not None:
             self.bias[slot].zero_()
+        self._write_magnitude(slot, None)
         self.mark(slot, 0)
 
     def resize(self, slots: int, rank: int) -> None:
@@ -169,6 +188,11 @@ class AdapterBank(nn.Module):
             bias = self.bias.new_zeros(slots, self.bias.shape[1])
             bias[:S0] = self.bias
             self.bias = bias
+        if self.magnitude is not None:
+            mag = self.magnitude.new_zeros(slots, self.magnitude.shape[1])
+            mag[:S0] = self.magnitude
+            self.magnitude = mag
+        self.dora_eps = self.dora_eps + [None] * (slots - S0)
         self.used = self.used + [False] * (slots - S0)
         self.host_ranks = self.host_ranks + [0] * (slots - S0)
         self.version += 1

@@ -38,9 +38,9 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
         r = A.shape[0]
         a0, a_step, b0, b_step, n, b_row, k0, k_step, dtype, bank_dev = bank.addresses()
         if (kernel is None or bank_dev != dev or m.bias is not None or bank._buffers["bias"] is not None
-                or bank.host_ranks[slot] > r or B.dtype != A.dtype):
-            rest.append((bank, slot, ModuleLora(staged.view(A), staged.view(B), m.alpha, staged.view(m.bias),
-                                                finite=m.finite)))
+                or bank.host_ranks[slot] > r or B.dtype != A.dtype or m.magnitude is not None
+                or bank._buffers["magnitude"] is not None):  # (DoRA: bank.write keeps the magnitude)
+            rest.append((bank, slot, m.replace(staged.view(A), staged.view(B), staged.view(m.bias))))
             continue
         tables.setdefault((A.dtype, dtype), []).append([
             A.data_ptr() + base, a0 + slot * a_step, A.numel(),

@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import decode, remerge
+from . import decode, dora, remerge
 from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
@@ -385,6 +385,8 @@ class FusedLoraLinear(_FusedLora):
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
+            return dora.forward(self, x, args, kwargs)
         if self._cached():
             y = self._merged_forward(x)
             if y is not None:
@@ -461,6 +463,8 @@ class FusedLoraConv2d(_FusedLora):
         return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
+            return dora.forward(self, x, args, kwargs)
         if self._cached():
             y = self._merged_forward(x)
             if y is not None:

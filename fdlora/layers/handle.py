@@ -18,6 +18,7 @@ from .. import env
 from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, FdLoraError, TargetError
 from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
+from ..hub.formats import lycoris
 from .bank import AdapterBank, padded_rank
 from .bulk import write_staged
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
@@ -115,6 +116,7 @@ class FdLoraHandle:
         that cannot take it), changes nothing. With `slot=False` the plan does not need a free slot yet (a
         pool checks first and makes room after): `commit` takes one."""
         self._alive()
+        adapter = lycoris.resolve(adapter, self.model)  # LyCORIS flat names and flat conv factors fitted to the model
         name = check_adapter_name(name if name is not None else adapter.name or
                                   f"default_{len(self.state.slots.by_name)}")
         self.state.slots.check_name(name)

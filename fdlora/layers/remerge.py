@@ -23,9 +23,10 @@ from .state import Mode, to_device
 
 def cacheable(layer, device: torch.device) -> bool:
     """Whether the eager cache serves this layer now: blend mode, a plain base in the bank's dtype on `device`,
-    something loaded, no lora bias (the cached GEMM adds none)."""
+    something loaded, no lora bias (the cached GEMM adds none), no DoRA slot (fdlora.layers.dora)."""
     bank = layer.bank
     return (layer._plain and bank.A.device == device and bank._buffers["bias"] is None and True in bank.used
+            and bank._buffers["magnitude"] is None
             and layer.state.mode is Mode.BLEND)
 
 
@@ -114,7 +115,8 @@ def groupable(layer, device: torch.device) -> bool:
     """Whether per-sample calls of this layer may run on per-blend copies (an nn.Linear base, as `cacheable`)."""
     bank = layer.bank
     return (type(layer.base) is nn.Linear and layer._plain and bank.A.device == device
-            and bank._buffers["bias"] is None and True in bank.used)
+            and bank._buffers["bias"] is None and True in bank.used
+            and bank._buffers["magnitude"] is None)
 
 
 def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> list[torch.Tensor] | None:

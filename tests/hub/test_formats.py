@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save, save_file
 from support import loras, tiny
 
-from fdlora.errors import UnsupportedFeatureError, UnusedKeysError
+from fdlora.errors import FormatError, UnsupportedFeatureError, UnusedKeysError
 from fdlora.hub import AdapterCache, AdapterPool, load_adapters
 from fdlora.hub.formats.base import peft_key
 from fdlora.layers import FdLoraHandle
@@ -173,27 +173,34 @@ def test_fan_in_fan_out_conv1d_matches_peft(tmp_path):
         close(fd_model(gpt2(), adapters["model"])(ids).last_hidden_state, ref, gpt2()(ids).last_hidden_state)
 
 
-DORA = {  # how a file says it is a DoRA -> what the refusal must say
-    "config": "DoRA", "keys": "DoRA", "kohya": "kohya file is a DoRA", "kohya-flux": "Flux LoRA is a DoRA"}
+DORA = {  # how a DoRA file fd-lora cannot load says so -> (error, what it must say); loading: tests/hub/test_lycoris.py
+    "config": (FormatError, "use_dora=True but"), "keys": (None, ""),
+    "kohya": (UnsupportedFeatureError, "per-input-channel"),
+    "kohya-flux": (UnsupportedFeatureError, "Flux LoRA is a DoRA")}
 KOHYA_NAMES = {"kohya": "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
                "kohya-flux": "lora_unet_double_blocks_0_img_attn_proj"}
 
 
 @pytest.mark.parametrize("how", list(DORA))
-def test_dora_is_refused_naming_dora(how, tmp_path):
+def test_dora_files_load_or_say_why(how, tmp_path):
     lora = loras.make_lora({"layers.0.q_proj": (16, 16)})
-    files = loras.peft_files(lora, use_dora=how == "config")
-    if how == "keys":
+    files = loras.peft_files(lora, use_dora=how == "config")  # (a use_dora config, but no magnitudes)
+    if how == "keys":  # PEFT magnitudes: a DoRA, config or not
         sd = loras.peft_state(lora, "base_model.model.")
         sd["base_model.model.layers.0.q_proj.lora_magnitude_vector"] = torch.ones(16)
         files["adapter_model.safetensors"] = save(sd)
-    elif how in KOHYA_NAMES:  # kohya DoRA: a dora_scale [1, in] next to lora_down / lora_up / alpha
+    elif how in KOHYA_NAMES:  # an old LyCORIS DoRA: a dora_scale [1, in] (per input channel) next to lora_down / up
         (A, B), name = lora.weights["layers.0.q_proj"], KOHYA_NAMES[how]
         sd = {f"{name}.lora_down.weight": A, f"{name}.lora_up.weight": B, f"{name}.alpha": torch.tensor(4.0),
               f"{name}.dora_scale": torch.ones(1, 16)}
         files = {"lora.safetensors": save(sd)}
     write(files, tmp_path)
-    with pytest.raises(UnsupportedFeatureError, match=DORA[how]):
+    error, says = DORA[how]
+    if error is None:
+        adapters, _ = load_adapters(tmp_path, cache=None)
+        assert torch.equal(adapters["model"].modules["layers.0.q_proj"].magnitude, torch.ones(16))
+        return
+    with pytest.raises(error, match=says):
         load_adapters(tmp_path, cache=None)
 
 

@@ -8,7 +8,7 @@ An input no detector recognises raises FormatError listing what every detector l
 from __future__ import annotations
 
 from ...errors import FdLoraError, FormatError
-from . import diffusers, flux, kohya, peft
+from . import diffusers, flux, kohya, lycoris, peft
 from .base import COMPONENTS, MODEL, Converted, Format, Options, Raw
 
 FORMATS: tuple[Format, ...] = (
@@ -21,6 +21,8 @@ FORMATS: tuple[Format, ...] = (
     Format("flux-fal-kontext", "keys under base_model.model.double_blocks.", flux.detect_fal_kontext,
            flux.convert_fal_kontext),
     Format("peft", "an adapter_config.json, or keys starting with base_model.model.", peft.detect, peft.convert),
+    Format("lycoris", "keys starting with lycoris_ (a LyCORIS create_lycoris network's state dict)", lycoris.detect,
+           lycoris.convert),
     Format("kohya", "keys starting with lora_unet_ / lora_te_ / lora_te1_ / lora_te2_ (kohya-ss / A1111 SD1.x, "
            "SDXL)", kohya.detect, kohya.convert),
     Format("diffusers", f"keys starting with a component prefix ({', '.join(c + '.' for c in COMPONENTS)})",

@@ -24,6 +24,7 @@ from ..adapter import ModuleLora
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 MODEL = "model"  # the component of a single-model adapter whose target cannot be told from its keys
 _PEFT_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
+MAGNITUDE = (".lora_magnitude_vector", ".lora_magnitude_vector.weight")  # PEFT DoRA m, as saved
 
 
 def peft_key(key: str) -> tuple[str, str] | None:
@@ -37,8 +38,8 @@ def peft_key(key: str) -> tuple[str, str] | None:
 AlphaRule = Callable[[str, int], float]  # (module path, rank) -> alpha
 
 # LoraConfig fields that change what a loaded adapter computes and that fd-lora does not implement
-UNSUPPORTED_FIELDS = {
-    "use_dora": "DoRA (weight-decomposed LoRA)", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
+UNSUPPORTED_FIELDS = {  # (use_dora is served: fdlora.layers.dora)
+    "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
     "alora_invocation_tokens": "aLoRA (activated LoRA)", "arrow_config": "Arrow routing",
     "kasa_config": "KaSA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
     "target_parameters": "LoRA on raw parameters (target_parameters)", "layer_replication": "layer replication",
@@ -101,8 +102,12 @@ def build_modules(sd: dict[str, torch.Tensor], alpha_of: AlphaRule, *, where: st
     """PEFT-form keys -> `ModuleLora`s; `where` prefixes messages (e.g. 'unet'). Raises only fd-lora errors."""
     out = Converted()
     parts: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    magnitudes: dict[str, tuple[str, torch.Tensor]] = {}
     for key, t in sd.items():
         m = peft_key(key)
+        if m is None and key.endswith(MAGNITUDE):  # DoRA: attached to its module below
+            magnitudes[key.rpartition(".lora_magnitude_vector")[0]] = (key, t)
+            continue
         if m is None:
             _classify_other(key, out, where)
             continue
@@ -138,17 +143,32 @@ def build_modules(sd: dict[str, torch.Tensor], alpha_of: AlphaRule, *, where: st
             ml.alpha = float(alpha_of(path, ml.rank))
         except (FormatError, OverflowError, TypeError, ValueError) as e:
             raise FormatError(f"{where}: {path}: {e}") from None
+        if path in magnitudes:
+            key, t = magnitudes.pop(path)
+            if bias is not None:
+                raise UnsupportedFeatureError(f"{where}: {path} has both a DoRA magnitude and a lora_B bias; fd-lora "
+                                              "does not combine the two. Merge the adapter with PEFT.")
+            ml.magnitude = magnitude_of(f"{where}: {path}", t, ml.out_features)
+            out.matched += 1
         mods[path] = ml
         out.matched += len(p)
+    for key, _ in magnitudes.values():
+        out.dropped[key] = "a DoRA magnitude for a module that has no lora_A / lora_B"
     out.components[where] = mods
     return out
 
 
+def magnitude_of(name: str, t: torch.Tensor, N: int) -> torch.Tensor:
+    """PEFT's DoRA ``lora_magnitude_vector`` ([N], or [1, N, 1, 1] for convs) -> [N] fp32."""
+    if t.numel() != N:
+        raise AdapterShapeError(f"{name}: DoRA magnitude {tuple(t.shape)} does not match the module's {N} outputs.")
+    return t.detach().reshape(N).float()
+
+
 def _classify_other(key: str, out: Converted, where: str) -> None:
-    if "lora_magnitude_vector" in key or key.endswith("dora_scale"):
-        raise UnsupportedFeatureError(f"{where}: {key} is a DoRA magnitude vector; fd-lora does not implement DoRA "
-                                      "yet. Merge the adapter (PEFT merge_and_unload) or use a plain LoRA.")
-    if "lora_embedding_" in key:
+    if key.endswith("dora_scale"):
+        out.dropped[key] = "a kohya/LyCORIS dora_scale among PEFT keys: it belongs to a lora_down/lora_up module"
+    elif "lora_embedding_" in key:
         out.dropped[key] = "embedding LoRA (lora_embedding_A/B): fd-lora wraps Linear and Conv2d layers only"
     elif key.endswith((".weight", ".bias")) and key.count(".") >= 2 and "lora" not in key.split(".")[-2]:
         out.dropped[key] = ("a full base-layer tensor (PEFT modules_to_save or bias='all'): fd-lora applies LoRA "
@@ -162,7 +182,7 @@ def config_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The LoraConfig fields of `config` this peft knows (others are ignored); raises on unsupported variants."""
     from peft import LoraConfig
 
-    peft_type = str(config.get("peft_type") or "LORA").upper()
+    peft_type = str(getattr(config.get("peft_type"), "value", config.get("peft_type")) or "LORA").upper()
     if peft_type != "LORA":
         raise UnsupportedFeatureError(f"{where}: peft_type {peft_type} is not LoRA; fd-lora loads LoRA adapters only.")
     for name, what in UNSUPPORTED_FIELDS.items():
@@ -242,6 +262,11 @@ def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str)
         why = untargeted(m[0]) if m else None  # (memoized per module path)
         (skipped if why else keep)[key] = why or t
     out = build_modules(keep, alpha_of, where=where, rank_of=rank_of, lora_bias=bool(config.get("lora_bias", False)))
+    if config.get("use_dora"):  # every DoRA module has its magnitude: without it PEFT's output is not a plain LoRA's
+        bare = [p for p, m in out.components[where].items() if m.magnitude is None]
+        if bare:
+            raise FormatError(f"{where}: the config sets use_dora=True but {len(bare)} modules have no "
+                              f"lora_magnitude_vector (e.g. {bare[:3]}); the weights do not belong to this config.")
     out.unused.update(skipped)
     out.rslora[where] = bool(config.get("use_rslora", False))
     out.configs[where] = {k: config[k] for k in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",

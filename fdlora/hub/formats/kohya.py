@@ -11,6 +11,11 @@ each module's own ``.alpha`` (scale alpha/rank), or rank when a module has none.
 folds the alphas into one LoraConfig by name, which attributes them to the wrong modules when a
 file's alphas differ between attention and other layers; fd-lora follows each module's ``.alpha``
 by tensor identity through diffusers' renaming (the renaming moves tensors, never copies them).
+
+LyCORIS modules in kohya naming (LoHa ``hada_*``, LoKr ``lokr_*``, full ``diff``/``diff_b``, LoCon
+``lora_mid``, DoRA ``dora_scale``) become exact factors (fdlora.hub.formats.lycoris) that travel through
+the same renaming as a lora_down/lora_up pair and are swapped back in by identity, so a file mixing them
+with plain LoRA modules loads whole.
 """
 
 from __future__ import annotations
@@ -20,20 +25,22 @@ from types import SimpleNamespace
 
 import torch
 
-from ...errors import FormatError, UnsupportedFeatureError
+from ...errors import FormatError
+from . import lycoris
 from .base import Converted, Options, Raw
 from .diffusers import convert_component
 
 PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_")
 FLUX_NAMES = re.compile(r"lora_unet_(double_blocks|single_blocks|final_layer)_")
 SGM = ("input_blocks", "middle_block", "output_blocks")
-LYCORIS = re.compile(r"\.(hada_w|hada_t|lokr_w|lokr_t|lora_mid|oft_|b1\.|w1\.)")
 SUFFIX = re.compile(r"\.(lora_down\.weight|lora_up\.weight|alpha)$")
 
 
 def detect(raw: Raw) -> str | None:
     keys = list(raw.tensors)
     n = sum(k.startswith(PREFIXES) for k in keys)
+    if not n and any(k.startswith(lycoris.UNET_NAMES) for k in keys):
+        return f"{len(keys)} keys are a LyCORIS network on a diffusers UNet (lycoris_ read as kohya's lora_unet_)"
     if not n or any(FLUX_NAMES.match(k) for k in keys):
         return None
     sgm = " with SGM block names" if any(s in k for k in keys for s in SGM) else ""
@@ -41,21 +48,29 @@ def detect(raw: Raw) -> str | None:
 
 
 def convert(raw: Raw, opts: Options) -> Converted:
+    if not any(k.startswith(PREFIXES) for k in raw.tensors):  # a LyCORIS network on a UNet: kohya's names
+        tensors = {("lora_unet_" + k[len(lycoris.PREFIX):] if k.startswith(lycoris.PREFIX) else k): v
+                   for k, v in raw.tensors.items()}
+        raw = Raw(tensors, raw.metadata, raw.config, raw.name)
     out = Converted()
     sd: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in raw.tensors.items():
         if not k.startswith(PREFIXES):
             out.unused[k] = "not a kohya key (no lora_unet_/lora_te*_ prefix)"
-        elif k.endswith(".dora_scale"):
-            raise UnsupportedFeatureError(f"{k}: this kohya file is a DoRA (dora_scale); fd-lora does not implement "
-                                          "DoRA yet (diffusers drops the scales and loads it as plain LoRA, which "
-                                          "changes its output). Use a plain LoRA.")
-        elif LYCORIS.search(k):
-            out.dropped[k] = "a LyCORIS LoHa/LoKr/Tucker tensor: fd-lora (like diffusers) loads plain LoRA only"
-        elif not SUFFIX.search(k):
-            out.unused[k] = "a kohya key that is neither lora_down, lora_up nor alpha"
+        elif (part := lycoris.split(k)) is not None:
+            groups.setdefault(part[0], {})[part[1]] = v
+        elif why := lycoris.why_other(k):
+            out.dropped[k] = why
         else:
-            sd[k] = v
+            out.unused[k] = "a kohya key that is neither lora_down, lora_up nor alpha"
+    lyco = lycoris.build({n: p for n, p in groups.items() if lycoris.is_lycoris(p)}, out, where=raw.name)
+    for name, p in groups.items():
+        if name in lyco:  # exact factors, renamed as if they were this module's lora_down / lora_up
+            sd[f"{name}.lora_down.weight"], sd[f"{name}.lora_up.weight"] = lyco[name].A, lyco[name].B
+        elif not lycoris.is_lycoris(p):
+            sd.update({f"{name}.{part}": t for part, t in p.items()})
+    lyco_of = {id(m.A): name for name, m in lyco.items()}  # (SGM renaming changes names, not tensors)
     sd = _sgm_to_diffusers(sd, opts.layers_per_block, out)
     alpha_by_module = _pop_alphas(sd)
     module_of = {id(v): k.split(".")[0] for k, v in sd.items() if k.endswith(".lora_down.weight")}
@@ -65,8 +80,21 @@ def convert(raw: Raw, opts: Options) -> Converted:
         if not part:
             continue
         comp_out = convert_component(comp, part)  # alpha = rank for now; kohya alphas follow by identity below
-        _apply_alphas(comp_out.components[comp], module_of, alpha_by_module, comp)
+        mods = comp_out.components[comp]
+        _apply_alphas(mods, module_of, alpha_by_module, comp)
+        for path, m in mods.items():  # LyCORIS modules: their own ModuleLora back (scale, magnitude, origin)
+            name = lyco_of.get(id(m.A))
+            if name in lyco:
+                mods[path] = lyco.pop(name)
+                comp_out.matched -= 2  # (the stand-in lora_down / lora_up keys; build counted the real ones)
         out.merge(comp_out)
+    stand_in = {f"{module_of[i]}.{part}" for i in lyco_of if i in module_of
+                for part in ("lora_down.weight", "lora_up.weight")}
+    whys = {k: out.dropped.pop(k) for k in list(out.dropped) if k in stand_in}
+    for name in lyco:  # stand-ins diffusers could not place: report the file's own keys
+        why = next(iter(whys.values()), "diffusers' kohya renaming did not place this module")
+        out.matched -= len(groups[name])
+        out.dropped.update({f"{name}.{k}": why for k in groups[name]})
     modules = set(module_of.values())
     for m in alpha_by_module:
         if m in modules:

@@ -6,7 +6,9 @@ checked against the tensors, lora_alpha / alpha_pattern give each module's alpha
 layers_to_transform decide (with PEFT's `check_target_module_exists`) which keys PEFT itself would
 load, and lora_bias admits lora_B biases. fan_in_fan_out only changes how PEFT *merges* a
 transformers Conv1D weight; the unmerged math (A [r, in], B [out, r]) is the same, so it is
-recorded, not converted. use_dora and the other LoRA variants raise UnsupportedFeatureError.
+recorded, not converted. use_dora adapters carry their ``lora_magnitude_vector`` (fdlora.layers.dora);
+the other LoRA variants raise UnsupportedFeatureError. LoHa and LoKr adapters (peft_type LOHA / LOKR)
+load as exact factors through fdlora.hub.formats.lycoris with PEFT's scale alpha / r.
 
 A model-level state dict in PEFT key form without any prefix ("peft-bare", e.g. from
 `get_peft_model_state_dict`) loads the same way without a config: alpha = rank (scale 1).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import re
 
+from . import lycoris
 from .base import COMPONENTS, MODEL, Converted, Options, Raw, build_modules, from_config, peft_key, strip_prefix
 
 PREFIX = "base_model.model."
@@ -69,7 +72,11 @@ def convert_bare(raw: Raw, opts: Options) -> Converted:
 def _convert(sd, config, opts: Options) -> Converted:
     paths = [m[0] for k in sd if (m := peft_key(k))]
     comp, why = (opts.component, "component= given") if opts.component else guess_component(paths)
-    if config is not None:
+    if config is not None and lycoris.peft_type(config) in ("LOHA", "LOKR"):
+        if not opts.component:
+            comp, why = guess_component([k.rpartition(".")[0] for k in sd])
+        out = lycoris.from_peft(sd, config, comp)
+    elif config is not None:
         out = from_config(sd, config, comp)
     else:
         out = build_modules(sd, lambda path, rank: rank, where=comp)
