@@ -23,8 +23,9 @@ from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
 from .layers.merged import merge_cache_bytes, set_merge_cache
 from .pipelines.diffusers import from_diffusers
 from .pipelines.diffusers.hook import install as _install_diffusers_hook
+from .pipelines.diffusers.model import load_fd_lora  # diffusers models here; others go to the Transformers loader
 from .pipelines.scope import adapters
-from .pipelines.transformers import FdLoraModel, from_peft, load_fd_lora, merge_and_unload, save_peft
+from .pipelines.transformers import FdLoraModel, from_peft, merge_and_unload, save_peft
 
 _install_diffusers_hook()
 _install_moved()

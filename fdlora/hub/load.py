@@ -61,6 +61,7 @@ def load_adapters(
     metadata: Mapping[str, str] | None = None,
     name: str | None = None,
     cache: AdapterCache | str | None = DEFAULT,
+    family: Any = None,
 ) -> tuple[dict[str, LoraAdapter], LoadReport]:
     """Load a LoRA from a Hub repo id, a directory, a file or a state dict; returns ({component: adapter}, report).
 
@@ -71,6 +72,8 @@ def load_adapters(
     `component` forces the component of single-model formats (PEFT); `layers_per_block` maps kohya
     SDXL block numbers. `config` (a LoraConfig or its dict) and `metadata` (safetensors header
     entries) go with an in-memory state dict. `cache` is the RAM cache to use (None: no caching).
+    `family` (fdlora.pipelines.diffusers.family.Family, given by pipeline loads) is asked first for the
+    format, with diffusers' converters of that pipeline family.
     """
     t0 = time.perf_counter()
     if name is not None:
@@ -82,7 +85,7 @@ def load_adapters(
     key = None
     if isinstance(ram, AdapterCache) and r.kind != "memory" and config is None and metadata is None:
         key = CacheKey(r.source, r.fingerprint or "", r.file, str(dtype) if dtype else None,
-                       (component, layers_per_block))
+                       (component, layers_per_block, getattr(family, "name", None)))
         hit = None if force_download else ram.get(key)
         if hit is not None:
             adapters, report = hit
@@ -95,7 +98,7 @@ def load_adapters(
     pin = reader == "pinned" or (reader == "auto" and key is not None and ram.pin)
     raw = _read(r, allow_pickle, config, metadata, pin=pin)
     t3 = time.perf_counter()
-    fmt, why, others = formats.detect(raw)
+    fmt, why, others = formats.detect(raw, family)
     conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
     check_ranks(conv.components, raw.name)
     adapters = {}
@@ -209,14 +212,21 @@ def _finish(adapters, report, name, strict, check_finite):
 
 
 def warn_partial(report: LoadReport) -> None:
-    """Log and `warnings.warn` (PartialLoadWarning) when a load left LoRA keys behind: every time, cached or not."""
+    """Log and `warnings.warn` (PartialLoadWarning) when a load left LoRA keys behind: every time, cached or not,
+    naming how many modules were dropped and why (fdlora.hub.report.lost_modules)."""
+    from .report import lost_modules
+
     lost = {**report.keys_dropped, **{k: why for k, why in report.keys_unused.items() if why not in BENIGN}}
     if not lost:
         return
-    first = list(lost)[:5]
-    why = " ".join(lost[first[0]].split())[:200]  # one line, whatever the converter's exception said
-    msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded (e.g. {first}: "
-           f"{why}); {report.modules} modules loaded. Print the load report for every key, or pass "
-           "strict=True to make this an error.")
+    modules = lost_modules(lost)
+    by_why: dict[str, int] = {}
+    for why in modules.values():
+        by_why[why] = by_why.get(why, 0) + 1
+    whys = "; ".join(f"{n} x {why}" for why, n in list(by_why.items())[:4])
+    more = f"; and {len(by_why) - 4} other reasons" if len(by_why) > 4 else ""
+    msg = (f"fd-lora: {report.source}: {len(modules)} modules ({len(lost)} of {report.keys_total} keys) were not "
+           f"loaded, e.g. {list(modules)[:3]}: {whys}{more}. {report.modules} modules loaded. Print the load report "
+           "for every key, or pass strict=True to make this an error.")
     logger.warning(msg)
     warnings.warn(msg, PartialLoadWarning, stacklevel=3)
