@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from .targets import SCALE_KWARGS, targets_for
 logger = logging.getLogger("fdlora")
 
 DEFAULT_SLOTS = 4
+ROUTED = re.compile(r"\.experts\.\d+\.")  # a routed MoE expert's layers (HiDream); shared experts see every token
 DEFAULT_RANK = 64
 
 
@@ -463,7 +465,13 @@ class FdLoraPipelineMixin:
             raise UnknownAdapterError(f"fd_lora_adapters names {sorted(named - loaded)}, which are not loaded "
                                       f"(loaded: {sorted(loaded)}).")
         n = int(kwargs.get("num_images_per_prompt") or 1)
-        for h in self.fd_lora_handles().values():
+        for comp, h in self.fd_lora_handles().items():
+            routed = next((p for p in h.layers if ROUTED.search(p)), None)
+            if routed is not None:  # rows of a routed expert's input are the tokens sent to it, not prompts
+                raise FdLoraError(
+                    f"per-prompt adapters cannot go through {comp}'s routed MoE experts ({routed}): the tokens each "
+                    "expert sees are gathered across the batch, so its rows no longer line up with prompts. Run one "
+                    "prompt per adapter, or a blend (set_adapters) for the whole batch.")
             pool = AdapterPool.of(h)
             pool.ensure(sorted(named & set(pool.known())), evict_active=True)  # all resident at once
             have = set(h.list_adapters())

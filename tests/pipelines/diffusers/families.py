@@ -131,7 +131,7 @@ class Spec:
     inputs: Callable[[int], dict]
     extra: dict = field(default_factory=dict)  # pipeline kwargs beyond the components (Wan 2.2's boundary_ratio)
     second: bool = False  # a transformer_2 too (Wan 2.2)
-    per_prompt: bool = True  # rows of the denoiser's batch are prompts (per-prompt adapters testable)
+    per_prompt: bool = True  # False: routed MoE experts (HiDream), where per-prompt adapters are refused
 
 
 FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -197,7 +197,7 @@ SPECS: dict[str, Spec] = {
                    dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
                         n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=16,
                         rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32]),
-                   zimage_inputs, per_prompt=False),
+                   zimage_inputs),
     "auraflow": Spec("AuraFlowPipeline", "AuraFlowTransformer2DModel",
                      dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1,
                           attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,

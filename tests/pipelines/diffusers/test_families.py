@@ -105,6 +105,16 @@ def test_per_prompt_rows_equal_each_adapter(key):
         assert F.close(got[i], want[i]) < REL, (key, i)
 
 
+def test_per_prompt_through_routed_experts_is_refused():
+    """HiDream's routed MoE experts see tokens gathered across the batch: per-prompt adapters there would mix
+    prompts silently, so the pipeline call refuses (blends are fine: test_blend_equals_diffusers[hidream])."""
+    from fdlora.errors import FdLoraError
+
+    c = family_case("hidream")
+    with pytest.raises(FdLoraError, match="routed MoE experts"):
+        c["fd"](prompt=["a", "b"], fd_lora_adapters=["a", "b"])
+
+
 def test_every_mixin_is_covered_or_skipped():
     from fdlora.pipelines.diffusers.family import family_of, mixins
 
