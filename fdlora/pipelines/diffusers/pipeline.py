@@ -28,7 +28,7 @@ from .. import fuse as fusing
 from ..scope import pipe_lock
 from . import schedule
 from .family import family_of
-from .hook import install_scale_hook, remove_scale_hook
+from .scale import install_scale_hook, remove_scale_hook
 from .targets import SCALE_KWARGS, targets_for
 
 logger = logging.getLogger("fdlora")

@@ -150,7 +150,7 @@ def test_wan21_load_into_transformer_2_refused():
 @pytest.mark.parametrize("key", ["flux", "wan21", "qwenimage", "sd35", "zimage"])
 def test_scale_kwarg_on_the_denoiser_equals_diffusers(key):
     """pipe.transformer(..., joint_attention_kwargs / attention_kwargs={"scale": 0.5}) as diffusers+PEFT."""
-    from fdlora.pipelines.diffusers.hook import scale_kwarg_of
+    from fdlora.pipelines.diffusers.scale import scale_kwarg_of
 
     c = family_case(key)
     x = c["spec"].inputs(1)
