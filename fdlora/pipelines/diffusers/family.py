@@ -19,6 +19,8 @@ loads without fd-lora code. The exceptions, where diffusers itself special-cases
   (pipeline.load_fd_lora), as `WanLoraLoaderMixin.load_lora_weights` does.
 - Flux Control LoRAs widen `x_embedder` and replace `norm_out` weights (diffusers swaps modules);
   fd-lora only adds low-rank deltas and refuses them (hub.formats.flux.convert_bfl_control).
+- Wan I2V: diffusers pads a T2V LoRA with zero ``add_k_proj`` / ``add_v_proj`` LoRAs
+  (`_maybe_expand_t2v_lora_for_i2v`); zeros change nothing, so fd-lora does not add them.
 - Qwen-Image / Z-Image key fix-ups (``diffusion_model.``, ``default.`` and alpha handling) run
   inside their `lora_state_dict`, so they need nothing here.
 
@@ -130,7 +132,7 @@ class Family:
                                                         f"file's {n_in}")
         # converted keys map to input keys only by count: count the input keys that were not dropped
         out.unused = {k: why for k, why in out.unused.items() if k in raw.tensors}
-        out.matched = len(raw.tensors) - len(out.dropped) - len(out.unused) + (1 if n_out < n_in else 0)
+        out.matched = len(raw.tensors) - sum(k in raw.tensors for k in out.dropped) - len(out.unused)
         return out
 
     def _converted(self, raw: Raw) -> tuple[dict, list[str]] | Exception | None:

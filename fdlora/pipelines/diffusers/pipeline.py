@@ -397,8 +397,10 @@ class FdLoraPipelineMixin:
 
     # --- calls ---------------------------------------------------------------------------------
     def encode_prompt(self, *args: Any, lora_scale: float | None = None, **kwargs: Any):
+        if lora_scale is not None:  # (Wan, Qwen-Image and others have no lora_scale: pass it only when given)
+            kwargs["lora_scale"] = lora_scale
         with pipe_lock(self), self._fd_scaled(lora_scale, text_only=True):
-            return super().encode_prompt(*args, lora_scale=lora_scale, **kwargs)
+            return super().encode_prompt(*args, **kwargs)
 
     @contextlib.contextmanager
     def _fd_scaled(self, scale: float | None, text_only: bool = False):
@@ -464,7 +466,7 @@ class FdLoraPipelineMixin:
         if named - loaded:
             raise UnknownAdapterError(f"fd_lora_adapters names {sorted(named - loaded)}, which are not loaded "
                                       f"(loaded: {sorted(loaded)}).")
-        n = int(kwargs.get("num_images_per_prompt") or 1)
+        n = int(kwargs.get("num_images_per_prompt") or kwargs.get("num_videos_per_prompt") or 1)  # video: per video
         for comp, h in self.fd_lora_handles().items():
             routed = next((p for p in h.layers if ROUTED.search(p)), None)
             if routed is not None:  # rows of a routed expert's input are the tokens sent to it, not prompts
