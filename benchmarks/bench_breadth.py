@@ -44,10 +44,12 @@ NAMES, BLEND = ["a0", "a1", "a2", "a3"], [0.7, 0.5, 0.3, 0.2]
 
 
 def _tiny():
-    spec = importlib.util.spec_from_file_location("families", ROOT / "tests/pipelines/diffusers/families.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    if "fdlora_bench_families" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fdlora_bench_families",
+                                                      ROOT / "tests/pipelines/diffusers/families.py")
+        mod = sys.modules["fdlora_bench_families"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return sys.modules["fdlora_bench_families"]
 
 
 # --- full-size configs (published model configs) and one step's inputs -------------------------------------
