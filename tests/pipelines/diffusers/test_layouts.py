@@ -173,3 +173,22 @@ def test_unconvertible_file_names_diffusers_error():
           "diffusion_model.blocks.0.weird_thing.lora_up.weight": torch.zeros(24, 4)}
     with pytest.raises(FormatError, match="WanLoraLoaderMixin"):
         fd.load_fd_lora(sd, "bad")
+
+
+@pytest.mark.parametrize("layout", ["wan21-musubi", "qwenimage-unprefixed-down-alpha"])
+def test_model_level_load_reads_the_models_family(layout):
+    """fdlora.load_fd_lora(transformer, state_dict): the model's family (WanTransformer3DModel -> Wan) converts it."""
+    import fdlora
+
+    fam = LAYOUTS[layout][0]
+    base = base_of(fam)
+    sd = community_state(layout, base.transformer)
+    ref = copy.deepcopy(base)
+    ref.load_lora_weights({k: v.clone() for k, v in sd.items()}, adapter_name="c")
+    m = copy.deepcopy(base.transformer)
+    fdlora.load_fd_lora(m, sd, "c")
+    x = F.SPECS[fam].inputs(1)
+    assert F.close(F.run(m, x), F.run(ref.transformer, x)) < REL
+    fdlora.set_adapters(m, ["c"], [0.5])
+    ref.set_adapters(["c"], [0.5])
+    assert F.close(F.run(m, x), F.run(ref.transformer, x)) < REL
