@@ -209,3 +209,34 @@ def test_wan_video_pipeline_per_prompt_adapters_equal_diffusers():
     other = ref(prompt="a cat", latents=latents[:1], **kw).frames[0]  # prompt 0 through adapter b
     assert F.close(got[0], other) > 1e-3, "the adapters must give visibly different videos"
     assert fd.get_active_adapters() == ["b"]  # the blend set before the call is back
+
+
+def test_unet_cross_attention_kwargs_scale_equals_diffusers():
+    """The UNet spelling: pipe.unet(..., cross_attention_kwargs={"scale": 0.5}) called directly, as diffusers+PEFT."""
+    import tempfile
+
+    import diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from tests.support import tiny
+
+    unet = tiny.sd15_unet()
+    pipe = diffusers.StableDiffusionPipeline(vae=None, text_encoder=None, tokenizer=None, unet=unet, scheduler=None,
+                                             safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
+    m = copy.deepcopy(unet)
+    torch.manual_seed(3)
+    m.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "conv1"], init_lora_weights=False),
+                  adapter_name="src")
+    d = tempfile.mkdtemp(prefix="fdlora-unet-")
+    diffusers.StableDiffusionPipeline.save_lora_weights(d, unet_lora_layers=get_peft_model_state_dict(m, adapter_name="src"))
+    ref, fd = copy.deepcopy(pipe), copy.deepcopy(pipe)
+    ref.load_lora_weights(d, adapter_name="a")
+    fd.load_fd_lora(d, "a")
+    x = tiny.unet_inputs(unet, batch=1)
+    kw = {"cross_attention_kwargs": {"scale": 0.5}}
+    want, full = F.run(ref.unet, x, **kw), F.run(ref.unet, x)
+    assert F.close(want, full) > 1e-4
+    assert F.close(F.run(fd.unet, x, **kw), want) < REL
+    assert F.close(F.run(fd.unet, x), full) < REL
