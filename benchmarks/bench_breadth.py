@@ -59,8 +59,10 @@ def _flux_in(B, dev, dt):
     ids = torch.stack([torch.zeros_like(r), r, c], -1).reshape(-1, 3).to(dev, dt)
     return dict(hidden_states=torch.randn(B, side * side, 64, device=dev, dtype=dt),
                 encoder_hidden_states=torch.randn(B, txt, 4096, device=dev, dtype=dt),
-                pooled_projections=torch.randn(B, 768, device=dev, dtype=dt), timestep=torch.full((B,), .5, device=dev),
-                img_ids=ids, txt_ids=torch.zeros(txt, 3, device=dev, dtype=dt), guidance=torch.full((B,), 3.5, device=dev))
+                pooled_projections=torch.randn(B, 768, device=dev, dtype=dt),
+                timestep=torch.full((B,), .5, device=dev), img_ids=ids,
+                txt_ids=torch.zeros(txt, 3, device=dev, dtype=dt),
+                guidance=torch.full((B,), 3.5, device=dev))
 
 
 def _wan_in(B, dev, dt):  # 480x832, 33 frames: latents 16 x 9 x 60 x 104 -> 14040 tokens
@@ -217,7 +219,7 @@ def bench_family(family: str, a) -> tuple[list[dict], list[str]]:
     pipe.unload_lora_weights()
     if not torch.equal(step(pipe.transformer, x), base_y):
         bad.append(f"{family}: unload_lora_weights did not restore the base output bit-exactly")
-    del pipe, tr
+    pipe.transformer = None  # (the pipe is dropped with this frame; free the weights before the next family)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows, bad

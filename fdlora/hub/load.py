@@ -225,8 +225,8 @@ def warn_partial(report: LoadReport) -> None:
         by_why[why] = by_why.get(why, 0) + 1
     whys = "; ".join(f"{n} x {why}" for why, n in list(by_why.items())[:4])
     more = f"; and {len(by_why) - 4} other reasons" if len(by_why) > 4 else ""
-    msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded (e.g. {list(lost)[:3]}), "
-           f"dropping {len(modules)} modules: {whys}{more}. {report.modules} modules loaded. Print the load report "
-           "for every key, or pass strict=True to make this an error.")
+    msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded "
+           f"(e.g. {list(lost)[:3]}), dropping {len(modules)} modules: {whys}{more}. {report.modules} modules "
+           "loaded. Print the load report for every key, or pass strict=True to make this an error.")
     logger.warning(msg)
     warnings.warn(msg, PartialLoadWarning, stacklevel=3)

@@ -122,17 +122,22 @@ class Family:
         out.notes += [f"diffusers: {line}" for line in logs]
         # keys diffusers skips without an error, and modules that went missing
         for k in raw.tensors:
-            if k.endswith(".diff"):
-                out.dropped[k] = "a full weight difference (diff): diffusers' converter skips it (fd-lora applies " \
-                                 "low-rank deltas)"
+            if k.endswith(".diff") or (k.endswith(".diff_b") and "norm" in k):
+                out.dropped[k] = ("a full weight / bias difference (diff, diff_b of a norm): diffusers' converter skips "
+                                  "it (fd-lora applies low-rank deltas)")
         n_in = len({MODULE_SUFFIX.sub("", k) for k in raw.tensors if LORA_PART.search(k)})
         n_out = sum(len(m) for m in out.components.values())
         if n_out < n_in:
             out.dropped[f"<{n_in - n_out} modules>"] = (f"diffusers' converter returned {n_out} modules for the "
                                                         f"file's {n_in}")
-        # converted keys map to input keys only by count: count the input keys that were not dropped
+        # converted keys map back to the file's only by count: keys of the converted dict that nothing reads are
+        # reported under their converted names, and counted against the file's matched keys
+        lost = [k for k in (*out.unused, *out.dropped) if k not in raw.tensors and not k.startswith("<")]
+        out.dropped.update({f"{k} (after diffusers' conversion)": why for k, why in out.unused.items()
+                            if k not in raw.tensors})
         out.unused = {k: why for k, why in out.unused.items() if k in raw.tensors}
-        out.matched = len(raw.tensors) - sum(k in raw.tensors for k in out.dropped) - len(out.unused)
+        real = sum(k in raw.tensors for k in (*out.dropped, *out.unused))
+        out.matched = max(0, len(raw.tensors) - real - len(lost))
         return out
 
     def _converted(self, raw: Raw) -> tuple[dict, list[str]] | Exception | None:

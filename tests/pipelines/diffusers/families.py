@@ -12,8 +12,9 @@ import copy
 import inspect
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,7 +91,7 @@ def lumina2_inputs(B: int):
 
 
 def hidream_inputs(B: int):
-    return {"hidden_states": _r(B, 4, 32, 32, seed=1), "encoder_hidden_states_t5": _r(B, 8, 8, seed=2),
+    return {"hidden_states": _r(B, 4, 16, 16, seed=1), "encoder_hidden_states_t5": _r(B, 8, 8, seed=2),
             "encoder_hidden_states_llama3": _r(2, B, 8, 4, seed=3), "pooled_embeds": _r(B, 8, seed=4),
             "timesteps": torch.full((B,), 500, dtype=torch.long)}
 
@@ -101,7 +102,8 @@ def sd3_inputs(B: int):
 
 
 def zimage_inputs(B: int):
-    return {"x": [_r(16, 1, 8, 8, seed=1 + i) for i in range(B)], "cap_feats": [_r(8, 16, seed=9 + i) for i in range(B)],
+    return {"x": [_r(16, 1, 8, 8, seed=1 + i) for i in range(B)],
+            "cap_feats": [_r(8, 16, seed=9 + i) for i in range(B)],
             "t": torch.full((B,), 0.5)}
 
 
@@ -237,7 +239,8 @@ def targets(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and re.search(r"\.\d+\.", n)]
 
 
-def peft_lora(model: nn.Module, seed: int, rank: int = 4, alpha: float = 8.0, strength: float = 2.0) -> tuple[dict, dict]:
+def peft_lora(model: nn.Module, seed: int, rank: int = 4, alpha: float = 8.0,
+              strength: float = 2.0) -> tuple[dict, dict]:
     """(PEFT state dict, its LoraConfig dict) of a random LoRA on `targets(model)`, made on a copy."""
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict

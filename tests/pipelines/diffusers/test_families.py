@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore")
 SKIPS = {
     "StableDiffusionLoraLoaderMixin": "UNet family: covered by test_diffusers_equivalence.py (sd15) and kohya tests",
     "StableDiffusionXLLoraLoaderMixin": "UNet family: covered by test_diffusers_equivalence.py (sdxl) and kohya tests",
-    "AceStepLoraLoaderMixin": "audio pipeline; its transformer needs an audio-side condition encoder not built tiny here",
+    "AceStepLoraLoaderMixin": "audio pipeline; its transformer needs an audio condition encoder not built tiny here",
     "AmusedLoraLoaderMixin": "aMUSEd's UVit2DModel is a token (VQ) model with no LoRA files in the wild; not built",
     "AnimaLoraLoaderMixin": "its text_conditioner component is not built tiny here yet",
     "BriaFibo2LoraLoaderMixin": "not built tiny here yet (large bespoke config)",
@@ -34,7 +34,7 @@ SKIPS = {
     "LTX2LoraLoaderMixin": "LTX-2's audio-video transformer and connectors not built tiny here yet",
     "MiniMaxH3LoraLoaderMixin": "not built tiny here yet",
     "RFD4ProteinaLoraLoaderMixin": "a protein model, not an image/video pipeline",
-    "SkyReelsV2LoraLoaderMixin": "Wan-derived: same converters as Wan (covered); its transformer not built tiny here yet",
+    "SkyReelsV2LoraLoaderMixin": "Wan-derived: same converters as Wan (covered); its transformer not built tiny yet",
 }
 
 REL = 1e-5
@@ -42,7 +42,8 @@ _CACHE: dict[str, dict] = {}
 
 
 def family_case(key: str) -> dict:
-    """Built once per module: base pipe, two LoRA folders (save_lora_weights), a diffusers-loaded pipe, an fd-lora pipe."""
+    """Built once per module: base pipe, two LoRA folders (save_lora_weights), a diffusers-loaded pipe and an
+    fd-lora-loaded one."""
     if key in _CACHE:
         return _CACHE[key]
     spec = F.SPECS[key]
@@ -230,7 +231,8 @@ def test_unet_cross_attention_kwargs_scale_equals_diffusers():
     m.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "conv1"], init_lora_weights=False),
                   adapter_name="src")
     d = tempfile.mkdtemp(prefix="fdlora-unet-")
-    diffusers.StableDiffusionPipeline.save_lora_weights(d, unet_lora_layers=get_peft_model_state_dict(m, adapter_name="src"))
+    layers = get_peft_model_state_dict(m, adapter_name="src")
+    diffusers.StableDiffusionPipeline.save_lora_weights(d, unet_lora_layers=layers)
     ref, fd = copy.deepcopy(pipe), copy.deepcopy(pipe)
     ref.load_lora_weights(d, adapter_name="a")
     fd.load_fd_lora(d, "a")
