@@ -133,3 +133,30 @@ def test_flux_kohya_t5_keys_are_dropped_with_a_warning(flux, caplog):
         copy.deepcopy(flux).load_fd_lora(sd, f"k{n[0]}")
 
     _assert_warns_twice(load, caplog, 1, "T5")
+
+
+def test_kohya_file_mixing_lora_and_an_unsupported_module_warns(caplog):
+    """A kohya SD file whose modules are partly plain LoRA, partly a LyCORIS type fd-lora does not apply (OFT):
+    the plain modules load, the other is dropped, and the load says how many modules and why, every time."""
+    import diffusers
+
+    from tests.support import tiny
+
+    unet = tiny.sd15_unet()
+    pipe = diffusers.StableDiffusionPipeline(vae=None, text_encoder=None, tokenizer=None, unet=unet, scheduler=None,
+                                             safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
+    q = unet.down_blocks[1].attentions[0].transformer_blocks[0].attn1.to_q
+    A, B = _lora(q.in_features, q.out_features)
+    stem = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1"
+    sd = {f"{stem}_to_q.lora_down.weight": A, f"{stem}_to_q.lora_up.weight": B, f"{stem}_to_q.alpha": torch.tensor(4.),
+          f"{stem}_to_k.oft_blocks": torch.zeros(4, 16, 16), f"{stem}_to_k.alpha": torch.tensor(1.)}
+    n = [0]
+
+    def load():
+        n[0] += 1
+        p = copy.deepcopy(pipe)
+        p.load_fd_lora(sd, f"m{n[0]}")
+        assert p.get_list_adapters() == {"unet": [f"m{n[0]}"]}
+
+    _assert_warns_twice(load, caplog, 1, "oft_blocks")
