@@ -242,3 +242,26 @@ def test_unet_cross_attention_kwargs_scale_equals_diffusers():
     assert F.close(want, full) > 1e-4
     assert F.close(F.run(fd.unet, x, **kw), want) < REL
     assert F.close(F.run(fd.unet, x), full) < REL
+
+
+def test_wan22_one_lora_per_expert_equals_diffusers():
+    """Wan 2.2's usual setup: a high-noise LoRA in transformer, a low-noise one in transformer_2, both active."""
+    c = family_case("wan22")
+    base = c["base"]
+    ref, fd = copy.deepcopy(base), copy.deepcopy(base)
+    ref.load_lora_weights(c["dirs"]["a"], adapter_name="high")
+    ref.load_lora_weights(c["dirs"]["b"], adapter_name="low", load_into_transformer_2=True)
+    fd.load_fd_lora(c["dirs"]["a"], "high")
+    fd.load_lora_weights(c["dirs"]["b"], adapter_name="low", load_into_transformer_2=True)  # fd-lora's, now
+    for p in (ref, fd):
+        p.set_adapters(["high", "low"], [0.8, 0.6])
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    assert not any(isinstance(m, BaseTunerLayer) for c_ in ("transformer", "transformer_2")
+                   for m in getattr(fd, c_).modules()), "the fd pipe must hold no PEFT layers"
+    assert fd.get_list_adapters() == {"transformer": ["high"], "transformer_2": ["low"]}
+    x = c["spec"].inputs(1)
+    for comp in ("transformer", "transformer_2"):
+        want = F.run(getattr(ref, comp), x)
+        assert F.close(want, F.run(getattr(base, comp), x)) > 1e-3
+        assert F.close(F.run(getattr(fd, comp), x), want) < REL, comp
