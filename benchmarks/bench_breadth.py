@@ -167,7 +167,7 @@ def lora_dirs(pipe, rank: int, n: int = 4) -> list[str]:
                 sd[f"{path}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g, device=p.device,
                                                           dtype=p.dtype) * 0.1
         d = tempfile.mkdtemp(prefix=f"fdlora-breadth-{i}-")
-        type(pipe).save_lora_weights(d, transformer_lora_layers=sd)
+        type(pipe).save_lora_weights(d, transformer_lora_layers={k: v.cpu() for k, v in sd.items()})
         dirs.append(d)
     return dirs
 
