@@ -32,8 +32,11 @@ __version__ = "0.1.0"
 _HUB = ("load_adapters", "LoadReport", "AdapterPool", "AdapterCache")
 # integration entry points (fdlora.pipelines), imported on first use: the core install has no diffusers /
 # transformers / peft, and a call that needs one raises MissingExtraError naming `pip install fd-lora[extra]`
-_PIPELINES = {"from_diffusers": "diffusers", "FdLoraModel": "transformers", "from_peft": "transformers",
-              "load_fd_lora": "transformers", "merge_and_unload": "transformers", "save_peft": "transformers"}
+# name -> (module under fdlora.pipelines, the extra it needs); load_fd_lora takes diffusers models itself and hands
+# every other model to the Transformers loader
+_PIPELINES = {"from_diffusers": ("diffusers", "diffusers"), "FdLoraModel": ("transformers", "transformers"),
+              "from_peft": ("transformers", "transformers"), "load_fd_lora": ("diffusers.model", "transformers"),
+              "merge_and_unload": ("transformers", "transformers"), "save_peft": ("transformers", "transformers")}
 
 
 def __getattr__(name: str):
@@ -50,8 +53,9 @@ def __getattr__(name: str):
 
         from .extras import needs_extras
 
-        obj = getattr(importlib.import_module(f".pipelines.{_PIPELINES[name]}", __name__), name)
-        obj = obj if isinstance(obj, type) else needs_extras(obj, _PIPELINES[name])
+        module, extra = _PIPELINES[name]
+        obj = getattr(importlib.import_module(f".pipelines.{module}", __name__), name)
+        obj = obj if isinstance(obj, type) else needs_extras(obj, extra)
         globals()[name] = obj
         return obj
     if name == "plan":  # the planner imports diffusers/transformers only when a plan is made

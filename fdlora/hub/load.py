@@ -63,6 +63,7 @@ def load_adapters(
     name: str | None = None,
     cache: AdapterCache | str | None = DEFAULT,
     lora_conversion: str | None = None,
+    family: Any = None,
 ) -> tuple[dict[str, LoraAdapter], LoadReport]:
     """Load a LoRA from a Hub repo id, a directory, a file or a state dict; returns ({component: adapter}, report).
 
@@ -75,6 +76,8 @@ def load_adapters(
     entries) go with an in-memory state dict. `cache` is the RAM cache to use (None: no caching).
     LyCORIS LoHa / LoKr / full-diff modules load exactly; `lora_conversion="svd:RANK"` turns them into plain
     LoRA of that rank instead (smaller banks) and the report's notes give the approximation error.
+    `family` (fdlora.pipelines.diffusers.family.Family, given by pipeline loads) is asked first for the
+    format, with diffusers' converters of that pipeline family.
     """
     t0 = time.perf_counter()
     svd_rank = lycoris.parse_conversion(lora_conversion)
@@ -87,7 +90,8 @@ def load_adapters(
     key = None
     if isinstance(ram, AdapterCache) and r.kind != "memory" and config is None and metadata is None:
         key = CacheKey(r.source, r.fingerprint or "", r.file, str(dtype) if dtype else None,
-                       (component, layers_per_block) + ((svd_rank,) if svd_rank else ()))
+                       (component, layers_per_block, getattr(family, "name", None))
+                       + ((svd_rank,) if svd_rank else ()))
         hit = None if force_download else ram.get(key)
         if hit is not None:
             adapters, report = hit
@@ -100,7 +104,7 @@ def load_adapters(
     pin = reader == "pinned" or (reader == "auto" and key is not None and ram.pin)
     raw = _read(r, allow_pickle, config, metadata, pin=pin)
     t3 = time.perf_counter()
-    fmt, why, others = formats.detect(raw)
+    fmt, why, others = formats.detect(raw, family)
     conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
     if svd_rank:
         lycoris.convert_svd(conv, svd_rank)
@@ -219,14 +223,21 @@ def _finish(adapters, report, name, strict, check_finite):
 
 
 def warn_partial(report: LoadReport) -> None:
-    """Log and `warnings.warn` (PartialLoadWarning) when a load left LoRA keys behind: every time, cached or not."""
+    """Log and `warnings.warn` (PartialLoadWarning) when a load left LoRA keys behind: every time, cached or not,
+    naming how many modules were dropped and why (fdlora.hub.report.lost_modules)."""
+    from .report import lost_modules
+
     lost = {**report.keys_dropped, **{k: why for k, why in report.keys_unused.items() if why not in BENIGN}}
     if not lost:
         return
-    first = list(lost)[:5]
-    why = " ".join(lost[first[0]].split())[:200]  # one line, whatever the converter's exception said
-    msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded (e.g. {first}: "
-           f"{why}); {report.modules} modules loaded. Print the load report for every key, or pass "
-           "strict=True to make this an error.")
+    modules = lost_modules(lost)
+    by_why: dict[str, int] = {}
+    for why in modules.values():
+        by_why[why] = by_why.get(why, 0) + 1
+    whys = "; ".join(f"{n} x {why}" for why, n in list(by_why.items())[:4])
+    more = f"; and {len(by_why) - 4} other reasons" if len(by_why) > 4 else ""
+    msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded "
+           f"(e.g. {list(lost)[:3]}), dropping {len(modules)} modules: {whys}{more}. {report.modules} modules "
+           "loaded. Print the load report for every key, or pass strict=True to make this an error.")
     logger.warning(msg)
     warnings.warn(msg, PartialLoadWarning, stacklevel=3)

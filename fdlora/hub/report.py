@@ -8,6 +8,7 @@ an `UnusedKeysError`.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ class LoadReport:
     keys_unused: dict[str, str] = field(default_factory=dict)
     keys_dropped: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # component -> why: applied by fd-lora where diffusers' load_lora_weights ignores it (Flux T5 LoRAs)
+    diffusers_ignores: dict[str, str] = field(default_factory=dict)
     dtype: str | None = None
     nbytes: int = 0
     from_cache: bool = False
@@ -103,11 +106,24 @@ class LoadReport:
                 lines += [f"    {k}: {why}" for k, why in list(keys.items())[:SHOW]]
                 if len(keys) > SHOW:
                     lines.append(f"    ... and {len(keys) - SHOW} more")
+        lines += [f"  note      {c}: {why}" for c, why in self.diffusers_ignores.items()]
         lines += [f"  note      {n}" for n in self.notes]
         took = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())
         lines.append(f"  loaded    {self.dtype or 'file dtype'}, {self.nbytes / 1e6:.2f} MB"
                      + (", from the RAM cache" if self.from_cache else "") + (f"; {took}" if took else ""))
         return "\n".join(lines)
+
+
+_PARTS = re.compile(r"\.(lora_down|lora_up|lora_A|lora_B|lora_mid|hada_\w+|lokr_\w+|alpha|diff|diff_b|dora_scale|"
+                    r"lora_magnitude_vector)(\.\w+)*$")
+
+
+def lost_modules(lost: dict[str, str]) -> dict[str, str]:
+    """Lost keys grouped by the module they belong to: {module: why (of its first key)}."""
+    out: dict[str, str] = {}
+    for key, why in lost.items():
+        out.setdefault(_PARTS.sub("", key), " ".join(why.split())[:160])
+    return out
 
 
 def group_of(path: str) -> str:

@@ -32,14 +32,20 @@ FORMATS: tuple[Format, ...] = (
 )
 
 
-def detect(raw: Raw) -> tuple[Format, str, list[str]]:
-    """(the format, why, names of the other formats that also matched)."""
-    hits = [(f, why) for f in FORMATS if (why := f.detect(raw))]
+def detect(raw: Raw, family=None) -> tuple[Format, str, list[str]]:
+    """(the format, why, names of the other formats that also matched).
+
+    `family` (a pipeline's LoRA family, fdlora.pipelines.diffusers.family) is asked first, and it
+    says which table formats apply to it (Flux / SD detectors only for those families)."""
+    table = FORMATS if family is None else (family.format, *(f for f in FORMATS if family.allows(f.name)))
+    hits = [(f, why) for f in table if (why := f.detect(raw))]
     if not hits:
         sample = list(raw.tensors)[:6]
-        tried = "; ".join(f"{f.name}: needs {f.expects}" for f in FORMATS)
+        tried = "; ".join(f"{f.name}: needs {f.expects}" for f in table)
+        said = family.why_not(raw) if family is not None else None
         raise FormatError(f"{raw.name}: no known LoRA format matches its {len(raw.tensors)} keys (e.g. {sample}). "
-                          f"Tried {tried}. If it is a LoRA in another layout, convert it to PEFT or diffusers format.")
+                          f"Tried {tried}." + (f" {said}." if said else "")
+                          + " If it is a LoRA in another layout, convert it to PEFT or diffusers format.")
     return hits[0][0], hits[0][1], [f.name for f, _ in hits[1:]]
 
 

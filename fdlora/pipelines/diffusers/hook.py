@@ -51,3 +51,4 @@ def install() -> None:
         _attach(sys.modules[TARGET])
     elif not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+

@@ -10,7 +10,9 @@ back. Custom pipelines can inherit `FdLoraPipelineMixin` directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,11 +27,14 @@ from ...layers import FdLoraHandle, match_targets, padded_rank, registry_of_mode
 from .. import fuse as fusing
 from ..scope import pipe_lock
 from . import schedule
+from .family import family_of
+from .scale import install_scale_hook, remove_scale_hook
 from .targets import SCALE_KWARGS, targets_for
 
 logger = logging.getLogger("fdlora")
 
 DEFAULT_SLOTS = 4
+ROUTED = re.compile(r"\.experts\.\d+\.")  # a routed MoE expert's layers (HiDream); shared experts see every token
 DEFAULT_RANK = 64
 
 
@@ -86,12 +91,16 @@ class FdLoraPipelineMixin:
         return {c: AdapterPool.of(h) for c, h in self.fd_lora_handles().items()}
 
     def _fd_denoiser(self) -> str:
+        fam = family_of(self)
+        if fam is not None and fam.denoiser in self.components:
+            return fam.denoiser
         return "unet" if "unet" in self.components else "transformer"
 
     # --- loading -------------------------------------------------------------------------------
     def load_fd_lora(self, source: Any, adapter_name: str | None = None, *, strict: bool = False,
                      max_slots: int | None = None, max_rank: int | None = None, validate: bool = True,
-                     targets: Sequence[str] | Mapping[str, Sequence[str]] | None = None, **hub_kwargs: Any):
+                     targets: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
+                     load_into_transformer_2: bool = False, **hub_kwargs: Any):
         """Load an adapter (Hub repo id, directory, file, state dict, or {component: LoraAdapter}).
 
         Routes each component's modules to `unet` / `transformer` / `text_encoder*`. Atomic: every
@@ -102,10 +111,20 @@ class FdLoraPipelineMixin:
         architecture's table of targets (fdlora.pipelines.diffusers.targets), plus `targets` (module-name
         suffixes for the denoiser, or {component: suffixes}): later adapters within them load into
         free slots without touching the module tree, so a compiled denoiser never recompiles.
+
+        The file's layout is read the way this pipeline's diffusers LoRA mixin reads it (its
+        `lora_state_dict` converters; fdlora.pipelines.diffusers.family). `load_into_transformer_2=True`
+        (Wan 2.2) loads the transformer weights into `transformer_2`, as diffusers does.
         """
         with pipe_lock(self):
             adapters, report = self._fd_read(source, strict=strict, **hub_kwargs)
             modules = self._fd_modules()
+            if load_into_transformer_2:
+                if "transformer_2" not in modules:
+                    raise FdLoraError(f"load_into_transformer_2=True, but this {type(self).__name__} has no "
+                                      "transformer_2 (Wan 2.1 pipelines have one transformer; Wan 2.2 has two).")
+                adapters = {("transformer_2" if c == "transformer" else c): a for c, a in adapters.items()}
+            report = self._fd_note_ignored(adapters, report)
             absent = [c for c in adapters if c not in modules]
             if absent:
                 msg = (f"the adapter has weights for {absent}, which this {type(self).__name__} does not have "
@@ -153,6 +172,7 @@ class FdLoraPipelineMixin:
                     if fresh:
                         self._fd_wrap_table(h, extra.get(comp) or [])
                         registry_of_models[h.model] = h
+                        install_scale_hook(h.model)
                     done.append((h, pool, fresh))
                     pool.commit(plan, activate=False)
             except BaseException:  # Ctrl-C too: the name is free again, every component as before
@@ -205,7 +225,27 @@ class FdLoraPipelineMixin:
             return dict(source), None
         from ...hub import load_adapters
 
-        return load_adapters(source, strict=strict, **hub_kwargs)
+        hub_kwargs.setdefault("family", family_of(self))
+        adapters, report = load_adapters(source, strict=strict, **hub_kwargs)
+        den = self._fd_denoiser()
+        if "model" in adapters and den not in adapters:  # a model-level file whose component its paths don't tell
+            adapters[den] = adapters.pop("model")
+        return adapters, report
+
+    def _fd_note_ignored(self, adapters: Mapping[str, Any], report: Any):
+        """Say in the report which components fd-lora applies that diffusers' load_lora_weights ignores for this
+        family (a Flux file's T5 `text_encoder_2` LoRA); the report may be the RAM cache's, so a copy."""
+        fam = family_of(self)
+        if report is None or fam is None:
+            return report
+        ignored = {c: f"diffusers' {fam.mixin.__name__} loads only {list(fam.loaded_by_diffusers)}; fd-lora applies "
+                      f"{c} too" for c in adapters if c not in fam.loaded_by_diffusers}
+        if not ignored:
+            return report
+        report = dataclasses.replace(report, diffusers_ignores=ignored, notes=list(report.notes))
+        for c, why in ignored.items():
+            logger.info("fd-lora: %s: %s", c, why)
+        return report
 
     def _fd_wrap_table(self, h: FdLoraHandle, extra: Sequence[str]) -> None:
         targets = targets_for(h.model) + list(extra)
@@ -291,6 +331,7 @@ class FdLoraPipelineMixin:
         with pipe_lock(self):
             for h in self.fd_lora_handles().values():
                 h.__dict__.pop("fused", None)  # diffusers semantics: fuse then unload keeps the fused weights
+                remove_scale_hook(h.model)
                 h.restore()
             self.__dict__.pop("_fdlora_fused", None)
             base = type(self).__dict__.get("_fdlora_base")
@@ -356,8 +397,10 @@ class FdLoraPipelineMixin:
 
     # --- calls ---------------------------------------------------------------------------------
     def encode_prompt(self, *args: Any, lora_scale: float | None = None, **kwargs: Any):
+        if lora_scale is not None:  # (Wan, Qwen-Image and others have no lora_scale: pass it only when given)
+            kwargs["lora_scale"] = lora_scale
         with pipe_lock(self), self._fd_scaled(lora_scale, text_only=True):
-            return super().encode_prompt(*args, lora_scale=lora_scale, **kwargs)
+            return super().encode_prompt(*args, **kwargs)
 
     @contextlib.contextmanager
     def _fd_scaled(self, scale: float | None, text_only: bool = False):
@@ -423,8 +466,14 @@ class FdLoraPipelineMixin:
         if named - loaded:
             raise UnknownAdapterError(f"fd_lora_adapters names {sorted(named - loaded)}, which are not loaded "
                                       f"(loaded: {sorted(loaded)}).")
-        n = int(kwargs.get("num_images_per_prompt") or 1)
-        for h in self.fd_lora_handles().values():
+        n = int(kwargs.get("num_images_per_prompt") or kwargs.get("num_videos_per_prompt") or 1)  # video: per video
+        for comp, h in self.fd_lora_handles().items():
+            routed = next((p for p in h.layers if ROUTED.search(p)), None)
+            if routed is not None:  # rows of a routed expert's input are the tokens sent to it, not prompts
+                raise FdLoraError(
+                    f"per-prompt adapters cannot go through {comp}'s routed MoE experts ({routed}): the tokens each "
+                    "expert sees are gathered across the batch, so its rows no longer line up with prompts. Run one "
+                    "prompt per adapter, or a blend (set_adapters) for the whole batch.")
             pool = AdapterPool.of(h)
             pool.ensure(sorted(named & set(pool.known())), evict_active=True)  # all resident at once
             have = set(h.list_adapters())

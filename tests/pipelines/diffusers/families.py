@@ -1,0 +1,283 @@
+"""Tiny denoisers of every diffusers LoRA family, inside their pipeline classes, with denoiser inputs.
+
+Configs and inputs follow diffusers' own model tests (tests/models/transformers/test_models_transformer_*.py,
+tests/lora/test_lora_layers_*.py) at toy widths. Pipelines are built with only the denoiser(s); every
+other component is None (diffusers allows it), because what is compared is the denoiser's output with
+a LoRA loaded through the pipeline class's mixin by diffusers (`load_lora_weights`) and by fd-lora.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _g(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _r(*shape, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=_g(seed))
+
+
+# --- per family: transformer kwargs and inputs(batch) -------------------------------------------------
+def flux_inputs(B: int, joint: int = 32, pooled: int | None = 32, C: int = 16, guidance: bool = False):
+    hw, S = 16, 8
+    kw = {"hidden_states": _r(B, hw, C, seed=1), "encoder_hidden_states": _r(B, S, joint, seed=2),
+          "timestep": torch.full((B,), 0.5),
+          "img_ids": torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0),
+                                                indexing="ij"), -1).reshape(-1, 3),
+          "txt_ids": torch.zeros(S, 3)}
+    if pooled:
+        kw["pooled_projections"] = _r(B, pooled, seed=3)
+    if guidance:
+        kw["guidance"] = torch.full((B,), 3.5)
+    return kw
+
+
+def flux2_inputs(B: int):
+    S, h, w = 8, 4, 4
+    img = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))
+    txt = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(S))
+    return {"hidden_states": _r(B, h * w, 4, seed=1), "encoder_hidden_states": _r(B, S, 16, seed=2),
+            "img_ids": img.unsqueeze(0).expand(B, -1, -1), "txt_ids": txt.unsqueeze(0).expand(B, -1, -1),
+            "timestep": torch.full((B,), 1.0), "guidance": torch.full((B,), 1.0)}
+
+
+def qwen_inputs(B: int):
+    return {"hidden_states": _r(B, 16, 16, seed=1), "encoder_hidden_states": _r(B, 8, 16, seed=2),
+            "encoder_hidden_states_mask": torch.ones(B, 8, dtype=torch.long), "timestep": torch.full((B,), 1.0),
+            "img_shapes": [(1, 4, 4)] * B}
+
+
+def wan_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 2, 8, 8, seed=1), "encoder_hidden_states": _r(B, 12, 16, seed=2),
+            "timestep": torch.full((B,), 500, dtype=torch.long)}
+
+
+def hunyuan_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 1, 8, 8, seed=1), "timestep": torch.full((B,), 500.0),
+            "encoder_hidden_states": _r(B, 12, 16, seed=2), "pooled_projections": _r(B, 8, seed=3),
+            "encoder_attention_mask": torch.ones(B, 12), "guidance": torch.full((B,), 1000.0)}
+
+
+def ltx_inputs(B: int):
+    return {"hidden_states": _r(B, 2 * 8 * 8, 4, seed=1), "encoder_hidden_states": _r(B, 16, 16, seed=2),
+            "timestep": torch.full((B,), 500, dtype=torch.long), "encoder_attention_mask": torch.ones(B, 16).bool(),
+            "num_frames": 2, "height": 8, "width": 8}
+
+
+def cogvideox_inputs(B: int):
+    return {"hidden_states": _r(B, 1, 4, 8, 8, seed=1), "encoder_hidden_states": _r(B, 8, 32, seed=2),
+            "timestep": torch.full((B,), 500, dtype=torch.long)}
+
+
+def sana_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 16, 16, seed=1), "encoder_hidden_states": _r(B, 8, 8, seed=2),
+            "timestep": torch.full((B,), 500, dtype=torch.long)}
+
+
+def lumina2_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 16, 16, seed=1), "encoder_hidden_states": _r(B, 16, 32, seed=2),
+            "timestep": torch.full((B,), 0.5), "encoder_attention_mask": torch.ones(B, 16, dtype=torch.bool)}
+
+
+def hidream_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 16, 16, seed=1), "encoder_hidden_states_t5": _r(B, 8, 8, seed=2),
+            "encoder_hidden_states_llama3": _r(2, B, 8, 4, seed=3), "pooled_embeds": _r(B, 8, seed=4),
+            "timesteps": torch.full((B,), 500, dtype=torch.long)}
+
+
+def sd3_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 8, 8, seed=1), "encoder_hidden_states": _r(B, 8, 32, seed=2),
+            "pooled_projections": _r(B, 64, seed=3), "timestep": torch.full((B,), 500, dtype=torch.long)}
+
+
+def zimage_inputs(B: int):
+    return {"x": [_r(16, 1, 8, 8, seed=1 + i) for i in range(B)],
+            "cap_feats": [_r(8, 16, seed=9 + i) for i in range(B)],
+            "t": torch.full((B,), 0.5)}
+
+
+def auraflow_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 8, 8, seed=1), "encoder_hidden_states": _r(B, 8, 32, seed=2),
+            "timestep": torch.full((B,), 500, dtype=torch.long)}
+
+
+def cogview4_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 8, 8, seed=1), "encoder_hidden_states": _r(B, 8, 32, seed=2),
+            "timestep": torch.full((B,), 500, dtype=torch.long), "original_size": torch.tensor([[64, 64]] * B),
+            "target_size": torch.tensor([[64, 64]] * B), "crop_coords": torch.tensor([[0, 0]] * B)}
+
+
+def mochi_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 2, 8, 8, seed=1), "encoder_hidden_states": _r(B, 8, 16, seed=2),
+            "timestep": torch.full((B,), 500, dtype=torch.long), "encoder_attention_mask": torch.ones(B, 8).bool()}
+
+
+@dataclass
+class Spec:
+    """One pipeline class of a family: its transformer(s) and the denoiser's inputs."""
+
+    pipeline: str
+    model: str
+    kwargs: dict
+    inputs: Callable[[int], dict]
+    extra: dict = field(default_factory=dict)  # pipeline kwargs beyond the components (Wan 2.2's boundary_ratio)
+    second: bool = False  # a transformer_2 too (Wan 2.2)
+    per_prompt: bool = True  # False: routed MoE experts (HiDream), where per-prompt adapters are refused
+
+
+FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+           text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+           rope_max_seq_len=32)
+
+SPECS: dict[str, Spec] = {
+    "flux": Spec("FluxPipeline", "FluxTransformer2DModel", FLUX, flux_inputs),
+    "kontext": Spec("FluxKontextPipeline", "FluxTransformer2DModel", dict(FLUX, guidance_embeds=True),
+                    lambda B: flux_inputs(B, guidance=True)),
+    "chroma": Spec("ChromaPipeline", "ChromaTransformer2DModel",
+                   dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=[4, 4, 8],
+                        approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1),
+                   lambda B: flux_inputs(B, pooled=None)),
+    "flux2": Spec("Flux2Pipeline", "Flux2Transformer2DModel",
+                  dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                       num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=256,
+                       axes_dims_rope=[4, 4, 4, 4]), flux2_inputs),
+    "qwenimage": Spec("QwenImagePipeline", "QwenImageTransformer2DModel",
+                      dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                           num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
+                           axes_dims_rope=(8, 4, 4)), qwen_inputs),
+    "wan21": Spec("WanPipeline", "WanTransformer3DModel", WAN, wan_inputs),
+    "wan22": Spec("WanPipeline", "WanTransformer3DModel", WAN, wan_inputs, extra={"boundary_ratio": 0.875},
+                  second=True),
+    "hunyuanvideo": Spec("HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel",
+                         dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+                              num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
+                              guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+                              rope_axes_dim=(2, 4, 4)), hunyuan_inputs),
+    "ltxvideo": Spec("LTXPipeline", "LTXVideoTransformer3DModel",
+                     dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                          cross_attention_dim=16, num_layers=1, qk_norm="rms_norm_across_heads", caption_channels=16),
+                     ltx_inputs),
+    "cogvideox": Spec("CogVideoXPipeline", "CogVideoXTransformer3DModel",
+                      dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=2,
+                           text_embed_dim=32, num_layers=1, sample_width=8, sample_height=8, sample_frames=1,
+                           patch_size=2, temporal_compression_ratio=4, max_text_seq_length=8), cogvideox_inputs),
+    "sana": Spec("SanaPipeline", "SanaTransformer2DModel",
+                 dict(patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=4,
+                      num_attention_heads=2, num_cross_attention_heads=2, cross_attention_head_dim=4,
+                      cross_attention_dim=8, caption_channels=8, sample_size=16), sana_inputs),
+    "lumina2": Spec("Lumina2Pipeline", "Lumina2Transformer2DModel",
+                    dict(sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2,
+                         num_refiner_layers=1, num_attention_heads=3, num_kv_heads=1, multiple_of=2,
+                         ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(4, 2, 2),
+                         axes_lens=(128, 128, 128), cap_feat_dim=32), lumina2_inputs),
+    "hidream": Spec("HiDreamImagePipeline", "HiDreamImageTransformer2DModel",
+                    dict(patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1,
+                         attention_head_dim=8, num_attention_heads=4, caption_channels=[8, 4], text_emb_dim=8,
+                         num_routed_experts=2, num_activated_experts=2, axes_dims_rope=(4, 2, 2),
+                         max_resolution=(32, 32), llama_layers=(0, 1), force_inference_output=True),
+                    hidream_inputs, per_prompt=False),
+    "sd35": Spec("StableDiffusion3Pipeline", "SD3Transformer2DModel",
+                 dict(sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
+                      num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
+                      pooled_projection_dim=64, out_channels=4, qk_norm="rms_norm", dual_attention_layers=(0,)),
+                 sd3_inputs),
+    "zimage": Spec("ZImagePipeline", "ZImageTransformer2DModel",
+                   dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+                        n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=16,
+                        rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32]),
+                   zimage_inputs),
+    "auraflow": Spec("AuraFlowPipeline", "AuraFlowTransformer2DModel",
+                     dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1,
+                          attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                          caption_projection_dim=16, out_channels=4, pos_embed_max_size=64), auraflow_inputs),
+    "cogview4": Spec("CogView4Pipeline", "CogView4Transformer2DModel",
+                     dict(patch_size=2, in_channels=4, num_layers=1, attention_head_dim=4, num_attention_heads=4,
+                          out_channels=4, text_embed_dim=32, time_embed_dim=8, condition_dim=4), cogview4_inputs),
+    "mochi": Spec("MochiPipeline", "MochiTransformer3DModel",
+                  dict(patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+                       pooled_projection_dim=16, in_channels=4, out_channels=None, qk_norm="rms_norm",
+                       text_embed_dim=16, time_embed_dim=4, activation_fn="swiglu", max_sequence_length=16),
+                  mochi_inputs),
+}
+
+
+def build(key: str, seed: int = 0) -> Any:
+    """The family's pipeline with tiny random denoiser(s) and every other component None."""
+    import diffusers
+
+    spec = SPECS[key]
+    cls = getattr(diffusers, spec.pipeline)
+    torch.manual_seed(seed)
+    model = getattr(diffusers, spec.model)(**spec.kwargs).eval()
+    comps = {p: None for p in list(inspect.signature(cls.__init__).parameters)[1:]
+             if inspect.signature(cls.__init__).parameters[p].default is inspect.Parameter.empty}
+    comps["transformer"] = model
+    if spec.second:
+        torch.manual_seed(seed + 1)
+        comps["transformer_2"] = getattr(diffusers, spec.model)(**spec.kwargs).eval()
+    pipe = cls(**comps, **spec.extra)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def targets(model: nn.Module) -> list[str]:
+    """By rule: every Linear inside an indexed block (attention, feed-forward, MoE experts, norms' linears)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and re.search(r"\.\d+\.", n)]
+
+
+def peft_lora(model: nn.Module, seed: int, rank: int = 4, alpha: float = 8.0,
+              strength: float = 2.0) -> tuple[dict, dict]:
+    """(PEFT state dict, its LoraConfig dict) of a random LoRA on `targets(model)`, made on a copy."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    m = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets(model), init_lora_weights=False)
+    m.add_adapter(cfg, adapter_name="src")
+    sd = {k: v.detach().clone() for k, v in get_peft_model_state_dict(m, adapter_name="src").items()}
+    with torch.no_grad():
+        for k, v in sd.items():
+            if "lora_B" in k:
+                v.mul_(strength)
+    meta = m.peft_config["src"].to_dict()
+    meta["target_modules"] = sorted(meta["target_modules"])
+    return sd, meta
+
+
+def save(pipe_cls: type, sd: dict, meta: dict | None = None) -> str:
+    """A LoRA folder written by the pipeline class's own `save_lora_weights` (the diffusers layout)."""
+    d = tempfile.mkdtemp(prefix="fdlora-family-")
+    kw = {"transformer_lora_layers": sd}
+    if meta is not None:
+        kw["transformer_lora_adapter_metadata"] = meta
+    pipe_cls.save_lora_weights(d, **kw)
+    return d
+
+
+def run(model: nn.Module, inputs: dict, **extra) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs, **extra, return_dict=False)[0]
+    if isinstance(out, (list, tuple)):  # Z-Image returns one tensor per sample
+        out = torch.stack([o.float() for o in out])
+    return out
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> float:
+    """Relative max error of `a` against `b`."""
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
