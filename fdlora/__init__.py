@@ -25,6 +25,7 @@ from .pipelines.diffusers import from_diffusers
 from .pipelines.diffusers.hook import install as _install_diffusers_hook
 from .pipelines.scope import adapters
 from .pipelines.transformers import FdLoraModel, from_peft, load_fd_lora, merge_and_unload, save_peft
+from .training import add_trainable_adapter, lora_parameters, trainable_parameters
 
 _install_diffusers_hook()
 _install_moved()
@@ -62,6 +63,7 @@ __all__ = [
     "active_adapters",
     "adapters",
     "add_adapter",
+    "add_trainable_adapter",
     "delete_adapter",
     "disable",
     "enable",
@@ -71,6 +73,7 @@ __all__ = [
     "handle",
     "inject",
     "load_fd_lora",
+    "lora_parameters",
     "merge_and_unload",
     "merge_cache_bytes",
     "per_row",
@@ -81,5 +84,6 @@ __all__ = [
     "set_adapters",
     "set_backend",
     "set_merge_cache",
+    "trainable_parameters",
     "use_backend",
 ]

@@ -59,6 +59,8 @@ def _bases_in_place(model: nn.Module) -> Iterator[None]:
 def _check_name(model: nn.Module, name: object) -> None:
     if not isinstance(name, str) or not name or not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
         raise AdapterNameError(f"adapter name {name!r}: use letters, digits, '_' or '-' (it names parameters).")
+    if hasattr(nn.ParameterDict(), name):
+        raise AdapterNameError(f"adapter name {name!r} is a torch.nn.Module attribute; pick another name.")
     st = state_of(model)
     if st is not None and name in st.configs:
         raise DuplicateAdapterError(f"a trainable adapter named {name!r} already exists on this model; pick another "
