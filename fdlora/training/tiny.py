@@ -1,7 +1,8 @@
 """The tiny models `fdlora train` knows by name (random weights built from configs, nothing downloaded), each with
 a synthetic batch maker and a loss: what the trainer, the tests and the smoke benchmark share.
 
-    tiny-vit    ViTForImageClassification 16x16, 3 classes        image-classification   cross-entropy
+    tiny-vit    ViTForImageClassification 16x16, hidden 64, 3 classes  image-classification   cross-entropy
+                (widths multiples of 64: bitsandbytes' CPU 4-bit blocks)
     tiny-llama  LlamaForCausalLM, vocab 96, hidden 32               causal-lm              next-token loss
     tiny-sd15   the tiny SD1.5 UNet (fdlora.pipelines.diffusers)    text-to-image          noise-prediction MSE
 """
@@ -18,8 +19,8 @@ VOCAB = 96
 def vit_config(image_size: int = 16):
     import transformers
 
-    return transformers.ViTConfig(image_size=image_size, patch_size=8, num_channels=3, hidden_size=32,
-                                  num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, num_labels=3)
+    return transformers.ViTConfig(image_size=image_size, patch_size=8, num_channels=3, hidden_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=3)
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
