@@ -137,3 +137,28 @@ def test_trained_on_top_of_a_loaded_adapter_equals_peft_two_adapters(tmp_path):
         assert rel(A.grad, theirs[path].lora_A["fresh"].weight.grad) < 1e-5, path
         assert rel(B.grad, theirs[path].lora_B["fresh"].weight.grad) < 1e-5, path
     assert {id(p) for p in fdlora.trainable_parameters(fm)} == {id(p) for ab in ours.values() for p in ab}
+
+
+def test_trainable_from_live_peft_model_keeps_values_and_trains_like_peft():
+    from peft import get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1"], modules_to_save=["classifier"])
+    base = tiny.build("tiny-vit")
+    pm = get_peft_model(copy.deepcopy(base), copy.deepcopy(cfg))
+    with torch.no_grad():
+        for m in peft_lora_modules(pm).values():
+            m.lora_B["default"].weight.normal_(0, 0.1)
+        pm.base_model.model.classifier.modules_to_save["default"].weight.add_(0.5)
+    ref = copy.deepcopy(pm)
+    fm = fdlora.training.trainable_from_peft(pm)
+    batch = tiny.synthetic_batch("image-classification", fm, 3, 0)
+    losses = [tiny.loss_of("image-classification", m, batch) for m in (ref, fm)]
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-6)
+    for loss in losses:
+        loss.backward()
+    theirs = peft_lora_modules(ref)
+    for path, (A, B) in fdlora.lora_parameters(fm, "default").items():
+        assert rel(A.grad, theirs[path].lora_A["default"].weight.grad) < 1e-5
+        assert rel(B.grad, theirs[path].lora_B["default"].weight.grad) < 1e-5
+    head = fdlora.training.saved_modules(fm, "default")["classifier"]
+    assert rel(head.weight.grad, ref.base_model.model.classifier.modules_to_save["default"].weight.grad) < 1e-5
