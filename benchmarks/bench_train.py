@@ -109,7 +109,6 @@ def _time(model, loss_fn, batch, steps, dev, autocast) -> tuple[float, float]:
         _sync(dev)
         times.append((time.perf_counter() - t) * 1e3)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else float("nan")
-    del opt
     for p in params:
         p.grad = None
     return statistics.median(times), peak
@@ -226,12 +225,12 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
         s = torch.tensor(2.0, device=dev)
         h = (x.float() @ A.t())
 
-        def fd():
+        def fd(gy=gy, x=x, h=h, A=A, B=B, s=s):
             return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, None, A, B, s)
 
         Ab, Bb, hb = A.to(dtype), B.to(dtype), h.to(dtype)
 
-        def torch_path():  # what autograd runs for lora_B(lora_A(x)) * s under autocast
+        def torch_path(gy=gy, x=x, s=s, hb=hb, Ab=Ab, Bb=Bb):  # autograd's work for lora_B(lora_A(x)) * s
             gys = gy * s.to(dtype)
             gB = gys.t() @ hb
             gh = gys @ Bb
@@ -299,7 +298,8 @@ def main(argv=None) -> int:
             continue
         row = run_case(name, dev, a.smoke, steps)
         result["cases"].append(row)
-        print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} ({row['step_x_peft']:.2f}x); "
+        print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
+              f"({row['step_x_peft']:.2f}x); "
               f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; grads vs PEFT {row['grad_rel_err']:.1e}"
               f" ({'ok' if row['checked'] else 'MISMATCH'})", flush=True)
     if a.out:

@@ -30,7 +30,8 @@ from torch import nn
 
 from ..errors import FdLoraError
 from ..kernels import train_ops  # noqa: F401  (registers fdlora::lora_train_*)
-from .fused import linear_dims
+from .fused import FusedLoraLinear, linear_dims
+from .state import Mode
 
 
 @dataclass
@@ -119,12 +120,15 @@ class _TrainableLora(_Passthrough):
         if len(st.samples) != x.shape[0]:
             raise FdLoraError(f"{self.path}: {len(st.samples)} per-sample adapters given for a batch of "
                               f"{x.shape[0]}; give one entry (an adapter name or None) per sample.")
-        y = self.base(x, *args, **kwargs)
+        y = self._base_out(x, args, kwargs)
         for name in dict.fromkeys(n for n in st.samples if n is not None and n in self.lora_A):
             idx = st.sample_index(name, x.device)
             ys = self._add_lora(x.index_select(0, idx), y.index_select(0, idx), name)
             y = y.index_copy(0, idx, ys)
         return y
+
+    def _base_out(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self.base(x, *args, **kwargs)
 
     def extra_repr(self) -> str:
         ranks = {n: a.shape[0] for n, a in self.lora_A.items()}
@@ -150,11 +154,30 @@ class TrainableLoraLinear(_TrainableLora):
             return None
         return b.weight, b.bias
 
+    def _base_out(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The wrapped module's output. Under an inference FusedLoraLinear in blend mode, its frozen blend is
+        recomputed here in plain torch (autograd carries grad_x through it on every backend; the inference
+        kernels write in place and have no backward)."""
+        inner = self.base
+        if not (type(inner) is FusedLoraLinear and inner.state.mode is Mode.BLEND and not args and not kwargs):
+            return self.base(x, *args, **kwargs)
+        y = inner.base(x)
+        if inner._skip():
+            return y
+        b, K, N = inner.bank, self.in_features, self.out_features
+        S, R = b.A.shape[0], b.A.shape[1]
+        x2 = x.reshape(-1, K).to(b.A.dtype)
+        h = (x2 @ b.A.reshape(S * R, K).t()).float() * inner.scale_blend[:S].repeat_interleave(R)
+        d = h @ b.B.reshape(N, S * R).float().t()
+        if b.bias is not None:
+            d = d + inner.scale_blend[:S] @ b.bias.float()
+        return (y.float() + d.view(*y.shape)).to(y.dtype)
+
     def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
         K, N = self.in_features, self.out_features
         x2 = x.reshape(-1, K)
         plain = self._plain_weight(args, kwargs)
-        y = None if plain is not None else self.base(x, *args, **kwargs).reshape(-1, N)
+        y = None if plain is not None else self._base_out(x, args, kwargs).reshape(-1, N)
         for i, name in enumerate(names):
             W, bias = plain if (plain is not None and i == 0) else (None, None)
             y, _ = torch.ops.fdlora.lora_train_linear(x2, self._lora_input(name, x2), y, W, bias,
@@ -175,7 +198,8 @@ class TrainableLoraConv2d(_TrainableLora):
     def __init__(self, base: nn.Module, path: str, state: TrainState) -> None:
         conv = getattr(base, "base", base)  # an inference FusedLoraConv2d keeps the nn.Conv2d as .base
         if not isinstance(conv, nn.Conv2d) or conv.groups != 1:
-            raise FdLoraError(f"{path}: trainable conv LoRA needs an nn.Conv2d with groups=1, got {type(conv).__name__}.")
+            raise FdLoraError(f"{path}: trainable conv LoRA needs an nn.Conv2d with groups=1, "
+                              f"got {type(conv).__name__}.")
         super().__init__(base, path, state)
         self.out_features = conv.out_channels
         self.a_shape = (conv.in_channels, *conv.kernel_size)

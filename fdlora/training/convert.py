@@ -28,7 +28,7 @@ def trainable_from_peft(peft_model) -> nn.Module:
             originals[path] = m.original_module
             for n, c in m.modules_to_save.items():
                 saved[n][path] = {k: v.detach().clone() for k, v in c.state_dict().items()}
-        elif hasattr(m, "lora_A") and isinstance(getattr(m, "lora_A"), nn.ModuleDict):
+        elif hasattr(m, "lora_A") and isinstance(m.lora_A, nn.ModuleDict):
             for n in m.lora_A:
                 values[n][path] = (m.lora_A[n].weight.detach().clone(), m.lora_B[n].weight.detach().clone())
     unknown = [n for n, c in configs.items() if str(getattr(c, "peft_type", "")).split(".")[-1].upper() != "LORA"]

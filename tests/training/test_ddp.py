@@ -16,7 +16,8 @@ import yaml
 from fdlora.training import schema, trainer
 
 ROOT = Path(__file__).parents[2]
-CFG = {"model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+CFG = {"model": {"name": "tiny-llama"},
+       "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
        "train": {"steps": 6, "batch_size": 4, "lr": 5e-3, "checkpoint_every": 3, "seed": 2}}
 
 

@@ -87,7 +87,7 @@ def test_compile_traces_a_training_step():
     fdlora.add_trainable_adapter(model, "a", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     batch = tiny.synthetic_batch("causal-lm", model, 2, 0)
     with torch.no_grad():
-        for A, B in fdlora.lora_parameters(model, "a").values():
+        for _, B in fdlora.lora_parameters(model, "a").values():
             B.normal_()
 
     def step():
@@ -125,7 +125,7 @@ def test_per_sample_multi_adapter_equals_each_alone():
     torch.manual_seed(3)
     with torch.no_grad():
         for n in cfgs:
-            for A, B in fdlora.lora_parameters(model, n).values():
+            for _, B in fdlora.lora_parameters(model, n).values():
                 B.normal_(0, 0.1)
     assert len(fdlora.trainable_parameters(model)) == 2 * 14 + 2 * 8
     ids = tiny.synthetic_batch("causal-lm", model, 5, 0)["input_ids"]

@@ -4,8 +4,6 @@ quantized reaches the optimizer."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
