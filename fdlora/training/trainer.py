@@ -136,7 +136,10 @@ def train(cfg: TrainConfig, *, progress: bool = True, stop_after: int | None = N
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
+    from accelerate.state import AcceleratorState
+
     device = _device(cfg)
+    AcceleratorState._reset_state()  # a second run in one process may use other settings (the process group stays)
     acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=device.type == "cpu")
     device = acc.device
     world, rank = acc.num_processes, acc.process_index

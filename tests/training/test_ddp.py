@@ -21,6 +21,7 @@ CFG = {"model": {"name": "tiny-llama"},
        "train": {"steps": 6, "batch_size": 4, "lr": 5e-3, "checkpoint_every": 3, "seed": 2}}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate's launcher is not installed")
 def test_two_processes_follow_one_process(tmp_path):
     one = trainer.train(schema.validate({**CFG, "output": str(tmp_path / "one")}), progress=False).losses

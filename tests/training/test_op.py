@@ -49,7 +49,7 @@ def test_linear_gradcheck_and_opcheck(case):
 def test_conv_gradcheck_and_opcheck():
     g = torch.Generator().manual_seed(1)
     t = lambda *s: torch.randn(*s, generator=g, dtype=D).requires_grad_(True)  # noqa: E731
-    u, y0, A, B = t(2, 3, 7, 6), t(2, 4, 4, 3), t(3, 3, 3, 3), t(4, 3, 1, 1)
+    u, y0, A, B = t(1, 2, 5, 4), t(1, 3, 3, 2), t(2, 2, 3, 3), t(3, 2, 1, 1)
     s = torch.tensor(0.5, dtype=D)
     f = lambda u, y0, A, B: torch.ops.fdlora.lora_train_conv2d(u, y0, A, B, s, [2, 2], [1, 1])[0]  # noqa: E731
     assert torch.autograd.gradcheck(f, (u, y0, A, B))

@@ -67,7 +67,7 @@ def test_qlora_trains(method, tmp_path):
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "fc1", "fc2"],
                  "modules_to_save": ["classifier"]},
         "quantization": {"enabled": True, "method": method, "type": "nf4", "skip_modules": ["classifier"]},
-        "train": {"steps": 15, "batch_size": 8, "lr": 5e-3},
+        "train": {"steps": 10, "batch_size": 8, "lr": 5e-3},
         "output": str(tmp_path / "out"),
     })
     r = trainer.train(cfg, progress=False)
