@@ -47,16 +47,20 @@ def lora_train_linear(
     A: torch.Tensor,  # [r, K]
     B: torch.Tensor,  # [N, r]
     scale: torch.Tensor,  # [] fp32
-) -> tuple[torch.Tensor, torch.Tensor]:  # y [M, N] in x's dtype, h [M, r] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # y [M, N] in y0's (else x's) dtype, h [M, r] fp32
+    """The delta is added by the expand GEMM itself (addmm: base + h (s B)^T accumulated in fp32, one rounding),
+    so no [M, N] fp32 temporary exists; the scale is folded into B ([N, r], tiny)."""
     h = _mm32(u, A.t())
-    d = scale * _mm32(h.to(u.dtype) if u.is_cuda else h, B.t())  # fp32
-    if W is not None:
-        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        d = d + base.to(d.dtype)
-    if y0 is not None:
-        d = d + y0.to(d.dtype)
     out = y0.dtype if y0 is not None else x.dtype
-    return d.to(out), h
+    base = None
+    if W is not None:
+        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out)
+    if y0 is not None:
+        base = y0 if base is None else base + y0
+    Bs = (B.to(h.dtype) * scale.to(h.dtype)).to(out)
+    if base is None:
+        return h.to(out) @ Bs.t(), h
+    return torch.addmm(base, h.to(out), Bs.t()), h
 
 
 def lora_train_linear_backward(
