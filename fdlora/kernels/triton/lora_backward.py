@@ -97,11 +97,14 @@ def _shrink_backward_kernel(
         tl.atomic_add(ga_ptr + rr[:, None] * K + ks[None, :], part, mask=rk[:, None] & km[None, :])
 
 
-def _blocks(M: int) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, num_warps): small tiles under the interpreter, 64-wide tiles on a GPU."""
+def _blocks(M: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, num_warps): small tiles under the interpreter; on a GPU the largest row block that still gives
+    every SM two programs (each program streams its rows of gy / u once, so parallelism is over rows only)."""
     if INTERPRET:
         return 16, 16, 16, 1
-    return (64 if M >= 64 else 16), 64, 64, 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    BM = next((b for b in (64, 32) if triton.cdiv(M, b) >= 2 * sms), 16)
+    return BM, 64, 64, 4
 
 
 def lora_backward(
@@ -126,7 +129,7 @@ def lora_backward(
     RP = max(16, triton.next_power_of_2(r))
     dt = u.dtype
     ieee = dt == torch.float32
-    BM, BN, BK, warps = _blocks(M)
+    BM, BN, BK, warps = _blocks(M, u.device)
     Bc, Ac = B.to(dt), A.to(dt)
     g = torch.empty(M, RP, dtype=torch.float32, device=u.device)
     grad_B = torch.zeros(N, r, dtype=torch.float32, device=u.device)
