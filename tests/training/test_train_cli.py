@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -145,3 +146,14 @@ def test_image_folder_and_bf16_mixed_precision(tmp_path):
     r = trainer.train(cfg, progress=False)
     assert all(torch.isfinite(torch.tensor(r.losses))) and r.losses[-1] < r.losses[0]
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("name,targets", [("tiny-sd15", ["to_q", "to_v", "conv1"]), ("tiny-llama", "all-linear")])
+def test_other_tiny_models_train(name, targets, tmp_path):
+    cfg = schema.validate({"model": {"name": name}, "lora": {"r": 4, "target_modules": targets},
+                           "train": {"steps": 3, "batch_size": 2, "lr": 1e-2, "grad_accumulation": 2},
+                           "output": str(tmp_path / "out")})
+    r = trainer.train(cfg, progress=False)
+    assert len(r.losses) == 3 and all(torch.isfinite(torch.tensor(r.losses)))
+    cfg_json = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert cfg_json["r"] == 4 and cfg_json["peft_type"] == "LORA"
