@@ -134,9 +134,8 @@ def _optimizer(cfg: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Opti
 def train(cfg: TrainConfig, *, progress: bool = True, stop_after: int | None = None, log=print) -> TrainResult:
     """Run `cfg`. `stop_after` ends the run after that many steps of this call (tests: an interrupted run)."""
     from accelerate import Accelerator
-    from tqdm.auto import tqdm
-
     from accelerate.state import AcceleratorState
+    from tqdm.auto import tqdm
 
     device = _device(cfg)
     AcceleratorState._reset_state()  # a second run in one process may use other settings (the process group stays)
