@@ -54,14 +54,20 @@ def dispatch_measure() -> bool:
     return os.environ.get(DISPATCH_VAR, "model").strip().lower() == "measure"
 
 
-CUTLASS_LIB_VAR = "FDLORA_CUTLASS_LIB"
+CUDA_CACHE_VAR = "FDLORA_CUDA_CACHE"
+CUDA_ARCHS_VAR = "FDLORA_CUDA_ARCHS"
 
 
-def cutlass_lib() -> Path:
-    """`FDLORA_CUTLASS_LIB`: the CUTLASS kernel library (fdlora.kernels.cutlass); default
-    ~/.cache/fdlora/cutlass/libfdlora_sm90.so, where benchmarks/build_cutlass.sh puts it."""
-    raw = os.environ.get(CUTLASS_LIB_VAR, "").strip()
-    return Path(raw) if raw else Path.home() / ".cache" / "fdlora" / "cutlass" / "libfdlora_sm90.so"
+def cuda_cache_dir() -> Path:
+    """`FDLORA_CUDA_CACHE`: where the CUDA C++ extension is built on first use (default ~/.cache/fdlora/cuda)."""
+    raw = os.environ.get(CUDA_CACHE_VAR, "").strip()
+    return Path(raw) if raw else Path.home() / ".cache" / "fdlora" / "cuda"
+
+
+def cuda_archs() -> str:
+    """`FDLORA_CUDA_ARCHS`: compute capabilities to build the CUDA extension for, e.g. "8.0;9.0" (default: the
+    local GPUs')."""
+    return os.environ.get(CUDA_ARCHS_VAR, "").strip()
 
 
 MAX_RANK_VAR = "FDLORA_MAX_RANK"

@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from support.fakehub import FakeHub
 
 _ROOT = tempfile.mkdtemp(prefix="fdlora-tests-")
@@ -34,3 +36,20 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     _HUB.__exit__(None, None, None)
     shutil.rmtree(_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _triton_tests_run_on_triton(request):
+    """Tests marked `triton` are about the Triton backend as `auto` picks it: they skip where triton is not
+    installed and ignore a forced FDLORA_BACKEND (the GPU suite also runs under FDLORA_BACKEND=cuda)."""
+    if request.node.get_closest_marker("triton") is None:
+        yield
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from fdlora.kernels import registry
+
+    with registry.use_backend("auto"):
+        yield

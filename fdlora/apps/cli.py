@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "bench": ("fdlora.apps.bench", "run the benchmark suite or a named subset; prints a table, writes JSON"),
     "plan": ("fdlora.apps.plan", "merge, serve dynamically or cache merged weights? predicted from configs"),
     "run": ("fdlora.apps.run", "build a pipeline or model from a YAML config, load its adapters, optionally generate"),
+    "env": ("fdlora.apps.env", "print torch, CUDA, GPU and Triton, and why each backend can or cannot run here"),
     "train": ("fdlora.apps.train", "fine-tune a LoRA adapter from a YAML config (output: a PEFT adapter dir)"),
 }
 

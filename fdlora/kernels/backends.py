@@ -23,7 +23,14 @@ def _probe_triton() -> str | None:
 
 
 def _probe_cuda() -> str | None:
-    return "the CUDA C++ extension is not built in this version of fd-lora; use 'triton' or 'torch'"
+    from .cuda import build
+
+    st = build.status()
+    if not st.usable:
+        return f"not built: {st.reason}"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
 
 
 register(
@@ -46,8 +53,8 @@ register(
 register(
     Backend(
         "cuda",
-        Capability(devices=frozenset({"cuda"}), dtypes=FLOATS, kinds=frozenset({"linear"})),
-        module="fdlora.kernels.cuda",
+        Capability(devices=frozenset({"cuda"}), dtypes=FLOATS, kinds=frozenset({"linear", "conv2d"}), max_slots=64),
+        module="fdlora.kernels.cuda.ops",
         probe=_probe_cuda,
     )
 )

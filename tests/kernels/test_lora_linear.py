@@ -21,6 +21,8 @@ from triton_cases import DEVICES, DTYPES, HAS_CUDA, Case, _c, _place, eager_peft
 from fdlora.kernels import reference as ref
 from fdlora.testing import EPS
 
+pytestmark = pytest.mark.triton  # the Triton backend, as auto picks it (even under FDLORA_BACKEND=cuda)
+
 
 @dataclass(frozen=True)
 class Lin:

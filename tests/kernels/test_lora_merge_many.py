@@ -8,6 +8,8 @@ import pytest
 import torch
 from triton_cases import DEVICES, skip_unless
 
+pytestmark = pytest.mark.triton  # the Triton backend, as auto picks it (even under FDLORA_BACKEND=cuda)
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (N, K) per layer: odd sizes, one layer narrower than a tile, one wider than several; one transposed (Conv1D)
 LAYERS = [(40, 24, False), (16, 70, False), (33, 33, False), (20, 48, True), (130, 17, False)]

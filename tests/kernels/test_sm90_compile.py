@@ -24,7 +24,7 @@ FP32 = {"scale_ptr", "gw_ptr", "h_ptr"}
 INT32 = {"ranks_ptr", "slot_ptr"}
 
 
-def compile_sm90(jitted, flags: dict, dtype: str = "bf16", pointers: dict[str, str] | None = None):
+def compile_sm90(jitted, flags: dict, dtype: str = "bf16", pointers: dict[str, str] | None = None, arch: int = 90):
     """triton.compile the jit function for sm_90 with these constexpr values (and num_warps / num_stages
     among them, as compile options); its metadata."""
     import triton
@@ -46,7 +46,7 @@ def compile_sm90(jitted, flags: dict, dtype: str = "bf16", pointers: dict[str, s
     sig = {n: "constexpr" if n in flags else kind(n) for n in names}
     constexprs = {(names.index(k),): v for k, v in flags.items()}
     src = triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).metadata
 
 
 def first(table: dict, few: bool) -> dict:
@@ -143,3 +143,28 @@ def test_merge_many_compiles_and_vectorizes_when_aligned(aligned: bool) -> None:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
     vector = len(re.findall(r"ld\.global\.v4\.b32", ptx))
     assert (vector > 0) == aligned and (len(re.findall(r"ld\.global\.b16", ptx)) == 0) == aligned
+
+
+@pytest.mark.parametrize("arch", [80, 89, 100, 120], ids=lambda a: f"sm_{a}")
+def test_every_kernel_compiles_for_each_gpu_generation(arch: int) -> None:
+    """A100 (sm_80), L40/4090 (sm_89), B200 (sm_100), RTX 50xx (sm_120): each kernel's first config, bf16, through
+    Triton's own ptxas (sm_90 has the full flag matrix above)."""
+    from fdlora.kernels.triton import config as C
+    from fdlora.kernels.triton import lora_delta, lora_delta_rows, lora_expand_add, lora_linear, lora_merge, lora_shrink
+
+    dots = {"UPCAST": False, "IEEE": False}
+    blocks = {**first(C.DELTA, False), "WRAP": False}
+    for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, {}),
+                          (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True})):
+        compile_sm90(module._KERNELS[(False, False)].fn, {**blocks, **dots, "RMAX": 64, **extra}, arch=arch)
+    compile_sm90(lora_shrink._KERNELS[(False, False)].fn,
+                 {**first(C.SHRINK, False), "RC": 64, "HAS_SKIP": True, **dots}, arch=arch)
+    c = lora_linear.CONFIGS["many"][0]
+    compile_sm90(lora_linear._JIT, {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages,
+                                    "PERSISTENT": 0, "S_PAD": 4, "RMAX": 32, "MORE": True, "PRE": False,
+                                    "HAS_BIAS": True, "EVEN_K": False, **dots},
+                 pointers={"bias_ptr": "*bf16"}, arch=arch)
+    compile_sm90(lora_merge.lora_merge_kernel, {**lora_merge.BLOCKS["gpu"], "S_PAD": 4, "RC": 16, **dots,
+                                                "STAMPED": True},
+                 pointers={"out_ptr": "*bf16", "w_ptr": "*bf16", "stamp_ptr": "*i32", "version_ptr": "*i32"},
+                 arch=arch)

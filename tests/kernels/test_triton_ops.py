@@ -25,6 +25,8 @@ from triton_cases import (
 from fdlora.kernels import registry
 from fdlora.kernels.reference import lora as ref
 
+pytestmark = pytest.mark.triton  # the Triton backend, as auto picks it (even under FDLORA_BACKEND=cuda)
+
 GPU_ONLY = [
     *[with_dtype(c, "bf16") for c in CASES if c.dtype == "fp16"],
     *REALISTIC,

@@ -13,7 +13,9 @@ from torch import nn
 
 import fdlora
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.kernels.triton import config as C
+pytest.importorskip("triton")
+pytestmark = pytest.mark.triton  # Triton's kept launches: on the Triton backend, as auto picks it
+from fdlora.kernels.triton import config as C  # noqa: E402
 from fdlora.layers import decode
 from fdlora.layers.state import as_rows
 from fdlora.testing import bound, max_err

@@ -296,7 +296,7 @@ def test_set_backend_reselects_layers_and_env(net, monkeypatch):
     import fdlora.kernels.registry as reg
 
     monkeypatch.setattr(reg, "_preference", None)
-    with pytest.raises(errors.BackendUnavailableError, match="CUDA C\\+\\+ extension"):
+    with pytest.raises(errors.BackendUnavailableError, match="cuda: (not built|no CUDA device)"):
         fdlora.inject(Net(), ["q_proj"])
 
 

@@ -9,10 +9,11 @@ from torch import nn
 
 import fdlora
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.kernels.triton import config as C
+pytest.importorskip("triton")
+from fdlora.kernels.triton import config as C  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.triton, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 SIZES = [(256, 512), (512, 1024), (1024, 256)]  # (K, N): the second needs a larger scratch than the first
 
 

@@ -1,0 +1,396 @@
+// fd-lora CUDA backend: hand-written kernels for what cuBLAS cannot do well or at all: the gathers of per-row and
+// per-sample weights, the small-M (decode) delta, the masking of dead bank chunks, and the merge of many layers in
+// one launch with a device-side "nothing changed" check. Numerics as the Triton kernels: fp32 accumulation, scaled
+// intermediates rounded to the operand dtype before their product, one rounding of the result.
+#include "kernels.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fdlora_cuda {
+namespace {
+
+template <typename T> struct Native { using type = T; };
+template <> struct Native<at::Half> { using type = __half; };
+template <> struct Native<at::BFloat16> { using type = __nv_bfloat16; };
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
+
+__device__ __forceinline__ int granule(int r) { return (r + 15) / 16 * 16; }
+
+__device__ __forceinline__ float weight_of(const Weights& w, int64_t m, int s) {
+  if (w.ranks != nullptr && w.ranks[s] <= 0) return 0.f;
+  if (w.row_slot != nullptr) return w.row_slot[m] == s ? w.scale[s * w.scale_stride] : 0.f;
+  float g = w.gw == nullptr ? 1.f : w.gw[(m / w.rows_per_group) * w.gw_s0 + s * w.gw_s1];
+  return w.scale[s * w.scale_stride] * g;
+}
+
+int grid_for(int64_t n, int threads) {
+  int64_t blocks = (n + threads - 1) / threads;
+  int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(blocks, (int64_t)sms * 16));
+}
+
+// ---- mask -------------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void mask_kernel(T* __restrict__ Ao, T* __restrict__ Bo, const T* __restrict__ A, const T* __restrict__ B,
+                            int64_t S, int64_t R, int64_t K, int64_t N, int64_t ldb, const float* __restrict__ scale,
+                            int64_t scale_stride, const int* __restrict__ ranks, const float* __restrict__ gw,
+                            int64_t gw_s1) {
+  const int64_t nA = S * R * K, nB = N * S * R, step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nA + nB; i += step) {
+    int64_t s, r;
+    if (i < nA) {
+      s = i / (R * K);
+      r = (i / K) % R;
+    } else {
+      int64_t j = (i - nA) % (S * R);
+      s = j / R;
+      r = j % R;
+    }
+    bool live = scale[s * scale_stride] != 0.f && r < granule(ranks[s]);
+    if (i < nA) {
+      Ao[i] = live ? A[i] : from_f<T>(0.f);
+    } else {
+      int64_t j = i - nA, n = j / (S * R), c = j % (S * R);
+      const T b = B[n * ldb + c];
+      Bo[j] = !live ? from_f<T>(0.f) : gw == nullptr ? b : from_f<T>(to_f(b) * scale[s * scale_stride] * gw[s * gw_s1]);
+    }
+  }
+}
+
+template <typename T>
+__global__ void merge_prep_kernel(T* __restrict__ Wo, const T* __restrict__ W, int64_t N, int64_t K, int64_t swn,
+                                  int64_t swk, T* __restrict__ Ao, T* __restrict__ Bo, const T* __restrict__ A,
+                                  const T* __restrict__ B, int64_t S, int64_t R, int64_t ldb,
+                                  const float* __restrict__ scale, int64_t scale_stride, const int* __restrict__ ranks,
+                                  const float* __restrict__ gw, int64_t gw_s1) {
+  const int64_t nW = N * K, nA = S * R * K, nB = N * S * R, step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nW + nA + nB; i += step) {
+    if (i < nW) {
+      Wo[i] = W[(i / K) * swn + (i % K) * swk];
+      continue;
+    }
+    const int64_t j = i - nW;
+    int64_t s, r;
+    if (j < nA) {
+      s = j / (R * K);
+      r = (j / K) % R;
+    } else {
+      const int64_t c = (j - nA) % (S * R);
+      s = c / R;
+      r = c % R;
+    }
+    const float ws = scale[s * scale_stride] * (gw ? gw[s * gw_s1] : 1.f);
+    const bool live = ws != 0.f && r < granule(ranks[s]);
+    if (j < nA) {
+      Ao[j] = live ? A[j] : from_f<T>(0.f);
+    } else {
+      const int64_t b = j - nA, n = b / (S * R), c = b % (S * R);
+      Bo[b] = live ? from_f<T>(to_f(B[n * ldb + c]) * ws) : from_f<T>(0.f);
+    }
+  }
+}
+
+// ---- weigh ------------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void weigh_kernel(T* __restrict__ hw, const float* __restrict__ h, int64_t M, int64_t S, int64_t R,
+                             Weights w) {
+  const int64_t SR = S * R, total = M * SR, step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += step) {
+    const int64_t m = i / SR;
+    const int s = (int)((i % SR) / R);
+    const float wt = weight_of(w, m, s);
+    hw[i] = from_f<T>(wt == 0.f ? 0.f : h[i] * wt);
+  }
+}
+
+// ---- small-M delta ----------------------------------------------------------------------------------------------
+constexpr int SMALL_THREADS = 256;
+constexpr int SMALL_COLS = 4;  // columns per thread: a block covers 1024 columns of one row
+
+template <typename T>
+__global__ void __launch_bounds__(SMALL_THREADS) delta_small_kernel(
+    T* __restrict__ y, int64_t ldy, const T* __restrict__ x, int64_t ldx, const T* __restrict__ A,
+    const T* __restrict__ B, int64_t ldb, const int* __restrict__ ranks, Weights w, int64_t N, int64_t K, int S,
+    int R) {
+  extern __shared__ float smem[];
+  float* hs = smem;  // [S*R] weighted h of this row, rounded to T
+  float* ws = smem + S * R;  // [S] weights of this row
+  __shared__ int any_live;
+  const int64_t m = blockIdx.y;
+  if (threadIdx.x == 0) any_live = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < S; s += blockDim.x) {
+    float wt = ranks[s] > 0 ? weight_of(w, m, s) : 0.f;
+    ws[s] = wt;
+    if (wt != 0.f) any_live = 1;
+  }
+  __syncthreads();
+  if (!any_live) return;  // nothing for this row: y stays bit-identical
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+  const T* xr = x + m * ldx;
+  for (int j = warp; j < S * R; j += nwarps) {
+    const int s = j / R, r = j % R;
+    float acc = 0.f;
+    if (ws[s] != 0.f && r < granule(ranks[s])) {
+      const T* ar = A + (int64_t)j * K;
+      for (int64_t k = lane; k < K; k += 32) acc += to_f(xr[k]) * to_f(ar[k]);
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      acc = round_to<T>(acc * ws[s]);
+    }
+    if (lane == 0) hs[j] = acc;
+  }
+  __syncthreads();
+  const int64_t n0 = (int64_t)blockIdx.x * blockDim.x * SMALL_COLS;
+  for (int i = 0; i < SMALL_COLS; ++i) {
+    const int64_t n = n0 + (int64_t)i * blockDim.x + threadIdx.x;
+    if (n >= N) break;
+    const T* br = B + n * ldb;
+    float acc = 0.f;
+    for (int s = 0; s < S; ++s) {
+      if (ws[s] == 0.f) continue;
+      const int live = min(R, granule(ranks[s]));
+      for (int r = 0; r < live; ++r) acc += hs[s * R + r] * to_f(br[s * R + r]);
+    }
+    T* yp = y + m * ldy + n;
+    *yp = from_f<T>(to_f(*yp) + acc);
+  }
+}
+
+// ---- merge ------------------------------------------------------------------------------------------------------
+constexpr int MERGE_THREADS = 256;
+constexpr int MERGE_RC = 16;  // rank chunk
+
+struct MergeArgs {
+  MergeEntry one;
+  const MergeEntry* table;  // null: the one entry
+  int64_t n_entries, S, R;
+  const int* ranks;  // [S] or null (every chunk up to R)
+  const float* gw;  // [S] multipliers (a [1, S] group weight) or null
+  int64_t gw_s1;
+  int* stamp;  // [S + 2] or null
+  const int* version;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
+  __shared__ float Bs[MERGE_BN][MERGE_RC + 1];
+  __shared__ float As[MERGE_RC][MERGE_BK];
+  __shared__ int changed;
+  const int64_t t = blockIdx.x;
+  MergeEntry e;
+  if (a.table == nullptr) {
+    e = a.one;
+  } else {  // binary search: table[lo].first <= t < table[lo + 1].first
+    int64_t lo = 0, hi = a.n_entries;
+    while (hi - lo > 1) {
+      int64_t mid = (lo + hi) / 2;
+      if (a.table[mid].first <= t) lo = mid; else hi = mid;
+    }
+    e = a.table[lo];
+  }
+  const int S = (int)a.S, R = (int)a.R;
+  const float* scale = reinterpret_cast<const float*>(e.scale);
+  if (a.stamp != nullptr) {
+    if (threadIdx.x == 0) {
+      int c = a.stamp[S] != a.version[0];
+      for (int s = 0; s < S && !c; ++s) {
+        float v = scale[s] * (a.gw ? a.gw[s * a.gw_s1] : 1.f);
+        c = a.stamp[s] != __float_as_int(v);
+      }
+      changed = c;
+    }
+    __syncthreads();
+    if (!changed) return;
+  }
+  const int64_t tiles_k = (e.K + MERGE_BK - 1) / MERGE_BK;
+  const int64_t local = t - e.first;
+  const int64_t n0 = (local / tiles_k) * MERGE_BN, k0 = (local % tiles_k) * MERGE_BK;
+  const T* W = reinterpret_cast<const T*>(e.W);
+  const T* A = reinterpret_cast<const T*>(e.A);
+  const T* B = reinterpret_cast<const T*>(e.B);
+  T* out = reinterpret_cast<T*>(e.out);
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;  // rows ty + 16i (i < 4), columns tx + 16j (j < 8)
+  float acc[4][8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t n = n0 + ty + 16 * i;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t k = k0 + tx + 16 * j;
+      acc[i][j] = (n < e.N && k < e.K) ? to_f(W[n * e.swn + k * e.swk]) : 0.f;
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const float ws = scale[s] * (a.gw ? a.gw[s * a.gw_s1] : 1.f);
+    if (ws == 0.f) continue;
+    const int live = a.ranks ? min(R, granule(a.ranks[s])) : R;
+    for (int r0 = 0; r0 < live; r0 += MERGE_RC) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < MERGE_BN * MERGE_RC; i += MERGE_THREADS) {
+        const int nn = i / MERGE_RC, rr = i % MERGE_RC;
+        const int64_t n = n0 + nn;
+        Bs[nn][rr] = n < e.N ? round_to<T>(to_f(B[n * e.ldb + (int64_t)s * R + r0 + rr]) * ws) : 0.f;
+      }
+      for (int i = threadIdx.x; i < MERGE_RC * MERGE_BK; i += MERGE_THREADS) {
+        const int rr = i / MERGE_BK, kk = i % MERGE_BK;
+        const int64_t k = k0 + kk;
+        As[rr][kk] = k < e.K ? to_f(A[((int64_t)s * R + r0 + rr) * e.K + k]) : 0.f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int rr = 0; rr < MERGE_RC; ++rr) {
+        float b[4], av[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[i] = Bs[ty + 16 * i][rr];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) av[j] = As[rr][tx + 16 * j];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[i][j] += b[i] * av[j];
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t n = n0 + ty + 16 * i;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t k = k0 + tx + 16 * j;
+      if (n < e.N && k < e.K) out[n * e.son + k * e.sok] = from_f<T>(acc[i][j]);
+    }
+  }
+  if (a.stamp != nullptr) {  // the last block done writes the stamp (every block has read it by then)
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int done = atomicAdd(&a.stamp[S + 1], 1);
+      if (done == (int)gridDim.x - 1) {
+        for (int s = 0; s < S; ++s)
+          a.stamp[s] = __float_as_int(scale[s] * (a.gw ? a.gw[s * a.gw_s1] : 1.f));
+        a.stamp[S] = a.version[0];
+        a.stamp[S + 1] = 0;
+        __threadfence();
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#define FDLORA_DISPATCH(dtype, NAME, ...)                                              \
+  switch (dtype) {                                                                   \
+    case at::kFloat: { using NAME = float; __VA_ARGS__(); break; }                   \
+    case at::kHalf: { using NAME = __half; __VA_ARGS__(); break; }                   \
+    case at::kBFloat16: { using NAME = __nv_bfloat16; __VA_ARGS__(); break; }        \
+    default: TORCH_CHECK(false, "fdlora_cuda: dtype ", dtype, " is not fp16, bf16 or fp32"); \
+  }
+
+Weights weights_of(const at::Tensor& scale, const c10::optional<at::Tensor>& group_weight,
+                   const c10::optional<at::Tensor>& row_slot, int64_t M) {
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, "fdlora_cuda: scale must be fp32");
+  Weights w{scale.data_ptr<float>(), scale.stride(0), nullptr, 0, 0, 1, nullptr, nullptr};
+  if (group_weight.has_value()) {
+    const at::Tensor& gw = *group_weight;
+    TORCH_CHECK(gw.scalar_type() == at::kFloat && gw.dim() == 2, "fdlora_cuda: group_weight must be fp32 [G, S]");
+    const int64_t G = gw.size(0);
+    TORCH_CHECK(G > 0 && M % G == 0, "fdlora_cuda: group_weight has ", G, " groups, which does not divide ", M,
+                " rows; give one group per sample");
+    w.gw = gw.data_ptr<float>();
+    w.gw_s0 = gw.stride(0);
+    w.gw_s1 = gw.stride(1);
+    w.rows_per_group = std::max<int64_t>(1, M / G);
+  }
+  if (row_slot.has_value()) {
+    TORCH_CHECK(row_slot->scalar_type() == at::kInt && row_slot->is_contiguous(),
+                "fdlora_cuda: row_slot must be contiguous int32");
+    w.row_slot = row_slot->data_ptr<int>();
+  }
+  return w;
+}
+
+void launch_mask(at::Tensor& A_out, at::Tensor& B_out, const at::Tensor& A, const at::Tensor& B,
+                 const at::Tensor& scale, const at::Tensor& ranks, const float* gw, int64_t gw_s1) {
+  const int64_t S = A.size(0), R = A.size(1), K = A.size(2), N = B.size(0);
+  const int64_t total = A.numel() + N * S * R;
+  if (total == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FDLORA_DISPATCH(A.scalar_type(), T, [&] {
+    mask_kernel<T><<<grid_for(total, 256), 256, 0, stream>>>(
+        reinterpret_cast<T*>(A_out.data_ptr()), reinterpret_cast<T*>(B_out.data_ptr()),
+        reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const T*>(B.data_ptr()), S, R, K, N, B.stride(0),
+        scale.data_ptr<float>(), scale.stride(0), ranks.data_ptr<int>(), gw, gw_s1);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_merge_prep(at::Tensor& W_out, at::Tensor& A_out, at::Tensor& B_out, const at::Tensor& W,
+                       const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale, const at::Tensor& ranks,
+                       const float* gw, int64_t gw_s1) {
+  const int64_t S = A.size(0), R = A.size(1), K = A.size(2), N = W.size(0);
+  const int64_t total = N * K + S * R * K + N * S * R;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FDLORA_DISPATCH(A.scalar_type(), T, [&] {
+    merge_prep_kernel<T><<<grid_for(total, 256), 256, 0, stream>>>(
+        reinterpret_cast<T*>(W_out.data_ptr()), reinterpret_cast<const T*>(W.data_ptr()), N, K, W.stride(0),
+        W.stride(1), reinterpret_cast<T*>(A_out.data_ptr()), reinterpret_cast<T*>(B_out.data_ptr()),
+        reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const T*>(B.data_ptr()), S, R, B.stride(0),
+        scale.data_ptr<float>(), scale.stride(0), ranks.data_ptr<int>(), gw, gw_s1);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_weigh(at::Tensor& hw, const at::Tensor& h, const Weights& w, int64_t S, int64_t R) {
+  const int64_t M = h.size(0);
+  if (M * S * R == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FDLORA_DISPATCH(hw.scalar_type(), T, [&] {
+    weigh_kernel<T><<<grid_for(M * S * R, 256), 256, 0, stream>>>(reinterpret_cast<T*>(hw.data_ptr()),
+                                                                   h.data_ptr<float>(), M, S, R, w);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+bool launch_delta_small(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                        const at::Tensor& ranks, const Weights& w) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), S = A.size(0), R = A.size(1);
+  const size_t smem = (size_t)(S * R + S) * sizeof(float);
+  if (smem > 40 * 1024) return false;
+  if (M == 0 || N == 0) return true;
+  dim3 grid((unsigned)((N + SMALL_THREADS * SMALL_COLS - 1) / (SMALL_THREADS * SMALL_COLS)), (unsigned)M);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FDLORA_DISPATCH(y.scalar_type(), T, [&] {
+    delta_small_kernel<T><<<grid, SMALL_THREADS, smem, stream>>>(
+        reinterpret_cast<T*>(y.data_ptr()), y.stride(0), reinterpret_cast<const T*>(x.data_ptr()), x.stride(0),
+        reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const T*>(B.data_ptr()), B.stride(0),
+        ranks.data_ptr<int>(), w, N, K, (int)S, (int)R);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+void launch_merge(at::ScalarType dtype, const MergeEntry& one, const at::Tensor* table, int64_t n_entries,
+                  int64_t total_tiles, int64_t S, int64_t R, const int* ranks, const float* gw, int64_t gw_s1,
+                  int* stamp, const int* version, c10::Device device) {
+  if (total_tiles == 0) return;
+  MergeArgs a{one, table ? reinterpret_cast<const MergeEntry*>(table->data_ptr()) : nullptr, n_entries, S, R, ranks,
+              gw, gw_s1, stamp, version};
+  auto stream = at::cuda::getCurrentCUDAStream(device.index());
+  FDLORA_DISPATCH(dtype, T, [&] { merge_kernel<T><<<(unsigned)total_tiles, MERGE_THREADS, 0, stream>>>(a); });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace fdlora_cuda

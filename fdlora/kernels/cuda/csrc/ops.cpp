@@ -1,0 +1,356 @@
+// fd-lora CUDA backend: the ops (TORCH_LIBRARY namespace fdlora_cuda), same set and semantics as the Triton
+// backend (fdlora/kernels/triton/ops.py) and the torch reference (fdlora/kernels/reference/lora.py).
+//
+// Bank layout: A [S, R, K] contiguous, B [N, S, R] (S*R contiguous, any row stride), scale [S] fp32,
+// group_weight [G, S] fp32 (G divides M), row_slot [M] int32 (-1 = none), ranks [S] int32 (live rank; the kernels
+// read no chunk past it rounded up to 16, nor any chunk of a slot whose scale is 0).
+//
+// Which path runs (all decided from shapes on the host, so a CUDA graph replays it):
+// - few rows (M <= SMALL_M): one hand-written kernel per call (kernels.cu, delta_small);
+// - more rows: the bank's live chunks masked into scratch, cuBLAS shrink with fp32 output, one weighting kernel,
+//   cuBLAS expand-add onto y (beta = 1: the delta is added in fp32, rounded once);
+// - lora_linear, blend (G = 1) where the merge costs less than the delta: merge W' = W + sum_s w_s B_s A_s into
+//   scratch (one kernel) and one cuBLAS GEMM on it.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublas_v2.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+namespace fdlora_cuda {
+namespace {
+
+constexpr int64_t SMALL_M = 32;
+
+cudaDataType_t cuda_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    default: TORCH_CHECK(false, "fdlora_cuda: dtype ", t, " is not fp16, bf16 or fp32");
+  }
+}
+
+void check_bank(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const char* op) {
+  TORCH_CHECK(x.is_cuda(), "fdlora_cuda.", op, ": tensors must be on a CUDA device");
+  TORCH_CHECK(x.dim() == 2 && A.dim() == 3 && B.dim() == 3, "fdlora_cuda.", op,
+              ": expected x [M, K], A [S, R, K], B [N, S, R]");
+  TORCH_CHECK(A.size(2) == x.size(1) && B.size(1) == A.size(0) && B.size(2) == A.size(1), "fdlora_cuda.", op,
+              ": shapes do not match: x ", x.sizes(), ", A ", A.sizes(), ", B ", B.sizes());
+  TORCH_CHECK(x.scalar_type() == A.scalar_type() && A.scalar_type() == B.scalar_type(), "fdlora_cuda.", op,
+              ": x, A and B must share a dtype (got ", x.scalar_type(), ", ", A.scalar_type(), ", ",
+              B.scalar_type(), ")");
+  TORCH_CHECK(A.is_contiguous(), "fdlora_cuda.", op, ": A must be contiguous");
+  TORCH_CHECK(B.stride(2) == 1 && B.stride(1) == B.size(2), "fdlora_cuda.", op,
+              ": B's [S, R] must be contiguous (a slice of slots is fine)");
+}
+
+at::Tensor rows_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// h [M, S*R] fp32 = x [M, K] @ A2 [S*R, K]^T: the intermediate is never rounded.
+void shrink_into(at::Tensor& h, const at::Tensor& x, const at::Tensor& A2) {
+  const int64_t M = x.size(0), K = x.size(1), SR = A2.size(0);
+  if (M == 0 || SR == 0) return;
+  if (K == 0) {
+    h.zero_();
+    return;
+  }
+  TORCH_CHECK(M < INT32_MAX && K < INT32_MAX && SR < INT32_MAX, "fdlora_cuda: sizes exceed cuBLAS' int range");
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const float alpha = 1.f, beta = 0.f;
+  const cudaDataType_t t = cuda_type(x.scalar_type());
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)SR, (int)M, (int)K, &alpha,
+                                    A2.data_ptr(), t, (int)A2.stride(0), x.data_ptr(), t, (int)x.stride(0), &beta,
+                                    h.data_ptr(), CUDA_R_32F, (int)h.stride(0), CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+}
+
+// C = op(A) op(B) + beta C, column-major, operands and C in dtype, fp32 compute (cuBLAS directly: no dispatcher).
+void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda,
+          const void* B, int64_t ldb, float beta, void* C, int64_t ldc, at::ScalarType dtype) {
+  if (m == 0 || n == 0) return;
+  TORCH_CHECK(m < INT32_MAX && n < INT32_MAX && k < INT32_MAX, "fdlora_cuda: sizes exceed cuBLAS' int range");
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const float alpha = 1.f;
+  const cudaDataType_t t = cuda_type(dtype);
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, ta, tb, (int)m, (int)n, (int)k, &alpha, A, t, (int)lda, B, t, (int)ldb,
+                                    &beta, C, t, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// y += ((x A^T) * w) B^T through cuBLAS over the masked bank.
+void delta_large(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                 const at::Tensor& scale, const at::Tensor& ranks, const Weights& w) {
+  const int64_t M = x.size(0), S = A.size(0), R = A.size(1), K = A.size(2), N = B.size(0);
+  auto Am = at::empty({S * R, K}, A.options());
+  auto Bm = at::empty({N, S * R}, B.options());
+  launch_mask(Am, Bm, A, B, scale, ranks);
+  auto h = at::empty({M, S * R}, x.options().dtype(at::kFloat));
+  shrink_into(h, x, Am);
+  auto hw = at::empty({M, S * R}, x.options());
+  launch_weigh(hw, h, w, S, R);
+  y.addmm_(hw, Bm.t());
+}
+
+void delta_impl(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& A, const at::Tensor& B,
+                const at::Tensor& scale, const at::Tensor& ranks, Weights w, const char* op) {
+  check_bank(x_in, A, B, op);
+  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.numel() == A.size(0) && ranks.is_contiguous(),
+              "fdlora_cuda.", op, ": ranks must be contiguous int32 [S]");
+  w.ranks = ranks.data_ptr<int>();
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x_in.size(0) && y.size(1) == B.size(0) && y.scalar_type() ==
+              x_in.scalar_type(), "fdlora_cuda.", op, ": y must be [M, N] in x's dtype, got ", y.sizes());
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = rows_contiguous(x_in);
+  if (x.size(0) == 0 || y.size(1) == 0 || A.size(0) == 0) return;
+  if (y.stride(1) == 1 && x.size(0) <= SMALL_M && launch_delta_small(y, x, A, B, ranks, w)) return;
+  if (y.stride(1) == 1) {
+    delta_large(y, x, A, B, scale, ranks, w);
+    return;
+  }
+  auto yc = y.contiguous();
+  delta_large(yc, x, A, B, scale, ranks, w);
+  y.copy_(yc);
+}
+
+// The merged path pays the merge (CUDA cores over N*K*S*R, bytes of W and W') instead of the delta's bytes
+// (x re-read, y read-modify-written) and its GEMMs: a rough cost model in bytes-equivalents.
+bool merged_wins(int64_t M, int64_t N, int64_t K, int64_t SR, int64_t elt) {
+  const double merge = (double)N * K * 4 * elt + 3 * 6e6;  // copy W, read-modify-write W' (GEMM of rank SR), 3 launches
+  const double delta = (double)M * (K * elt + 2 * N * elt + (double)SR * 8) + 3 * 6e6;  // + 3 launches of ~2 us
+  return merge < delta;
+}
+
+MergeEntry entry_of(const at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
+                    const at::Tensor& scale) {
+  return MergeEntry{(int64_t)out.data_ptr(), (int64_t)W.data_ptr(), (int64_t)A.data_ptr(), (int64_t)B.data_ptr(),
+                    (int64_t)scale.data_ptr(), W.size(0), W.size(1), out.stride(0), out.stride(1), W.stride(0),
+                    W.stride(1), B.stride(0), 0};
+}
+
+int64_t tiles_of(int64_t N, int64_t K) {
+  return ((N + MERGE_BN - 1) / MERGE_BN) * ((K + MERGE_BK - 1) / MERGE_BK);
+}
+
+void check_merge(const at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
+                 const at::Tensor& scale) {
+  TORCH_CHECK(W.is_cuda() && out.is_cuda(), "fdlora_cuda.lora_merge: tensors must be on a CUDA device");
+  TORCH_CHECK(W.dim() == 2 && out.sizes() == W.sizes() && A.dim() == 3 && B.dim() == 3 && A.size(2) == W.size(1) &&
+              B.size(0) == W.size(0) && B.size(1) == A.size(0) && B.size(2) == A.size(1),
+              "fdlora_cuda.lora_merge: expected out, W [N, K], A [S, R, K], B [N, S, R]; got W ", W.sizes(), ", A ",
+              A.sizes(), ", B ", B.sizes());
+  TORCH_CHECK(out.scalar_type() == W.scalar_type() && W.scalar_type() == A.scalar_type() &&
+              A.scalar_type() == B.scalar_type(), "fdlora_cuda.lora_merge: out, W, A and B must share a dtype");
+  TORCH_CHECK(A.is_contiguous() && B.stride(2) == 1 && B.stride(1) == B.size(2),
+              "fdlora_cuda.lora_merge: A must be contiguous and B's [S, R] contiguous");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.stride(0) == 1, "fdlora_cuda.lora_merge: scale must be "
+              "contiguous fp32");
+}
+
+// ---- ops --------------------------------------------------------------------------------------------------------
+at::Tensor lora_shrink(const at::Tensor& x_in, const at::Tensor& A) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && A.dim() == 3 && A.size(2) == x_in.size(1) &&
+              A.scalar_type() == x_in.scalar_type(), "fdlora_cuda.lora_shrink: expected x [M, K], A [S, R, K] of "
+              "one dtype on CUDA");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = rows_contiguous(x_in);
+  auto h = at::empty({x.size(0), A.size(0) * A.size(1)}, x.options().dtype(at::kFloat));
+  shrink_into(h, x, A.contiguous().view({A.size(0) * A.size(1), A.size(2)}));
+  return h;
+}
+
+void lora_expand_add(at::Tensor y, const at::Tensor& h, const at::Tensor& B, const at::Tensor& scale,
+                     const at::Tensor& group_weight) {
+  TORCH_CHECK(y.is_cuda() && h.scalar_type() == at::kFloat && h.dim() == 2 && B.dim() == 3 &&
+              h.size(1) == B.size(1) * B.size(2) && y.size(0) == h.size(0) && y.size(1) == B.size(0),
+              "fdlora_cuda.lora_expand_add: expected y [M, N], h [M, S*R] fp32, B [N, S, R]");
+  c10::cuda::CUDAGuard guard(y.device());
+  const int64_t M = h.size(0), S = B.size(1), R = B.size(2);
+  const Weights w = weights_of(scale, group_weight, c10::nullopt, M);
+  auto hw = at::empty({M, S * R}, y.options());
+  launch_weigh(hw, h.contiguous(), w, S, R);
+  y.addmm_(hw, B.reshape({B.size(0), S * R}).t());
+}
+
+void lora_delta(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
+                const at::Tensor& group_weight, const at::Tensor& ranks) {
+  delta_impl(y, x, A, B, scale, ranks, weights_of(scale, group_weight, c10::nullopt, x.size(0)), "lora_delta");
+}
+
+void lora_delta_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                     const at::Tensor& scale, const at::Tensor& row_slot, const at::Tensor& ranks) {
+  TORCH_CHECK(row_slot.size(0) == x.size(0), "fdlora_cuda.lora_delta_rows: row_slot has ", row_slot.size(0),
+              " entries for ", x.size(0), " rows");
+  delta_impl(y, x, A, B, scale, ranks, weights_of(scale, c10::nullopt, row_slot, x.size(0)), "lora_delta_rows");
+}
+
+void merge_one(at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
+               const at::Tensor& scale, const at::Tensor& ranks, const float* gw, int64_t gw_s1, int* stamp,
+               const int* version) {
+  MergeEntry e = entry_of(out, W, A, B, scale);
+  launch_merge(W.scalar_type(), e, nullptr, 1, tiles_of(W.size(0), W.size(1)), A.size(0), A.size(1),
+               ranks.data_ptr<int>(), gw, gw_s1, stamp, version, W.device());
+}
+
+at::Tensor lora_linear(const at::Tensor& x_in, const at::Tensor& W, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
+                       const at::Tensor& group_weight, const at::Tensor& ranks) {
+  check_bank(x_in, A, B, "lora_linear");
+  TORCH_CHECK(W.dim() == 2 && W.size(1) == x_in.size(1) && W.size(0) == B.size(0) && W.scalar_type() ==
+              x_in.scalar_type(), "fdlora_cuda.lora_linear: W must be [N, K] in x's dtype, got ", W.sizes());
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = rows_contiguous(x_in);
+  const int64_t M = x.size(0), N = W.size(0), K = W.size(1), SR = A.size(0) * A.size(1);
+  if (group_weight.size(0) == 1 && M > SMALL_M && SR > 0 && merged_wins(M, N, K, SR, x.element_size())) {
+    // W' = W + B' A' on tensor cores: the live chunks masked, B' scaled by the blend, W copied, one GEMM with
+    // beta = 1 (fp32 sum, one rounding), then the layer's GEMM on W'.
+    auto Am = at::empty({SR, K}, A.options());
+    auto Bm = at::empty({N, SR}, B.options());
+    auto Wm = at::empty({N, K}, W.options());
+    launch_merge_prep(Wm, Am, Bm, W, A, B, scale, ranks, group_weight.data_ptr<float>(), group_weight.stride(1));
+    // Wm^T (column-major K x N) += Am^T (K x SR) Bm^T (SR x N): row-major Wm += Bm Am, fp32 sum, one rounding
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, N, SR, Am.data_ptr(), K, Bm.data_ptr(), SR, 1.f, Wm.data_ptr(), K,
+         W.scalar_type());
+    if (bias.has_value()) return at::addmm(*bias, x, Wm.t());
+    auto y = at::empty({M, N}, x.options());
+    // y^T (column-major N x M) = Wm (row-major N x K, read transposed) x^T
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, Wm.data_ptr(), K, x.data_ptr(), x.stride(0), 0.f, y.data_ptr(), N,
+         W.scalar_type());
+    return y;
+  }
+  at::Tensor y;
+  if (bias.has_value() || W.stride(1) != 1 || x.size(0) == 0) {
+    y = at::linear(x, W, bias);
+  } else {
+    y = at::empty({M, N}, x.options());
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, W.data_ptr(), W.stride(0), x.data_ptr(), x.stride(0), 0.f, y.data_ptr(), N,
+         W.scalar_type());
+  }
+  delta_impl(y, x, A, B, scale, ranks, weights_of(scale, group_weight, c10::nullopt, M), "lora_linear");
+  return y;
+}
+
+void lora_merge(at::Tensor out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
+                const at::Tensor& scale, const at::Tensor& ranks, const c10::optional<at::Tensor>& stamp,
+                const c10::optional<at::Tensor>& version) {
+  check_merge(out, W, A, B, scale);
+  TORCH_CHECK(stamp.has_value() == version.has_value(), "fdlora_cuda.lora_merge: give stamp and version together");
+  if (stamp.has_value())
+    TORCH_CHECK(stamp->scalar_type() == at::kInt && stamp->numel() == A.size(0) + 2 && stamp->is_contiguous() &&
+                version->scalar_type() == at::kInt, "fdlora_cuda.lora_merge: stamp must be int32 [S + 2], version "
+                "int32 [1]");
+  c10::cuda::CUDAGuard guard(W.device());
+  merge_one(out, W, A, B, scale, ranks, nullptr, 0, stamp ? stamp->data_ptr<int>() : nullptr,
+            version ? version->data_ptr<int>() : nullptr);
+}
+
+void lora_merge_many(at::TensorList outs, at::TensorList Ws, at::TensorList As, at::TensorList Bs,
+                     at::TensorList scales) {
+  const int64_t L = (int64_t)Ws.size();
+  TORCH_CHECK(outs.size() == Ws.size() && As.size() == Ws.size() && Bs.size() == Ws.size() &&
+              scales.size() == Ws.size(), "fdlora_cuda.lora_merge_many: give one out, W, A, B and scale per layer");
+  if (L == 0) return;
+  const at::Tensor& A0 = As[0];
+  auto host = at::empty({L * (int64_t)(sizeof(MergeEntry) / sizeof(int64_t))},
+                        at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  auto* rows = reinterpret_cast<MergeEntry*>(host.data_ptr());
+  int64_t tiles = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    check_merge(outs[l], Ws[l], As[l], Bs[l], scales[l]);
+    TORCH_CHECK(As[l].size(0) == A0.size(0) && As[l].size(1) == A0.size(1) &&
+                Ws[l].scalar_type() == Ws[0].scalar_type() && Ws[l].device() == Ws[0].device(),
+                "fdlora_cuda.lora_merge_many: every layer of one call must share the device, dtype and bank shape "
+                "[S, R]");
+    rows[l] = entry_of(outs[l], Ws[l], As[l], Bs[l], scales[l]);
+    rows[l].first = tiles;
+    tiles += tiles_of(Ws[l].size(0), Ws[l].size(1));
+  }
+  c10::cuda::CUDAGuard guard(Ws[0].device());
+  auto table = host.to(Ws[0].device(), /*non_blocking=*/true);
+  launch_merge(Ws[0].scalar_type(), rows[0], &table, L, tiles, A0.size(0), A0.size(1), nullptr, nullptr, 0,
+               nullptr, nullptr, Ws[0].device());
+}
+
+void lora_conv_delta(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                     const at::Tensor& scale, const at::Tensor& group_weight, at::IntArrayRef stride,
+                     at::IntArrayRef padding, at::IntArrayRef dilation, std::optional<c10::string_view> padding_mode) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 4 && A.dim() == 5 && B.dim() == 3, "fdlora_cuda.lora_conv_delta: expected "
+              "x [Bt, C, H, W], A [S, R, C, kh, kw], B [N, S, R]");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t S = A.size(0), R = A.size(1), Bt = y.size(0), N = y.size(1), G = group_weight.size(0);
+  auto A2 = A.reshape({S * R, A.size(2), A.size(3), A.size(4)});
+  at::Tensor h = padding_mode.has_value() ? at::conv2d(x, A2, c10::nullopt, stride, *padding_mode, dilation)
+                                          : at::conv2d(x, A2, c10::nullopt, stride, padding, dilation);
+  auto w = (group_weight.to(at::kFloat) * scale.to(at::kFloat).unsqueeze(0)).repeat_interleave(Bt / G, 0);
+  auto hw = (h.to(at::kFloat).view({Bt, S, R, -1}) * w.view({Bt, S, 1, 1})).to(x.scalar_type());
+  auto delta = at::conv2d(hw.view({Bt, S * R, h.size(2), h.size(3)}), B.reshape({N, S * R, 1, 1}));
+  y.copy_((y.to(at::kFloat) + delta.to(at::kFloat)).to(y.scalar_type()));
+}
+
+void lora_bias_add(at::Tensor y, const at::Tensor& bias, const at::Tensor& scale, const at::Tensor& group_weight,
+                   const c10::optional<at::Tensor>& row_slot) {
+  c10::cuda::CUDAGuard guard(y.device());
+  const int64_t S = bias.size(0), M = y.size(0);
+  at::Tensor w;
+  if (row_slot.has_value()) {
+    w = (row_slot->to(at::kLong).unsqueeze(1) == at::arange(S, row_slot->options().dtype(at::kLong))).to(at::kFloat) *
+        scale.to(at::kFloat);
+  } else {
+    w = (group_weight.to(at::kFloat) * scale.to(at::kFloat)).repeat_interleave(M / group_weight.size(0), 0);
+  }
+  y.copy_((y.to(at::kFloat) + at::mm(w, bias.to(at::kFloat))).to(y.scalar_type()));
+}
+
+// lora_linear with every argument but x bound: what an eager layer keeps and calls (one pybind call, no
+// dispatcher argument parsing; the host cost per layer call is the C++ work and its launches).
+struct BoundLinear {
+  at::Tensor W;
+  c10::optional<at::Tensor> bias;
+  at::Tensor A, B, scale, group_weight, ranks;
+  at::Tensor operator()(const at::Tensor& x) const { return lora_linear(x, W, bias, A, B, scale, group_weight, ranks); }
+};
+
+}  // namespace
+}  // namespace fdlora_cuda
+
+// Direct entry points for plain eager calls (fdlora/kernels/cuda/ops.py decides when a call may skip the
+// dispatcher); everything traced or compiled goes through torch.ops.fdlora_cuda.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lora_delta", &fdlora_cuda::lora_delta);
+  m.def("lora_delta_rows", &fdlora_cuda::lora_delta_rows);
+  m.def("lora_linear", &fdlora_cuda::lora_linear);
+  pybind11::class_<fdlora_cuda::BoundLinear>(m, "BoundLinear")
+      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor>())
+      .def("__call__", &fdlora_cuda::BoundLinear::operator());
+}
+
+TORCH_LIBRARY(fdlora_cuda, m) {
+  m.def("lora_shrink(Tensor x, Tensor A) -> Tensor");
+  m.def("lora_expand_add(Tensor(a!) y, Tensor h, Tensor B, Tensor scale, Tensor group_weight) -> ()");
+  m.def("lora_delta(Tensor(a!) y, Tensor x, Tensor A, Tensor B, Tensor scale, Tensor group_weight, Tensor ranks) -> ()");
+  m.def("lora_delta_rows(Tensor(a!) y, Tensor x, Tensor A, Tensor B, Tensor scale, Tensor row_slot, Tensor ranks) -> ()");
+  m.def("lora_linear(Tensor x, Tensor W, Tensor? bias, Tensor A, Tensor B, Tensor scale, Tensor group_weight, "
+        "Tensor ranks) -> Tensor");
+  m.def("lora_merge(Tensor(a!) out, Tensor W, Tensor A, Tensor B, Tensor scale, Tensor ranks, Tensor(b!)? stamp=None, "
+        "Tensor? version=None) -> ()");
+  m.def("lora_merge_many(Tensor(a!)[] outs, Tensor[] Ws, Tensor[] As, Tensor[] Bs, Tensor[] scales) -> ()");
+  m.def("lora_conv_delta(Tensor(a!) y, Tensor x, Tensor A, Tensor B, Tensor scale, Tensor group_weight, int[] stride, "
+        "int[] padding, int[] dilation, str? padding_mode=None) -> ()");
+  m.def("lora_bias_add(Tensor(a!) y, Tensor bias, Tensor scale, Tensor group_weight, Tensor? row_slot=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fdlora_cuda, CUDA, m) {
+  m.impl("lora_shrink", &fdlora_cuda::lora_shrink);
+  m.impl("lora_expand_add", &fdlora_cuda::lora_expand_add);
+  m.impl("lora_delta", &fdlora_cuda::lora_delta);
+  m.impl("lora_delta_rows", &fdlora_cuda::lora_delta_rows);
+  m.impl("lora_linear", &fdlora_cuda::lora_linear);
+  m.impl("lora_merge", &fdlora_cuda::lora_merge);
+  m.impl("lora_merge_many", &fdlora_cuda::lora_merge_many);
+  m.impl("lora_conv_delta", &fdlora_cuda::lora_conv_delta);
+  m.impl("lora_bias_add", &fdlora_cuda::lora_bias_add);
+}

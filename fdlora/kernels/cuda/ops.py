@@ -1,0 +1,161 @@
+"""The CUDA C++ backend's ops: same functions and signatures as fdlora.kernels.reference, each one call into the
+compiled library (csrc/ops.cpp) through the dispatcher, which does its host work in C++ (shape checks, the path
+choice, cuBLAS and kernel launches). Fake kernels make torch.compile(fullgraph=True) trace them; nothing in a call
+depends on which adapters are active (that is read from device tensors), so CUDA graphs capture them.
+
+Importing this module loads the library, building it first if needed (fdlora.kernels.cuda.build).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import build
+
+_C = build.load()
+
+_ops = torch.ops.fdlora_cuda
+_shrink = _ops.lora_shrink.default
+_expand = _ops.lora_expand_add.default
+_delta = _ops.lora_delta.default
+_rows = _ops.lora_delta_rows.default
+_linear = _ops.lora_linear.default
+_merge = _ops.lora_merge.default
+_many = _ops.lora_merge_many.default
+_conv = _ops.lora_conv_delta.default
+_bias = _ops.lora_bias_add.default
+
+__all__ = ["lora_bias_add", "lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear",
+           "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_linear"]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct(*tensors: torch.Tensor) -> bool:
+    """True when calling the library directly is indistinguishable from going through the dispatcher: eager, no
+    tracing mode, plain tensors, no autograd (the op has no autograd formula; through torch.ops it would refuse)."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    return all(type(t) in _PLAIN and not (grad and t.requires_grad) for t in tensors)
+
+
+def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:  # [M, K], [S, R, K] -> [M, S*R] fp32
+    return _shrink(x, A)
+
+
+def lora_expand_add(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+                    group_weight: torch.Tensor) -> None:
+    _expand(y, h, B, scale, group_weight)
+
+
+def lora_delta(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+               group_weight: torch.Tensor, ranks: torch.Tensor) -> None:
+    """Blend / per-sample-segment mode: y += ((x A^T) * w) B^T over all slots as one rank-S*R adapter."""
+    if _direct(y, x, A, B, scale, group_weight, ranks):
+        return _C.lora_delta(y, x, A, B, scale, group_weight, ranks)
+    _delta(y, x, A, B, scale, group_weight, ranks)
+
+
+def lora_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+                    row_slot: torch.Tensor, ranks: torch.Tensor) -> None:
+    """Per-row mode: row m gets slot row_slot[m] at scale[row_slot[m]], or nothing for -1."""
+    if _direct(y, x, A, B, scale, row_slot, ranks):
+        return _C.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
+    _rows(y, x, A, B, scale, row_slot, ranks)
+
+
+def lora_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+                scale: torch.Tensor, group_weight: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """Base GEMM + LoRA as one op: merged weight + one GEMM, or GEMM + delta, chosen per shape in C++."""
+    if _direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or _direct(bias)):
+        return _C.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
+    return _linear(x, W, bias, A, B, scale, group_weight, ranks)
+
+
+def prepare_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+                       row_slot: torch.Tensor, ranks: torch.Tensor):
+    """lora_delta_rows now, and for plain eager calls the call kept with the bank bound: `ready(y, x, scale,
+    row_slot)` runs it on new tensors (True), as fdlora.layers.decode replays one launch per layer."""
+    lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
+    if not _direct(y, x, A, B, scale, row_slot, ranks):
+        return None
+    run = _C.lora_delta_rows
+
+    def ready(y: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, row_slot: torch.Tensor) -> bool:
+        run(y, x, A, B, scale, row_slot, ranks)
+        return True
+
+    return ready
+
+
+_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+                   scale: torch.Tensor, ranks: torch.Tensor, stream: int):
+    """lora_linear (blend) with every argument but x bound in C++, for eager layers to keep and call: `run(x)`. None
+    for calls that must go through the dispatcher (traced, autograd). The layer remakes it when an address, the
+    stream or the row count changes (fdlora.layers.fused.FusedLoraLinear._kept_linear)."""
+    if not (_direct(x, W, A, B, scale, ranks) and (bias is None or _direct(bias))):
+        return None
+    key = (A.shape[0], A.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones(1, A.shape[0], device=A.device)
+    return _C.BoundLinear(W, bias, A, B, scale, ones, ranks)
+
+
+def lora_merge(out: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+               ranks: torch.Tensor, stamp: torch.Tensor | None = None,
+               version: torch.Tensor | None = None) -> torch.Tensor:
+    """out = W + sum_s scale[s] B_s A_s (fp32 sum, one rounding); with a stamp, skipped on the device when nothing
+    changed since the last stamped merge (fdlora.kernels.reference.lora_merge.new_stamp has the layout)."""
+    _merge(out, W, A, B, scale, ranks, stamp, version)
+    return out
+
+
+def merge_table() -> None:
+    """lora_merge_many builds its pointer table in C++ on every call: nothing to keep between calls."""
+    return None
+
+
+def lora_merge_many(entries: list[tuple[torch.Tensor, ...]], table: None = None) -> None:
+    """lora_merge for many layers in one launch: entries (W', W, A, B, scale[, ranks]) of one device, dtype and bank
+    shape."""
+    outs, Ws, As, Bs, scales = (list(c) for c in zip(*(e[:5] for e in entries)))
+    _many(outs, Ws, As, Bs, scales)
+
+
+def lora_conv_delta(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+                    group_weight: torch.Tensor, stride: tuple[int, int], padding: tuple[int, int] | str,
+                    dilation: tuple[int, int]) -> None:
+    """Conv LoRA (kohya LoCon): A is a conv with the base geometry, B a 1x1 conv (cuDNN through ATen)."""
+    if isinstance(padding, str):
+        _conv(y, x, A, B, scale, group_weight, list(stride), [0, 0], list(dilation), padding)
+    else:
+        _conv(y, x, A, B, scale, group_weight, list(stride), list(padding), list(dilation), None)
+
+
+def lora_bias_add(y: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor, group_weight: torch.Tensor,
+                  row_slot: torch.Tensor | None = None) -> None:
+    """y += w @ bias with w the per-row slot weights (LoRA bias entries, [S, N]), added in fp32."""
+    _bias(y, bias, scale, group_weight, row_slot)
+
+
+# --- fake kernels: shapes only, for torch.compile and FakeTensor tracing -----------------------------------------
+@torch.library.register_fake("fdlora_cuda::lora_shrink")
+def _(x, A):
+    return x.new_empty((x.shape[0], A.shape[0] * A.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("fdlora_cuda::lora_linear")
+def _(x, W, bias, A, B, scale, group_weight, ranks):
+    return x.new_empty((x.shape[0], W.shape[0]))
+
+
+for _name in ("lora_expand_add", "lora_delta", "lora_delta_rows", "lora_merge", "lora_merge_many", "lora_conv_delta",
+              "lora_bias_add"):
+    torch.library.register_fake(f"fdlora_cuda::{_name}")(lambda *args, **kwargs: None)

@@ -1,0 +1,330 @@
+"""The CUDA C++ backend (fdlora/kernels/cuda): every op against the float64 oracle on the Triton ops' case table,
+opcheck, CUDA graph capture, fullgraph compile; and, without nvcc or a GPU, a clean "not built" and the fallback.
+
+GPU cases build the extension on first use (about a minute) and are marked gpu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_cases import CASES, REALISTIC, Case, eager_peft, make_inputs, tolerance, with_dtype
+
+from fdlora.kernels import registry
+from fdlora.kernels.cuda import build
+from fdlora.kernels.reference import lora as ref
+from fdlora.kernels.reference.lora_merge import lora_merge as ref_merge
+from fdlora.kernels.reference.lora_merge import new_stamp
+
+HAS_CUDA = torch.cuda.is_available()
+ALL = [*CASES, *[with_dtype(c, "bf16") for c in CASES if c.dtype == "fp16"], *REALISTIC]
+
+
+# --- without a GPU or nvcc ---------------------------------------------------------------------------------------
+def test_status_without_nvcc_says_so_and_selection_falls_back(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("FDLORA_CUDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_packaged", lambda: None)
+    monkeypatch.setattr(build.Path, "is_file", lambda self: False)  # no /usr/local/cuda/bin/nvcc either
+    st = build.status()
+    assert not st.usable and str(st).startswith("not built: nvcc not found"), str(st)
+    cuda = registry.backends()["cuda"]
+    monkeypatch.setattr(cuda, "_probed", False)
+    reason = cuda.unavailable()
+    assert reason is not None and reason.startswith("not built: nvcc not found"), reason
+    sel = registry.select(registry.Problem("cpu", torch.float32, "linear", 16, 2), prefer="auto")
+    assert sel.name == "torch" and any("not built: nvcc not found" in r for r in sel.reasons), sel
+    with pytest.raises(Exception, match="nvcc not found"):
+        registry.select(registry.Problem("cuda", torch.float16, "linear", 16, 2), prefer="cuda")
+    with pytest.raises(Exception, match="cannot be built: nvcc not found"):
+        build.build()
+    monkeypatch.setattr(cuda, "_probed", False)
+
+
+def test_env_command_reports_each_backend_and_why(monkeypatch, tmp_path, capsys) -> None:
+    from fdlora.apps.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(build, "_packaged", lambda: None)
+    monkeypatch.setattr(build, "_cached", lambda: None)
+    monkeypatch.setattr(build, "nvcc", lambda: None)
+    cuda = registry.backends()["cuda"]
+    monkeypatch.setattr(cuda, "_probed", False)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch       {torch.__version__}" in out
+    assert "cuda ext    not built: nvcc not found" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(lines) == set(registry.backends())
+    assert lines["torch"].split(None, 1)[1] == "available"
+    assert "not built: nvcc not found" in lines["cuda"]
+    monkeypatch.setattr(cuda, "_probed", False)
+
+
+def test_status_names_a_missing_ninja(monkeypatch, tmp_path) -> None:
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {torch.version.cuda or '13.0'}, V0'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.setattr(build.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(build.torch.version, "cuda", torch.version.cuda or "13.0")
+    assert build.build_problem() == "ninja not found; pip install ninja"
+
+
+def test_every_cuda_source_is_in_the_digest() -> None:
+    names = {p.name for p in build.CSRC.iterdir()}
+    assert names == set(build.SOURCES) | {"kernels.h"}, names
+
+
+# --- on the GPU --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cops():
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    if not build.status().usable:
+        pytest.skip(f"the CUDA extension cannot be built here: {build.status()}")
+    return registry.ops("cuda")
+
+
+def _run(cops, case: Case, d: dict) -> None:
+    if case.mode == "rows":
+        cops.lora_delta_rows(d["y"], d["x"], d["A"], d["B"], d["scale"], d["row_slot"], d["ranks"])
+    else:
+        cops.lora_delta(d["y"], d["x"], d["A"], d["B"], d["scale"], d["group_weight"], d["ranks"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.id)
+def test_delta_matches_oracle(cops, case: Case) -> None:
+    d = make_inputs(case, "cuda")
+    before = d["y"].cpu().clone()
+    _run(cops, case, d)
+    out = d["y"].cpu()
+    assert not out.isnan().any(), "NaN in the output: a kernel read a poisoned (skipped) element"
+    tol = tolerance(case, eager_peft(d["clean"], case), d["oracle"])
+    err = (out.double() - d["oracle"]).abs().max().item()
+    assert err <= tol, f"{case.id}: max error {err:.3e} > {tol:.3e}"
+    assert torch.equal(out[d["untouched"]], before[d["untouched"]]), "rows without an adapter changed"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in ALL if c.mode != "rows"], ids=lambda c: c.id)
+def test_linear_matches_oracle(cops, case: Case) -> None:
+    """lora_linear (merged + one GEMM, or GEMM + delta, per shape) = x W^T + b + delta."""
+    d = make_inputs(case, "cuda")
+    clean = d["clean"]
+    g = torch.Generator().manual_seed(7)
+    W = (torch.randn(case.N, case.K, generator=g) * case.K**-0.5).to(clean["x"].dtype)
+    b = torch.randn(case.N, generator=g).to(clean["x"].dtype)
+    x = clean["x"].cuda()
+    y = cops.lora_linear(x, W.cuda(), b.cuda(), clean["A"].cuda(), clean["B"].cuda(), d["scale"], d["group_weight"],
+                         d["ranks"])
+    base = x.double() @ W.double().cuda().t() + b.double().cuda()
+    expected = base.cpu() + d["oracle"] - clean["y"].double()
+    eps = torch.finfo(x.dtype).eps
+    tol = 8 * eps * expected.abs().max().item() + tolerance(case, eager_peft(clean, case), d["oracle"])
+    err = (y.cpu().double() - expected).abs().max().item()
+    assert err <= tol, f"{case.id}: max error {err:.3e} > {tol:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_merge_stamped_and_many(cops, dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    S, R = 3, 32
+    shapes = [(40, 24), (130, 17), (64, 128), (300, 520)]
+    entries, exact = [], []
+    for N, K in shapes:
+        W, A, B = torch.randn(N, K, generator=g), torch.randn(S, R, K, generator=g) * 0.3, torch.randn(N, S, R,
+                                                                                                        generator=g)
+        scale = torch.tensor([0.5, 0.0, 1.5])
+        A[1], B[:, 1] = float("nan"), float("nan")  # an inactive slot: never read
+        A[2, 20:], B[:, 2, 20:] = 0, 0
+        A[2, 32:] = float("nan")
+        exact.append(W.double() + (B.double().nan_to_num() * scale.double()[None, :, None]).reshape(N, S * R)
+                     @ A.double().nan_to_num().reshape(S * R, K))
+        to = dict(device="cuda", dtype=dtype)
+        entries.append((torch.full((N, K), float("nan"), **to), W.to(**to), A.to(**to), B.to(**to), scale.cuda(),
+                        torch.tensor([32, 32, 20], dtype=torch.int32, device="cuda")))
+    eps = torch.finfo(dtype).eps
+    cops.lora_merge_many(entries, cops.merge_table())
+    for (out, *_), ex in zip(entries, exact):
+        assert (out.double().cpu() - ex).abs().max().item() <= 8 * eps * ex.abs().max().item() + 1e-5
+    out, W, A, B, scale, ranks = entries[-1]
+    stamp, version = new_stamp(S, "cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    fresh = torch.full_like(out, float("nan"))
+    cops.lora_merge(fresh, W, A, B, scale, ranks, stamp, version)
+    assert torch.equal(fresh, out)
+    fresh.fill_(float("nan"))  # stamped and nothing changed: skipped on the device
+    cops.lora_merge(fresh, W, A, B, scale, ranks, stamp, version)
+    assert fresh.isnan().all()
+    scale[0] = 0.25  # a weight changed: merged again
+    cops.lora_merge(fresh, W, A, B, scale, ranks, stamp, version)
+    expected = ref_merge(torch.empty_like(W, dtype=torch.float64), W.double(), A.double().nan_to_num(),
+                         B.double().nan_to_num(), scale.double(), ranks)
+    assert (fresh.double() - expected).abs().max().item() <= 8 * eps * expected.abs().max().item() + 1e-5
+    version += 1  # the bank changed: merged again
+    fresh.fill_(float("nan"))
+    cops.lora_merge(fresh, W, A, B, scale, ranks, stamp, version)
+    assert not fresh.isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", [(1, 1), "same"], ids=["pad1", "same"])
+def test_conv_delta_and_bias_match_reference(cops, padding) -> None:
+    g = torch.Generator().manual_seed(1)
+    S, R, C, N = 3, 16, 8, 12
+    x = torch.randn(4, C, 9, 11, generator=g)
+    A, B = torch.randn(S, R, C, 3, 3, generator=g) * 0.2, torch.randn(N, S, R, generator=g) * 0.2
+    scale, gw = torch.tensor([1.0, 0.5, 0.0]), torch.rand(2, S, generator=g)
+    y = torch.randn(4, N, 9, 11, generator=g)
+    expected = y.double().clone()
+    ref.lora_conv_delta(expected, x.double(), A.double(), B.double(), scale.double(), gw.double(), (1, 1), padding,
+                        (1, 1))
+    yc = y.cuda()
+    cops.lora_conv_delta(yc, x.cuda(), A.cuda(), B.cuda(), scale.cuda(), gw.cuda(), (1, 1), padding, (1, 1))
+    torch.testing.assert_close(yc.double().cpu(), expected, rtol=1e-4, atol=1e-4)
+    bias = torch.randn(S, N, generator=g)
+    y2 = torch.randn(6, N, generator=g)
+    for rows in (None, torch.tensor([0, -1, 2, 1, 1, 0], dtype=torch.int32)):
+        w = ((rows.long()[:, None] == torch.arange(S)).double() * scale.double() if rows is not None
+             else (gw.double() * scale.double()).repeat_interleave(3, 0))
+        out = y2.cuda()
+        cops.lora_bias_add(out, bias.cuda(), scale.cuda(), gw.cuda(), None if rows is None else rows.cuda())
+        torch.testing.assert_close(out.double().cpu(), y2.double() + w @ bias.double(), rtol=1e-5, atol=1e-5)
+
+
+def _clean(case: Case) -> dict:
+    d = make_inputs(case, "cuda")
+    c = {k: v.cuda() for k, v in d["clean"].items() if k != "w"}
+    c.update({k: d[k] for k in ("scale", "ranks", "group_weight", "row_slot") if k in d})
+    return c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [8, 96], ids=["small-M", "cublas"])
+def test_opcheck_every_op(cops, M: int) -> None:
+    ops = torch.ops.fdlora_cuda
+    c = _clean(Case("opcheck", "groups", M, 64, 40, 32, (32, 8, 16), (1.0, 0.0, 0.5), G=2, dtype="fp16"))
+    r = _clean(Case("opcheck-rows", "rows", M, 64, 40, 32, (32, 8, 16), (1.0, 0.5, 0.5), dtype="fp16"))
+    W = torch.randn(40, 64, device="cuda", dtype=torch.float16) * 0.1
+    bias = torch.randn(40, device="cuda", dtype=torch.float16)
+    blend = c["group_weight"][:1]
+    h = ref.lora_shrink(c["x"], c["A"])
+    torch.library.opcheck(ops.lora_delta.default, (c["y"], c["x"], c["A"], c["B"], c["scale"], c["group_weight"],
+                                                   c["ranks"]))
+    torch.library.opcheck(ops.lora_delta_rows.default, (r["y"], r["x"], r["A"], r["B"], r["scale"], r["row_slot"],
+                                                        r["ranks"]))
+    torch.library.opcheck(ops.lora_shrink.default, (c["x"], c["A"]))
+    torch.library.opcheck(ops.lora_expand_add.default, (c["y"], h, c["B"], c["scale"], c["group_weight"]))
+    for gw in (blend, c["group_weight"]):
+        torch.library.opcheck(ops.lora_linear.default, (c["x"], W, bias, c["A"], c["B"], c["scale"], gw, c["ranks"]))
+    out = torch.empty_like(W)
+    stamp, version = new_stamp(3, "cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.library.opcheck(ops.lora_merge.default, (out, W, c["A"], c["B"], c["scale"], c["ranks"]))
+    torch.library.opcheck(ops.lora_merge.default, (out, W, c["A"], c["B"], c["scale"], c["ranks"], stamp, version),
+                          test_utils=("test_schema", "test_faketensor"))  # a stamped merge skips its re-run
+    torch.library.opcheck(ops.lora_merge_many.default, ([out], [W], [c["A"]], [c["B"]], [c["scale"]]))
+    torch.library.opcheck(ops.lora_bias_add.default, (c["y"], torch.randn(3, 40, device="cuda"), c["scale"],
+                                                      c["group_weight"], None))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_in_place_switches(cops) -> None:
+    c = _clean(Case("graph", "blend", 256, 320, 192, 64, (64, 16, 8), (1.0, 1.0, 1.0), dtype="fp16"))
+    x, A, B, ranks, gw = c["x"], c["A"], c["B"], c["ranks"], c["group_weight"]
+    W = torch.randn(192, 320, device="cuda", dtype=torch.float16) * 0.05
+    y0, y = c["y"], c["y"].clone()
+    scale = torch.tensor([1.0, 0.0, 0.0], device="cuda")
+    row_slot = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    y_rows, y_small = y0.clone(), y0[:8].clone()
+    out = {}
+
+    def step():
+        y.copy_(y0)
+        cops.lora_delta(y, x, A, B, scale, gw, ranks)
+        y_rows.copy_(y0)
+        cops.lora_delta_rows(y_rows, x, A, B, scale, row_slot, ranks)
+        y_small.copy_(y0[:8])
+        cops.lora_delta_rows(y_small, x[:8], A, B, scale, row_slot[:8], ranks)
+        out["linear"] = cops.lora_linear(x, W, None, A, B, scale, gw, ranks)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for weights in ([1.0, 0.0, 0.0], [0.0, 0.7, 0.0], [0.2, 0.5, 1.5], [0.0, 0.0, 0.0]):
+        scale.copy_(torch.tensor(weights, device="cuda"))
+        row_slot.copy_(torch.randint(-1, 3, (256,), device="cuda", generator=gen, dtype=torch.int32))
+        graph.replay()
+        expected, expected_rows = y0.clone(), y0.clone()
+        ref.lora_delta(expected, x, A, B, scale, gw, ranks)
+        ref.lora_delta_rows(expected_rows, x, A, B, scale, row_slot, ranks)
+        torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(y_rows, expected_rows, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(y_small, expected_rows[:8], rtol=2e-3, atol=2e-3)
+        lin = torch.nn.functional.linear(x, W)
+        ref.lora_delta(lin, x, A, B, scale, gw, ranks)
+        torch.testing.assert_close(out["linear"], lin, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_compiled_model_on_the_cuda_backend_switches_without_recompiling(cops) -> None:
+    import fdlora
+    from fdlora import LoraAdapter, ModuleLora
+
+    torch.manual_seed(0)
+    dims = {"0": (64, 96), "2": (96, 64)}
+    with fdlora.use_backend("cuda"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)).cuda().half()
+        fdlora.inject(model, list(dims), max_slots=4, max_rank=32)
+        adapters = {}
+        for name, r in (("a", 8), ("b", 32), ("c", 16)):
+            mods = {p: ModuleLora(torch.randn(r, k) * 0.2, torch.randn(n, r) * 0.2, alpha=float(r))
+                    for p, (k, n) in dims.items()}
+            adapters[name] = mods
+            fdlora.add_adapter(model, LoraAdapter(mods, name=name).to(dtype=torch.float16, device="cuda"))
+        layers = fdlora.handle(model).layers
+        assert all(layer.selection.name == "cuda" for layer in layers.values()), [str(l.selection) for l in
+                                                                                   layers.values()]
+        assert "backend=cuda [requested 'cuda'" in repr(model)
+        x = torch.randn(4, 10, 64, device="cuda", dtype=torch.float16)
+
+        def expected(active: dict[str, float]) -> torch.Tensor:
+            h = x.float()
+            for i, p in enumerate(dims):
+                lin = model[int(p)].base
+                o = h @ lin.weight.float().t() + lin.bias.float()
+                for n, w in active.items():
+                    m = adapters[n][p]
+                    o = o + w * (h @ m.A.cuda().float().t()) @ m.B.cuda().float().t()
+                h = torch.nn.functional.gelu(o) if i == 0 else o
+            return h
+
+        cases = ({"a": 1.0}, {"b": 0.5}, {"a": 0.3, "c": 0.7}, {"c": 0.0}, {"a": 1.0, "b": 1.0, "c": 1.0})
+        with torch.no_grad():  # eager first
+            for active in cases:
+                fdlora.set_adapters(model, list(active), list(active.values()))
+                torch.testing.assert_close(model(x).float(), expected(active), rtol=2e-2, atol=2e-2)
+        fdlora.handle(model).freeze()
+        import importlib.util
+
+        # inductor generates Triton code on CUDA; without triton the graph still compiles whole (aot_eager)
+        compiled = torch.compile(model, fullgraph=True,
+                                 backend="inductor" if importlib.util.find_spec("triton") else "aot_eager")
+        try:
+            with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+                for active in cases:
+                    fdlora.set_adapters(model, list(active), list(active.values()))
+                    torch.testing.assert_close(compiled(x).float(), expected(active), rtol=2e-2, atol=2e-2)
+        finally:
+            torch._dynamo.reset()
