@@ -45,8 +45,10 @@ def lora_train_linear_backward(gy: Tensor, u: Tensor, h: Tensor, W: Tensor | Non
 
 @lora_train_linear_backward.register_kernel("cuda")
 def _(gy, u, h, W, A, B, scale):
-    from .triton.lora_backward import lora_backward
-
+    try:
+        from .triton.lora_backward import lora_backward
+    except ImportError:  # CUDA without triton: the reference (cuBLAS GEMMs)
+        return ref.lora_train_linear_backward(gy, u, h, W, A, B, scale)
     return lora_backward(gy, u, h, W, A, B, scale)
 
 

@@ -21,6 +21,7 @@ from fdlora import env
 from fdlora.kernels.reference import lora_train as ref
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.triton
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
