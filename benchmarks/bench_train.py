@@ -14,6 +14,8 @@ peak memory <= PEFT's, layer backward <= 0.6x the torch path. `--smoke` runs eve
 
     python benchmarks/bench_train.py --out benchmarks/results/<gpu>/train.json
     python benchmarks/bench_train.py --smoke --out /tmp/train.json
+    accelerate launch --multi_gpu --num_processes 2 benchmarks/bench_train.py --ddp --cases llama sdxl \
+        --out benchmarks/results/<gpu>/train_ddp2.json      (and --num_processes 1 for the 1-GPU row)
 """
 
 from __future__ import annotations
@@ -208,6 +210,33 @@ def run_case(name, dev, smoke, steps) -> dict:
     return row
 
 
+def ddp_case(name, smoke, steps) -> dict | None:
+    """fd-lora alone under `accelerate launch --multi_gpu --num_processes N`: the global batch split over the N
+    processes (DDP), median step ms per GPU count. Verification vs PEFT is the single-GPU run's job."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    dev = acc.device
+    build, lora_cfg, batch, _, loss_fn, dtype = CASES[name](dev, smoke)
+    model = fdlora.add_trainable_adapter(build(), "default", lora_cfg).to(dev).train()
+    opt = torch.optim.AdamW(fdlora.trainable_parameters(model), lr=1e-5)
+    dmodel, opt = acc.prepare(model, opt)
+    n, r = acc.num_processes, acc.process_index
+    B = next(iter(batch.values())).shape[0]
+    per = max(1, B // n)  # a batch smaller than the process count (SDXL's 1): each process runs it (weak scaling)
+    local = {k: (v[r * per:(r + 1) * per] if B >= n and torch.is_tensor(v) and v.dim() and v.shape[0] == B else v)
+             for k, v in batch.items()}
+
+    def autocast():
+        return torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    ms, _ = _time(dmodel, loss_fn, local, steps, dev, autocast)
+    t = torch.tensor([ms], device=dev)
+    ms = float(acc.reduce(t, "max").item())  # the slowest rank sets the step
+    row = {"case": name, "processes": n, "per_process_batch": per, "global_batch": per * n, "fd_ms": ms}
+    return row if acc.is_main_process else None
+
+
 def layer_microbench(dev, smoke, repeats) -> list[dict]:
     """LoRA backward of one layer: the registered op (Triton on CUDA) vs the PEFT-style torch path."""
     import fdlora.kernels.train_ops  # noqa: F401
@@ -285,7 +314,20 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="*", default=list(CASES) + ["layer"])
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per framework")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--ddp", action="store_true", help="under accelerate launch: fd-lora step time with the global "
+                   "batch split over the processes (one JSON row per case, written by the main process)")
     a = p.parse_args(argv)
+    if a.ddp:
+        rows = [ddp_case(c, a.smoke, a.steps or (2 if a.smoke else 10)) for c in a.cases if c in CASES]
+        if rows and rows[0] is not None:
+            for row in rows:
+                print(f"{row['case']}: {row['processes']} processes x batch {row['per_process_batch']}: "
+                      f"{row['fd_ms']:.1f} ms/step", flush=True)
+            if a.out:
+                a.out.parent.mkdir(parents=True, exist_ok=True)
+                a.out.write_text(json.dumps({"env": environment(torch.device("cuda" if torch.cuda.is_available()
+                                                                                  else "cpu")), "ddp": rows}, indent=1))
+        return 0
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     steps = a.steps or (2 if a.smoke else 10)
     result = {"env": environment(dev), "smoke": a.smoke, "targets": TARGETS, "cases": [], "layer": []}
@@ -300,8 +342,8 @@ def main(argv=None) -> int:
         result["cases"].append(row)
         print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
               f"({row['step_x_peft']:.2f}x); "
-              f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; grads vs PEFT {row['grad_rel_err']:.1e}"
-              f" ({'ok' if row['checked'] else 'MISMATCH'})", flush=True)
+              f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; "
+              f"grads vs PEFT {row['grad_rel_err']:.1e} ({'ok' if row['checked'] else 'MISMATCH'})", flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1))
