@@ -90,10 +90,12 @@ def lora_train_conv2d(
     stride: list[int],
     padding: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:  # y like y0, h [Bt, r, H', W'] fp32
+    """Convolutions in the activations' dtype (cuDNN / oneDNN accumulate in fp32), h kept in fp32, the scale folded
+    into B: no fp32 copy of u or of the output."""
     f = acc_dtype(u.dtype)
-    h = F.conv2d(u.to(f), A.to(f), None, stride, padding)
-    d = torch.einsum("brhw,nr->bnhw", h, B.to(f).flatten(1))
-    return (y0.to(f) + scale * d).to(y0.dtype), h
+    h = F.conv2d(u, A.to(u.dtype), None, stride, padding).to(f)
+    Bs = (B.to(f) * scale.to(f)).to(y0.dtype)
+    return y0 + F.conv2d(h.to(y0.dtype), Bs), h
 
 
 def lora_train_conv2d_backward(
@@ -109,7 +111,7 @@ def lora_train_conv2d_backward(
     f = acc_dtype(u.dtype)
     g32 = gy.to(f)
     grad_B = scale * torch.einsum("bnhw,brhw->nr", g32, h)
-    g = scale * torch.einsum("bnhw,nr->brhw", g32, B.to(f).flatten(1))
-    grad_A = torch.nn.grad.conv2d_weight(u.to(f), A.shape, g, stride, padding)
-    grad_u = torch.nn.grad.conv2d_input(u.shape, A.to(f), g, stride, padding).to(u.dtype)
+    g = (scale * torch.einsum("bnhw,nr->brhw", g32, B.to(f).flatten(1))).to(u.dtype)  # [Bt, r, H', W']
+    grad_A = torch.nn.grad.conv2d_weight(u, A.shape, g, stride, padding).to(f)
+    grad_u = torch.nn.grad.conv2d_input(u.shape, A.to(u.dtype), g, stride, padding)
     return grad_u, grad_A, grad_B.view(B.shape)
