@@ -32,11 +32,17 @@ __version__ = "0.1.0"
 _HUB = ("load_adapters", "LoadReport", "AdapterPool", "AdapterCache")
 # integration entry points (fdlora.pipelines), imported on first use: the core install has no diffusers /
 # transformers / peft, and a call that needs one raises MissingExtraError naming `pip install fd-lora[extra]`
-# name -> (module under fdlora.pipelines, the extra it needs); load_fd_lora takes diffusers models itself and hands
-# every other model to the Transformers loader
-_PIPELINES = {"from_diffusers": ("diffusers", "diffusers"), "FdLoraModel": ("transformers", "transformers"),
-              "from_peft": ("transformers", "transformers"), "load_fd_lora": ("diffusers.model", "transformers"),
-              "merge_and_unload": ("transformers", "transformers"), "save_peft": ("transformers", "transformers")}
+# name -> (module under fdlora, the extra it needs); load_fd_lora takes diffusers models itself and hands every
+# other model to the Transformers loader; training reads peft.LoraConfig
+_PIPELINES = {"from_diffusers": (".pipelines.diffusers", "diffusers"),
+              "FdLoraModel": (".pipelines.transformers", "transformers"),
+              "from_peft": (".pipelines.transformers", "transformers"),
+              "load_fd_lora": (".pipelines.diffusers.model", "transformers"),
+              "merge_and_unload": (".pipelines.transformers", "transformers"),
+              "save_peft": (".pipelines.transformers", "transformers"),
+              "add_trainable_adapter": (".training", "transformers"),
+              "lora_parameters": (".training", "transformers"),
+              "trainable_parameters": (".training", "transformers")}
 
 
 def __getattr__(name: str):
@@ -54,7 +60,7 @@ def __getattr__(name: str):
         from .extras import needs_extras
 
         module, extra = _PIPELINES[name]
-        obj = getattr(importlib.import_module(f".pipelines.{module}", __name__), name)
+        obj = getattr(importlib.import_module(module, __name__), name)
         obj = obj if isinstance(obj, type) else needs_extras(obj, extra)
         globals()[name] = obj
         return obj
@@ -80,6 +86,8 @@ __all__ = [
     "active_adapters",
     "adapters",
     "add_adapter",
+    "add_trainable_adapter",
+    "add_trainable_adapter",
     "delete_adapter",
     "disable",
     "enable",
@@ -89,6 +97,7 @@ __all__ = [
     "handle",
     "inject",
     "load_fd_lora",
+    "lora_parameters",
     "merge_and_unload",
     "merge_cache_bytes",
     "per_row",
@@ -99,5 +108,6 @@ __all__ = [
     "set_adapters",
     "set_backend",
     "set_merge_cache",
+    "trainable_parameters",
     "use_backend",
 ]

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "run": ("fdlora.apps.run", "build a pipeline or model from a YAML config, load its adapters, optionally generate"),
     "env": ("fdlora.apps.env", "print torch, CUDA, GPU and Triton, and why each backend can or cannot run here"),
     "serve": ("fdlora.apps.serve", "serve a run config's pipeline and adapters over HTTP (Ray Serve; fd-lora[serve])"),
+    "train": ("fdlora.apps.train", "fine-tune a LoRA adapter from a YAML config (output: a PEFT adapter dir)"),
 }
 
 

@@ -1,0 +1,355 @@
+"""Training step time and peak memory: fd-lora's trainable layers vs PEFT, same model, weights, batch, optimizer.
+
+Cases (full size, GPU):
+    llama   Llama-3-8B shape, 4 layers, bf16, batch 4 x 2048 tokens, all-linear r16
+    vit     ViT-L/16 backbone, bitsandbytes nf4 (manual swap, classifier kept), batch 64 at 224^2, qkv+mlp r16
+    sdxl    SDXL UNet, batch 1 at 1024^2 (128^2 latents), bf16 autocast, attention r16
+plus `layer`: the LoRA part of one layer's backward (fdlora::lora_train_linear_backward, Triton on CUDA) against the
+PEFT-style torch path (four GEMMs and a scale: grad_B, g, grad_A, grad_x) at Llama-3-8B layer shapes.
+
+Each case verifies first (one step's LoRA gradients of fd-lora vs PEFT on a small batch, relative error reported and
+bounded), then times `--steps` optimizer steps of each (median ms) and the peak memory they allocate above what is
+resident before the loop (activations, gradients, optimizer state). Targets (issue 23): step time <= 0.75x PEFT's,
+peak memory <= PEFT's, layer backward <= 0.6x the torch path. `--smoke` runs every code path on toy shapes on CPU.
+
+    python benchmarks/bench_train.py --out benchmarks/results/<gpu>/train.json
+    python benchmarks/bench_train.py --smoke --out /tmp/train.json
+    accelerate launch --multi_gpu --num_processes 2 benchmarks/bench_train.py --ddp --cases llama sdxl \
+        --out benchmarks/results/<gpu>/train_ddp2.json      (and --num_processes 1 for the 1-GPU row)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import fdlora  # noqa: E402
+from fdlora.pipelines import fullsize  # noqa: E402
+
+TARGETS = {"step_x_peft": 0.75, "peak_x_peft": 1.0, "layer_x_torch": 0.6}
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peft_lora(pm, name="default"):
+    return {n[len("base_model.model."):]: m for n, m in pm.named_modules()
+            if hasattr(m, "lora_A") and name in getattr(m, "lora_A", {})}
+
+
+def _pair(build, lora_cfg, dev):
+    """(peft model, fd-lora model) on copies of one base, with equal initial A and B (B random: every grad counts)."""
+    from peft import get_peft_model
+
+    base = build()
+    pm = get_peft_model(copy.deepcopy(base), copy.deepcopy(lora_cfg))
+    fm = fdlora.add_trainable_adapter(base, "default", copy.deepcopy(lora_cfg))
+    theirs = _peft_lora(pm)
+    with torch.no_grad():
+        for path, (A, B) in fdlora.lora_parameters(fm, "default").items():
+            pa, pb = theirs[path].lora_A["default"].weight, theirs[path].lora_B["default"].weight
+            pb.normal_(0, 0.01)
+            A.copy_(pa)
+            B.copy_(pb)
+    return pm.to(dev), fm.to(dev)
+
+
+def _verify(pm, fm, loss_fn, small, autocast) -> float:
+    """Worst relative error of fd-lora's A/B grads vs PEFT's after one backward on the small batch."""
+    for m in (pm, fm):
+        m.zero_grad(set_to_none=True)
+        with autocast():
+            loss_fn(m, small).backward()
+    theirs, worst = _peft_lora(pm), 0.0
+    for path, (A, B) in fdlora.lora_parameters(fm, "default").items():
+        for mine, ref in ((A, theirs[path].lora_A["default"].weight), (B, theirs[path].lora_B["default"].weight)):
+            err = ((mine.grad.float() - ref.grad.float()).abs().max() / ref.grad.float().abs().max().clamp_min(1e-30))
+            worst = max(worst, float(err))
+    for m in (pm, fm):
+        m.zero_grad(set_to_none=True)
+    return worst
+
+
+def _time(model, loss_fn, batch, steps, dev, autocast) -> tuple[float, float]:
+    """(median step ms, peak GiB allocated above the resident baseline) of AdamW steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+
+    def step():
+        with autocast():
+            loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up: optimizer state, kernels compiled
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        _sync(dev)
+        t = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append((time.perf_counter() - t) * 1e3)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else float("nan")
+    for p in params:
+        p.grad = None
+    return statistics.median(times), peak
+
+
+# ----------------------------------------------------------------------------------------------- cases
+def llama_case(dev, smoke):
+    import transformers
+    from peft import LoraConfig
+
+    cfg = dict(fullsize.LLAMA_TINY if smoke else {**fullsize.LLAMA3_8B, "num_hidden_layers": 4})
+    dtype = torch.float32 if smoke else torch.bfloat16
+
+    def build():
+        torch.manual_seed(0)
+        with fullsize.built_on(dev, dtype):
+            return transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(**cfg), dtype=dtype)
+
+    B, T = (2, 16) if smoke else (4, 2048)
+    ids = torch.randint(0, cfg["vocab_size"], (B, T), device=dev)
+    batch, small = {"input_ids": ids, "labels": ids}, {"input_ids": ids[:1, :128], "labels": ids[:1, :128]}
+    return build, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), batch, small, \
+        lambda m, b: m(**b).loss, dtype
+
+
+def vit_case(dev, smoke):
+    import transformers
+    from peft import LoraConfig
+
+    from fdlora.training.quant import QuantSpec, quantize_manual
+
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=128, num_labels=10) if smoke else \
+        transformers.ViTConfig(image_size=224, patch_size=16, hidden_size=1024, num_hidden_layers=24,
+                               num_attention_heads=16, intermediate_size=4096, num_labels=1000)
+    cd = "float32" if smoke else "bfloat16"
+
+    def build():
+        torch.manual_seed(0)
+        m = transformers.ViTForImageClassification(cfg)
+        quantize_manual(m, QuantSpec("nf4", cd, True, ["classifier"]), dev)
+        return m.to(dev)
+
+    B = 4 if smoke else 64
+    x = torch.randn(B, 3, cfg.image_size, cfg.image_size, device=dev)
+    y = torch.randint(0, cfg.num_labels, (B,), device=dev)
+    return build, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "fc1", "fc2"]), \
+        {"pixel_values": x, "labels": y}, {"pixel_values": x[:2], "labels": y[:2]}, lambda m, b: m(**b).loss, \
+        torch.float32 if smoke else torch.bfloat16
+
+
+def sdxl_case(dev, smoke):
+    from peft import LoraConfig
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+
+    def build():
+        return fullsize.sdxl_unet(dev, dtype, smoke)
+
+    probe = build()
+    inputs = fullsize.sdxl_inputs(probe, batch=1, tokens=fullsize.SDXL_TOKENS_TINY if smoke else 77)
+    del probe
+    target = torch.randn_like(inputs["sample"])
+
+    def loss(m, b):
+        return F.mse_loss(m(**b).sample.float(), target.float())
+
+    return build, LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]), inputs, \
+        inputs, loss, dtype
+
+
+CASES = {"llama": llama_case, "vit": vit_case, "sdxl": sdxl_case}
+
+
+def run_case(name, dev, smoke, steps) -> dict:
+    build, lora_cfg, batch, small, loss_fn, dtype = CASES[name](dev, smoke)
+    pm, fm = _pair(build, lora_cfg, dev)
+    pm.train(), fm.train()
+
+    def autocast():
+        if dtype == torch.float32:
+            return torch.autocast(dev.type, enabled=False)
+        return torch.autocast(dev.type, dtype=dtype)
+
+    err = _verify(pm, fm, loss_fn, small, autocast)
+    bound = 1e-4 if dtype == torch.float32 else 5e-2
+    peft_ms, peft_peak = _time(pm, loss_fn, batch, steps, dev, autocast)
+    fd_ms, fd_peak = _time(fm, loss_fn, batch, steps, dev, autocast)
+    row = {"case": name, "fd_ms": fd_ms, "peft_ms": peft_ms, "step_x_peft": fd_ms / peft_ms,
+           "fd_peak_gib": fd_peak, "peft_peak_gib": peft_peak,
+           "peak_x_peft": fd_peak / peft_peak if peft_peak == peft_peak and peft_peak > 0 else None,
+           "grad_rel_err": err, "grad_bound": bound, "checked": err < bound,
+           "trainable_params": sum(p.numel() for p in fdlora.trainable_parameters(fm))}
+    del pm, fm
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def ddp_case(name, smoke, steps) -> dict | None:
+    """fd-lora alone under `accelerate launch --multi_gpu --num_processes N`: the global batch split over the N
+    processes (DDP), median step ms per GPU count. Verification vs PEFT is the single-GPU run's job."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    dev = acc.device
+    build, lora_cfg, batch, _, loss_fn, dtype = CASES[name](dev, smoke)
+    model = fdlora.add_trainable_adapter(build(), "default", lora_cfg).to(dev).train()
+    opt = torch.optim.AdamW(fdlora.trainable_parameters(model), lr=1e-5)
+    dmodel, opt = acc.prepare(model, opt)
+    n, r = acc.num_processes, acc.process_index
+    B = next(iter(batch.values())).shape[0]
+    per = max(1, B // n)  # a batch smaller than the process count (SDXL's 1): each process runs it (weak scaling)
+    local = {k: (v[r * per:(r + 1) * per] if B >= n and torch.is_tensor(v) and v.dim() and v.shape[0] == B else v)
+             for k, v in batch.items()}
+
+    def autocast():
+        return torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    ms, _ = _time(dmodel, loss_fn, local, steps, dev, autocast)
+    t = torch.tensor([ms], device=dev)
+    ms = float(acc.reduce(t, "max").item())  # the slowest rank sets the step
+    row = {"case": name, "processes": n, "per_process_batch": per, "global_batch": per * n, "fd_ms": ms}
+    return row if acc.is_main_process else None
+
+
+def layer_microbench(dev, smoke, repeats) -> list[dict]:
+    """LoRA backward of one layer: the registered op (Triton on CUDA) vs the PEFT-style torch path."""
+    import fdlora.kernels.train_ops  # noqa: F401
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    M = 64 if smoke else 8192
+    shapes = [(64, 96)] if smoke else [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
+    rows = []
+    for K, N in shapes:
+        g = torch.Generator(dev).manual_seed(0)
+        gy = torch.randn(M, N, device=dev, dtype=dtype, generator=g)
+        x = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
+        A = torch.randn(16, K, device=dev, generator=g) / K ** 0.5
+        B = torch.randn(N, 16, device=dev, generator=g) / 4
+        s = torch.tensor(2.0, device=dev)
+        h = (x.float() @ A.t())
+
+        def fd(gy=gy, x=x, h=h, A=A, B=B, s=s):
+            return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, None, A, B, s)
+
+        Ab, Bb, hb = A.to(dtype), B.to(dtype), h.to(dtype)
+
+        def torch_path(gy=gy, x=x, s=s, hb=hb, Ab=Ab, Bb=Bb):  # autograd's work for lora_B(lora_A(x)) * s
+            gys = gy * s.to(dtype)
+            gB = gys.t() @ hb
+            gh = gys @ Bb
+            gA = gh.t() @ x
+            gx = gh @ Ab
+            return gx, gA, gB
+
+        a, b = fd(), torch_path()
+        err = max(float((p.float() - q.float()).abs().max() / q.float().abs().max()) for p, q in zip(a, b))
+        t_fd = _median(fd, repeats, dev)
+        t_torch = _median(torch_path, repeats, dev)
+        rows.append({"M": M, "K": K, "N": N, "r": 16, "dtype": str(dtype).split(".")[-1], "fd_ms": t_fd,
+                     "torch_ms": t_torch, "layer_x_torch": t_fd / t_torch, "rel_err_vs_torch": err})
+    return rows
+
+
+def _median(fn, repeats, dev) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def environment(dev) -> dict:
+    import diffusers
+    import peft
+    import transformers
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        sha = None
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": tv, "diffusers": diffusers.__version__, "peft": peft.__version__,
+            "transformers": transformers.__version__, "git_sha": sha}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="toy shapes on CPU: every code path, no meaningful numbers")
+    p.add_argument("--cases", nargs="*", default=list(CASES) + ["layer"])
+    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per framework")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--ddp", action="store_true", help="under accelerate launch: fd-lora step time with the global "
+                   "batch split over the processes (one JSON row per case, written by the main process)")
+    a = p.parse_args(argv)
+    if a.ddp:
+        rows = [ddp_case(c, a.smoke, a.steps or (2 if a.smoke else 10)) for c in a.cases if c in CASES]
+        if rows and rows[0] is not None:
+            for row in rows:
+                print(f"{row['case']}: {row['processes']} processes x batch {row['per_process_batch']}: "
+                      f"{row['fd_ms']:.1f} ms/step", flush=True)
+            if a.out:
+                a.out.parent.mkdir(parents=True, exist_ok=True)
+                a.out.write_text(json.dumps({"env": environment(torch.device("cuda" if torch.cuda.is_available()
+                                                                                  else "cpu")), "ddp": rows}, indent=1))
+        return 0
+    dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    steps = a.steps or (2 if a.smoke else 10)
+    result = {"env": environment(dev), "smoke": a.smoke, "targets": TARGETS, "cases": [], "layer": []}
+    for name in a.cases:
+        if name == "layer":
+            result["layer"] = layer_microbench(dev, a.smoke, 3 if a.smoke else 50)
+            for r in result["layer"]:
+                print(f"layer M={r['M']} K={r['K']} N={r['N']}: fd {r['fd_ms']:.3f} ms, torch {r['torch_ms']:.3f} ms"
+                      f" ({r['layer_x_torch']:.2f}x, target <= {TARGETS['layer_x_torch']})", flush=True)
+            continue
+        row = run_case(name, dev, a.smoke, steps)
+        result["cases"].append(row)
+        print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
+              f"({row['step_x_peft']:.2f}x); "
+              f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; "
+              f"grads vs PEFT {row['grad_rel_err']:.1e} ({'ok' if row['checked'] else 'MISMATCH'})", flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.out}")
+    return 0 if all(r["checked"] for r in result["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Trainable LoRA, plain torch: the forward and the backward formula of one trainable adapter on one layer.
+
+Linear, with u the LoRA branch input (x, or dropout(x) as PEFT applies it) and s the fp32 scale:
+
+    h  = u A^T                          [M, r]  fp32 (saved for the backward, with u)
+    y  = y0 + x W^T + bias + s h B^T    (y0: an outside base output, W: a plain base's weight; both optional)
+
+    g      = s gy B                     [M, r]  fp32
+    grad_B = s gy^T h                   [N, r]  fp32 accumulation
+    grad_A = g^T u                      [r, K]  fp32 accumulation
+    grad_u = g A                        (added to grad_x = gy W when u is x)
+
+Nothing else is saved: not the delta, not the base output. Conv2d (LoCon, PEFT's layout: A a conv with the base's
+kernel, stride and padding, B a 1x1 conv) is the same algebra with A applied as a convolution. These functions are
+the test oracle, the benchmark baseline and the backend on every device without the Triton kernels
+(fdlora.kernels.triton.lora_backward); fdlora.kernels.train_ops registers them as torch.library ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype: fp32, or fp64 for fp64 inputs (the gradcheck oracle)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32 (the BLAS accumulates in fp32 for half inputs; fp32 stays exact)."""
+    if a.dtype == b.dtype and a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if torch.float64 in (a.dtype, b.dtype):
+        return a.double() @ b.double()
+    if a.is_cuda and a.dtype != torch.float32:
+        return (a @ b.to(a.dtype)).float()
+    return a.float() @ b.float()
+
+
+def lora_train_linear(
+    x: torch.Tensor,  # [M, K]
+    u: torch.Tensor,  # [M, K] LoRA input (x or dropout(x))
+    y0: torch.Tensor | None,  # [M, N] base output computed outside, or None
+    W: torch.Tensor | None,  # [N, K] plain base weight, or None
+    bias: torch.Tensor | None,  # [N]
+    A: torch.Tensor,  # [r, K]
+    B: torch.Tensor,  # [N, r]
+    scale: torch.Tensor,  # [] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # y [M, N] in y0's (else x's) dtype, h [M, r] fp32
+    """The delta is added by the expand GEMM itself (addmm: base + h (s B)^T accumulated in fp32, one rounding),
+    so no [M, N] fp32 temporary exists; the scale is folded into B ([N, r], tiny)."""
+    h = _mm32(u, A.t())
+    out = y0.dtype if y0 is not None else x.dtype
+    base = None
+    if W is not None:
+        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out)
+    if y0 is not None:
+        base = y0 if base is None else base + y0
+    Bs = (B.to(h.dtype) * scale.to(h.dtype)).to(out)
+    if base is None:
+        return h.to(out) @ Bs.t(), h
+    return torch.addmm(base, h.to(out), Bs.t()), h
+
+
+def lora_train_linear_backward(
+    gy: torch.Tensor,  # [M, N]
+    u: torch.Tensor,  # [M, K]
+    h: torch.Tensor,  # [M, r] fp32
+    W: torch.Tensor | None,  # [N, K]: given when u is x, so grad_x = gy W + grad_u in one result
+    A: torch.Tensor,  # [r, K]
+    B: torch.Tensor,  # [N, r]
+    scale: torch.Tensor,  # [] fp32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad_u [M, K] (u's dtype), grad_A fp32, grad_B fp32
+    g = scale * _mm32(gy, B)  # [M, r]
+    grad_B = scale * _mm32(gy.t(), h)  # [N, r]
+    grad_A = _mm32(g.t(), u)  # [r, K]
+    grad_u = _mm32(g, A)  # [M, K]
+    if W is not None:
+        grad_u = grad_u + _mm32(gy, W)
+    return grad_u.to(u.dtype), grad_A, grad_B
+
+
+def lora_train_conv2d(
+    u: torch.Tensor,  # [Bt, C, H, W] LoRA input (x or dropout(x))
+    y0: torch.Tensor,  # [Bt, N, H', W'] base output
+    A: torch.Tensor,  # [r, C, kh, kw]
+    B: torch.Tensor,  # [N, r, 1, 1]
+    scale: torch.Tensor,  # [] fp32
+    stride: list[int],
+    padding: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:  # y like y0, h [Bt, r, H', W'] fp32
+    """Convolutions in the activations' dtype (cuDNN / oneDNN accumulate in fp32), h kept in fp32, the scale folded
+    into B: no fp32 copy of u or of the output."""
+    f = acc_dtype(u.dtype)
+    h = F.conv2d(u, A.to(u.dtype), None, stride, padding).to(f)
+    Bs = (B.to(f) * scale.to(f)).to(y0.dtype)
+    return y0 + F.conv2d(h.to(y0.dtype), Bs), h
+
+
+def lora_train_conv2d_backward(
+    gy: torch.Tensor,  # [Bt, N, H', W']
+    u: torch.Tensor,  # [Bt, C, H, W]
+    h: torch.Tensor,  # [Bt, r, H', W'] fp32
+    A: torch.Tensor,  # [r, C, kh, kw]
+    B: torch.Tensor,  # [N, r, 1, 1]
+    scale: torch.Tensor,
+    stride: list[int],
+    padding: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad_u, grad_A fp32, grad_B fp32 [N, r, 1, 1]
+    f = acc_dtype(u.dtype)
+    g32 = gy.to(f)
+    grad_B = scale * torch.einsum("bnhw,brhw->nr", g32, h)
+    g = (scale * torch.einsum("bnhw,nr->brhw", g32, B.to(f).flatten(1))).to(u.dtype)  # [Bt, r, H', W']
+    grad_A = torch.nn.grad.conv2d_weight(u, A.shape, g, stride, padding).to(f)
+    grad_u = torch.nn.grad.conv2d_input(u.shape, A.to(u.dtype), g, stride, padding)
+    return grad_u, grad_A, grad_B.view(B.shape)

@@ -1,0 +1,122 @@
+"""The trainable-LoRA ops, registered with torch.library: forward, backward and the autograd formula between them.
+
+    fdlora::lora_train_linear(x, u?, y0?, W?, bias?, A, B, scale) -> (y, h)
+    fdlora::lora_train_linear_backward(gy, u, h, W?, A, B, scale) -> (grad_u, grad_A, grad_B)
+    fdlora::lora_train_conv2d(u, y0, A, B, scale, stride, padding) -> (y, h)
+    fdlora::lora_train_conv2d_backward(gy, u, h, A, B, scale, stride, padding) -> (grad_u, grad_A, grad_B)
+
+The math is fdlora.kernels.reference.lora_train (u = the LoRA input, x or dropout(x); u=None means x). The forward
+saves only u and h = u A^T (fp32) for the backward, never the delta or the base output. Every op has a fake kernel, so
+torch.compile traces a whole training step through them (no graph break). On CUDA the linear backward runs the Triton
+kernels of fdlora.kernels.triton.lora_backward (one pass over gy for g and grad_B, one pass over u for grad_u and
+grad_A); everywhere else the torch reference runs. The backend is a device property of the op, not chosen per call:
+the layers never branch on it.
+
+W and bias are frozen by contract (the layer passes a base weight only when it does not require grad): the formula
+returns no gradient for them, nor for the scale.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reference import lora_train as ref
+
+
+@torch.library.custom_op("fdlora::lora_train_linear", mutates_args=())
+def lora_train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | None, bias: Tensor | None,
+                      A: Tensor, B: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    return ref.lora_train_linear(x, x if u is None else u, y0, W, bias, A, B, scale)
+
+
+@lora_train_linear.register_fake
+def _(x, u, y0, W, bias, A, B, scale):
+    M, N = x.shape[0], B.shape[0]
+    out = y0.dtype if y0 is not None else x.dtype
+    return x.new_empty(M, N, dtype=out), x.new_empty(M, A.shape[0], dtype=ref.acc_dtype(x.dtype))
+
+
+@torch.library.custom_op("fdlora::lora_train_linear_backward", mutates_args=())
+def lora_train_linear_backward(gy: Tensor, u: Tensor, h: Tensor, W: Tensor | None, A: Tensor, B: Tensor,
+                               scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return ref.lora_train_linear_backward(gy, u, h, W, A, B, scale)
+
+
+@lora_train_linear_backward.register_kernel("cuda")
+def _(gy, u, h, W, A, B, scale):
+    try:
+        from .triton.lora_backward import lora_backward
+    except ImportError:  # CUDA without triton: the reference (cuBLAS GEMMs)
+        return ref.lora_train_linear_backward(gy, u, h, W, A, B, scale)
+    return lora_backward(gy, u, h, W, A, B, scale)
+
+
+@lora_train_linear_backward.register_fake
+def _(gy, u, h, W, A, B, scale):
+    f = ref.acc_dtype(u.dtype)
+    return u.new_empty(u.shape), A.new_empty(A.shape, dtype=f), B.new_empty(B.shape, dtype=f)
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, u, y0, W, bias, A, B, scale = inputs
+    ctx.u_is_x, ctx.has_y0, ctx.has_W = u is None, y0 is not None, W is not None
+    ctx.y0_dtype = None if y0 is None else y0.dtype
+    ctx.save_for_backward(x if u is None else u, output[1], W, A, B, scale)
+
+
+def _linear_backward(ctx, gy, _gh):
+    u, h, W, A, B, scale = ctx.saved_tensors
+    gy = gy.contiguous()
+    gy_u = gy.to(u.dtype)
+    # grad_x = gy W + grad_u in one result when the LoRA input is x itself; after dropout they are two inputs
+    grad_u, grad_A, grad_B = torch.ops.fdlora.lora_train_linear_backward(
+        gy_u, u, h, W if ctx.u_is_x else None, A, B, scale)
+    if ctx.u_is_x:
+        grad_x, grad_u = grad_u, None
+    else:
+        grad_x = gy_u @ W.to(gy_u.dtype) if ctx.has_W else None
+    grad_y0 = gy.to(ctx.y0_dtype) if ctx.has_y0 else None
+    return grad_x, grad_u, grad_y0, None, None, grad_A.to(A.dtype), grad_B.to(B.dtype), None
+
+
+lora_train_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@torch.library.custom_op("fdlora::lora_train_conv2d", mutates_args=())
+def lora_train_conv2d(u: Tensor, y0: Tensor, A: Tensor, B: Tensor, scale: Tensor, stride: list[int],
+                      padding: list[int]) -> tuple[Tensor, Tensor]:
+    return ref.lora_train_conv2d(u, y0, A, B, scale, stride, padding)
+
+
+@lora_train_conv2d.register_fake
+def _(u, y0, A, B, scale, stride, padding):
+    return y0.new_empty(y0.shape), y0.new_empty((y0.shape[0], A.shape[0], *y0.shape[2:]), dtype=ref.acc_dtype(u.dtype))
+
+
+@torch.library.custom_op("fdlora::lora_train_conv2d_backward", mutates_args=())
+def lora_train_conv2d_backward(gy: Tensor, u: Tensor, h: Tensor, A: Tensor, B: Tensor, scale: Tensor,
+                               stride: list[int], padding: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    return ref.lora_train_conv2d_backward(gy, u, h, A, B, scale, stride, padding)
+
+
+@lora_train_conv2d_backward.register_fake
+def _(gy, u, h, A, B, scale, stride, padding):
+    f = ref.acc_dtype(u.dtype)
+    return u.new_empty(u.shape), A.new_empty(A.shape, dtype=f), B.new_empty(B.shape, dtype=f)
+
+
+def _conv_setup(ctx, inputs, output) -> None:
+    u, y0, A, B, scale, stride, padding = inputs
+    ctx.stride, ctx.padding, ctx.y0_dtype = stride, padding, y0.dtype
+    ctx.save_for_backward(u, output[1], A, B, scale)
+
+
+def _conv_backward(ctx, gy, _gh):
+    u, h, A, B, scale = ctx.saved_tensors
+    grad_u, grad_A, grad_B = torch.ops.fdlora.lora_train_conv2d_backward(
+        gy.contiguous(), u, h, A, B, scale, ctx.stride, ctx.padding)
+    return grad_u, gy.to(ctx.y0_dtype), grad_A.to(A.dtype), grad_B.to(B.dtype), None, None, None
+
+
+lora_train_conv2d.register_autograd(_conv_backward, setup_context=_conv_setup)

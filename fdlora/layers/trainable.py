@@ -1,0 +1,254 @@
+"""Trainable LoRA layers: a frozen base plus trainable adapters, forward and backward through one op per adapter.
+
+    y = base(x) + sum_a scale_a * dropout_a(x) A_a^T B_a^T          (fdlora::lora_train_linear / _conv2d)
+
+`TrainableLoraLinear` / `TrainableLoraConv2d` wrap whatever module PEFT would target: a plain nn.Linear / nn.Conv2d,
+transformers' Conv1D, a bitsandbytes Linear4bit / Linear8bitLt, or an inference `FusedLoraLinear` whose loaded
+adapters then stay active as a fixed, frozen blend under the new one. A plain frozen nn.Linear goes into the op
+whole (base GEMM, LoRA and grad_x = gy W + LoRA part in one op call each way); any other base runs its own forward
+(and its own backward for grad_x, e.g. bitsandbytes' dequantizing one) and the op adds the LoRA part in fp32.
+
+Why not a trainable slot inside the AdapterBank (DESIGN.md's sketch): bank slots are zero-padded, rank-16-aligned
+buffers shared by every adapter of a layer, sized for serving; an optimizer needs exactly [r, K] / [N, r]
+leaf Parameters (PEFT's orientation, what `fdlora.lora_parameters` returns and what PEFT checkpoints hold). The
+trained adapter goes into a bank the normal way once saved (`fdlora.load_fd_lora` on the output directory).
+
+Parameters are named `lora_A.<adapter>` / `lora_B.<adapter>`; A is [r, K] (conv: [r, C, kh, kw]) and B is [N, r]
+(conv: [N, r, 1, 1]), exactly PEFT's lora_A / lora_B weights, in fp32 unless asked otherwise.
+Per-sample training (one adapter per sample, `TrainState.samples`) runs each adapter's op on its own samples only,
+so each adapter gets the gradients it would get alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import FdLoraError
+from ..kernels import train_ops  # noqa: F401  (registers fdlora::lora_train_*)
+from .fused import FusedLoraLinear, linear_dims
+from .state import Mode
+
+
+@dataclass
+class TrainState:
+    """Per model: which trainable adapters are active, and the per-sample routing (None: every sample gets
+    the active adapters). Shared by every trainable layer of the model (not a submodule)."""
+
+    active: list[str] = field(default_factory=list)
+    samples: list[str | None] | None = None
+    configs: dict[str, object] = field(default_factory=dict)  # name -> the LoraConfig it was made from
+    _index: dict = field(default_factory=dict)  # (samples tuple, name, device) -> index tensor
+
+    def sample_index(self, name: str, device: torch.device) -> torch.Tensor | None:
+        key = (tuple(self.samples), name, device)
+        idx = self._index.get(key)
+        if idx is None:
+            rows = [i for i, n in enumerate(self.samples) if n == name]
+            if len(self._index) > 64:
+                self._index.clear()
+            idx = self._index[key] = torch.tensor(rows, dtype=torch.long, device=device) if rows else None
+        return idx
+
+
+class _Passthrough(nn.Module):
+    """Attribute reads the wrapper does not have go to the wrapped module (model code reads `layer.weight`...)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self._modules.get("base") if "_modules" in self.__dict__ else None
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
+class _TrainableLora(_Passthrough):
+    kind = "linear"
+
+    def __init__(self, base: nn.Module, path: str, state: TrainState) -> None:
+        super().__init__()
+        self.base = base
+        self.path = path
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        self.dropout: dict[str, float] = {}
+        object.__setattr__(self, "state", state)
+
+    def add(self, name: str, r: int, scale: float, dropout: float, init: object, dtype: torch.dtype,
+            device: torch.device) -> None:
+        """A new adapter of rank r, initialised as PEFT does (True: kaiming-uniform A, zero B; "gaussian":
+        N(0, 1/r) A, zero B; False: both as a fresh nn.Linear / nn.Conv2d would be)."""
+        A = torch.empty(r, *self.a_shape, dtype=dtype, device=device)
+        B = torch.empty(self.out_features, r, *([1, 1] if self.kind == "conv2d" else []), dtype=dtype, device=device)
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+        if init == "gaussian":
+            nn.init.normal_(A, std=1 / r)
+        if init is False:
+            nn.init.kaiming_uniform_(B, a=math.sqrt(5))
+        else:
+            nn.init.zeros_(B)
+        self.lora_A[name] = nn.Parameter(A)
+        self.lora_B[name] = nn.Parameter(B)
+        self.register_buffer(f"scaling_{name}", torch.tensor(float(scale), dtype=torch.float32, device=device),
+                             persistent=False)
+        self.dropout[name] = float(dropout)
+
+    def scaling(self, name: str) -> torch.Tensor:
+        return self._buffers[f"scaling_{name}"]
+
+    def _lora_input(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """dropout(x) as PEFT applies it (on the LoRA branch input, training mode only); None when it is x."""
+        p = self.dropout[name]
+        return F.dropout(x, p, training=True) if p > 0 and self.training else None
+
+    def _active(self) -> list[str]:
+        return [n for n in self.state.active if n in self.lora_A]
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        st = self.state
+        if st.samples is None:
+            names = self._active()
+            if not names:
+                return self.base(x, *args, **kwargs)
+            return self._blend(x, names, args, kwargs)
+        if len(st.samples) != x.shape[0]:
+            raise FdLoraError(f"{self.path}: {len(st.samples)} per-sample adapters given for a batch of "
+                              f"{x.shape[0]}; give one entry (an adapter name or None) per sample.")
+        y = self._base_out(x, args, kwargs)
+        for name in dict.fromkeys(n for n in st.samples if n is not None and n in self.lora_A):
+            idx = st.sample_index(name, x.device)
+            ys = self._add_lora(x.index_select(0, idx), y.index_select(0, idx), name)
+            y = y.index_copy(0, idx, ys)
+        return y
+
+    def _base_out(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self.base(x, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        ranks = {n: a.shape[0] for n, a in self.lora_A.items()}
+        return f"path={self.path!r}, adapters={ranks}"
+
+
+class TrainableLoraLinear(_TrainableLora):
+    kind = "linear"
+
+    def __init__(self, base: nn.Module, path: str, state: TrainState) -> None:
+        dims = linear_dims(base)
+        if dims is None:
+            raise FdLoraError(f"{path}: {type(base).__name__} is not Linear-like (no in_features/out_features).")
+        super().__init__(base, path, state)
+        self.in_features, self.out_features = dims
+        self.a_shape = (dims[0],)
+
+    def _plain_weight(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(W, bias) when the base is a frozen float nn.Linear the op can run itself, else None."""
+        b = self.base
+        if type(b) is not nn.Linear or args or kwargs or b.weight.requires_grad or (
+                b.bias is not None and b.bias.requires_grad):
+            return None
+        return b.weight, b.bias
+
+    def _base_out(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The wrapped module's output. Under an inference FusedLoraLinear in blend mode, its frozen blend is
+        recomputed here in plain torch (autograd carries grad_x through it on every backend; the inference
+        kernels write in place and have no backward)."""
+        inner = self.base
+        if not (type(inner) is FusedLoraLinear and inner.state.mode is Mode.BLEND and not args and not kwargs):
+            return self.base(x, *args, **kwargs)
+        y = inner.base(x)
+        if inner._skip():
+            return y
+        b, K, N = inner.bank, self.in_features, self.out_features
+        S, R = b.A.shape[0], b.A.shape[1]
+        x2 = x.reshape(-1, K).to(b.A.dtype)
+        h = (x2 @ b.A.reshape(S * R, K).t()).float() * inner.scale_blend[:S].repeat_interleave(R)
+        d = h @ b.B.reshape(N, S * R).float().t()
+        if b.bias is not None:
+            d = d + inner.scale_blend[:S] @ b.bias.float()
+        return (y.float() + d.view(*y.shape)).to(y.dtype)
+
+    def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
+        K, N = self.in_features, self.out_features
+        x2 = x.reshape(-1, K)
+        plain = self._plain_weight(args, kwargs)
+        y = None if plain is not None else self._base_out(x, args, kwargs).reshape(-1, N)
+        for i, name in enumerate(names):
+            W, bias = plain if (plain is not None and i == 0) else (None, None)
+            y, _ = torch.ops.fdlora.lora_train_linear(x2, self._lora_input(name, x2), y, W, bias,
+                                                      self.lora_A[name], self.lora_B[name], self.scaling(name))
+        return y.view(*x.shape[:-1], N)
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y2, _ = torch.ops.fdlora.lora_train_linear(x2, self._lora_input(name, x2), y.reshape(-1, self.out_features),
+                                                   None, None, self.lora_A[name], self.lora_B[name],
+                                                   self.scaling(name))
+        return y2.view(y.shape)
+
+
+class TrainableLoraConv2d(_TrainableLora):
+    kind = "conv2d"
+
+    def __init__(self, base: nn.Module, path: str, state: TrainState) -> None:
+        conv = getattr(base, "base", base)  # an inference FusedLoraConv2d keeps the nn.Conv2d as .base
+        if not isinstance(conv, nn.Conv2d) or conv.groups != 1:
+            raise FdLoraError(f"{path}: trainable conv LoRA needs an nn.Conv2d with groups=1, "
+                              f"got {type(conv).__name__}.")
+        super().__init__(base, path, state)
+        self.out_features = conv.out_channels
+        self.a_shape = (conv.in_channels, *conv.kernel_size)
+        self.stride, self.padding = list(conv.stride), conv.padding
+        if isinstance(self.padding, str):
+            raise FdLoraError(f"{path}: padding={self.padding!r} convolutions are not supported for LoRA training.")
+        self.padding = list(self.padding)
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
+        u = self._lora_input(name, x)
+        y, _ = torch.ops.fdlora.lora_train_conv2d(x if u is None else u, y, self.lora_A[name], self.lora_B[name],
+                                                  self.scaling(name), self.stride, self.padding)
+        return y
+
+    def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
+        y = self.base(x, *args, **kwargs)
+        for name in names:
+            y = self._add_lora(x, y, name)
+        return y
+
+
+class SavedCopy(_Passthrough):
+    """modules_to_save: the frozen original plus one trainable copy per adapter; a call runs the copy of the first
+    active adapter that has one (PEFT's ModulesToSaveWrapper, without its class switching)."""
+
+    def __init__(self, base: nn.Module, path: str, state: TrainState) -> None:
+        super().__init__()
+        self.base = base
+        self.path = path
+        self.copies = nn.ModuleDict()
+        object.__setattr__(self, "state", state)
+
+    def add(self, name: str) -> None:
+        import copy
+
+        c = copy.deepcopy(self.base)
+        for p in c.parameters():
+            p.requires_grad_(True)
+        self.copies[name] = c
+
+    def forward(self, *args, **kwargs):
+        st = self.state
+        if st.samples is not None and any(n in self.copies for n in st.samples if n is not None):
+            raise FdLoraError(f"{self.path}: modules_to_save copies cannot be trained per sample; "
+                              "train adapters with modules_to_save one at a time.")
+        for name in st.active:
+            if name in self.copies:
+                return self.copies[name](*args, **kwargs)
+        return self.base(*args, **kwargs)
+
+
+TRAINABLE = (TrainableLoraLinear, TrainableLoraConv2d)

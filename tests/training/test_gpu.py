@@ -1,0 +1,95 @@
+"""The CPU oracle tests' GPU half: trainable layers on CUDA (Triton backward) against PEFT on CUDA, fp32 and bf16
+autocast, on top of a loaded inference adapter (its Triton forward kernels), QLoRA nf4, and an inductor-compiled
+step. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import fdlora
+from fdlora.training import tiny
+
+from .helpers import pair, peft_lora_modules, rel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CFG = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+
+
+def _grads(pm, fm, batch, task, autocast=None, name="default"):
+    for m in (pm, fm):
+        with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
+            tiny.loss_of(task, m, batch).backward()
+    theirs = peft_lora_modules(pm, name)
+    return max(max(rel(A.grad, theirs[p].lora_A[name].weight.grad), rel(B.grad, theirs[p].lora_B[name].weight.grad))
+               for p, (A, B) in fdlora.lora_parameters(fm, name).items())
+
+
+@pytest.mark.parametrize("dtype,tol", [(None, 1e-4), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16-autocast"])
+def test_llama_grads_equal_peft_on_cuda(dtype, tol):
+    pm, fm = pair("tiny-llama", LoraConfig(**CFG))
+    pm, fm = pm.cuda(), fm.cuda()
+    batch = {k: v.cuda() for k, v in tiny.synthetic_batch("causal-lm", fm, 4, 0).items()}
+    assert _grads(pm, fm, batch, "causal-lm", dtype) < tol
+
+
+def test_on_top_of_loaded_adapter_on_cuda(tmp_path):
+    base = tiny.build("tiny-llama")
+    frozen = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for m in peft_lora_modules(frozen).values():
+            m.lora_B["default"].weight.normal_(0, 0.2)
+    frozen.save_pretrained(tmp_path / "f")
+    cfg = LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "k_proj"])
+    pm = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "f", adapter_name="frozen")
+    pm.add_adapter("fresh", cfg)
+    pm.base_model.set_adapter(["frozen", "fresh"])
+    for n, p in pm.named_parameters():
+        p.requires_grad_(".fresh." in n)
+    fm = fdlora.load_fd_lora(copy.deepcopy(base).cuda(), str(tmp_path / "f"), adapter_name="frozen")
+    fdlora.add_trainable_adapter(fm, "fresh", cfg)
+    pm = pm.cuda()
+    theirs = peft_lora_modules(pm, "fresh")
+    with torch.no_grad():
+        for path, (A, B) in fdlora.lora_parameters(fm, "fresh").items():
+            theirs[path].lora_B["fresh"].weight.normal_(0, 0.1)
+            A.copy_(theirs[path].lora_A["fresh"].weight)
+            B.copy_(theirs[path].lora_B["fresh"].weight)
+    batch = {k: v.cuda() for k, v in tiny.synthetic_batch("causal-lm", fm, 3, 0).items()}
+    assert _grads(pm, fm, batch, "causal-lm", name="fresh") < 1e-4  # v_proj: grad_x through the inference kernels
+
+
+def test_qlora_nf4_on_cuda():
+    pytest.importorskip("bitsandbytes")
+    from fdlora.training.quant import QuantSpec, quantize_manual
+
+    def q():
+        m = tiny.build("tiny-vit")
+        quantize_manual(m, QuantSpec("nf4", "float32", True, ["classifier"]), "cuda")
+        return m.cuda()
+
+    lc = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1", "fc2"])
+    pm = get_peft_model(q(), LoraConfig(**lc))
+    fm = fdlora.add_trainable_adapter(q(), "default", LoraConfig(**lc))
+    theirs = peft_lora_modules(pm)
+    with torch.no_grad():
+        for path, (A, B) in fdlora.lora_parameters(fm, "default").items():
+            theirs[path].lora_B["default"].weight.normal_(0, 0.1)
+            A.copy_(theirs[path].lora_A["default"].weight)
+            B.copy_(theirs[path].lora_B["default"].weight)
+    batch = {k: v.cuda() for k, v in tiny.synthetic_batch("image-classification", fm, 4, 0).items()}
+    assert _grads(pm, fm, batch, "image-classification") < 1e-4
+
+
+def test_inductor_compiled_step_matches_eager():
+    _, fm = pair("tiny-llama", LoraConfig(**CFG))
+    fm = fm.cuda()
+    batch = {k: v.cuda() for k, v in tiny.synthetic_batch("causal-lm", fm, 4, 0).items()}
+    fm(**batch).loss.backward()
+    want = [p.grad.clone() for p in fdlora.trainable_parameters(fm)]
+    fm.zero_grad()
+    torch.compile(lambda: fm(**batch).loss, fullgraph=True)().backward()
+    assert all(rel(p.grad, w) < 1e-4 for p, w in zip(fdlora.trainable_parameters(fm), want))
