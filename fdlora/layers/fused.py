@@ -213,6 +213,22 @@ class _FusedLora(nn.Module):
         return prepare(*remerge.entry(self, out, W, self.scale_blend[:self.bank.slots]), stamp, self.bank.dversion)
 
     # --- forward ------------------------------------------------------------------------------
+    def _needs_autograd(self, x: torch.Tensor) -> bool:
+        """A call whose input carries gradients (a trainable adapter or module before this layer, input
+        gradients) on a kernel backend: the kernels' ops have no backward, so the reference computes it."""
+        return (torch.is_grad_enabled() and x.requires_grad and self.selection.backend is not _REFERENCE.backend
+                and not torch.compiler.is_compiling())
+
+    def _reference_forward(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """This call on the torch reference (differentiable: plain torch ops); the layer's selection is restored
+        after. Calls on one model are serialized (fdlora.pipelines.scope), so no other call sees the swap."""
+        selection = self.selection
+        self.selection = _REFERENCE
+        try:
+            return self.forward(x, *args, **kwargs)
+        finally:
+            self.selection = selection
+
     def _skip(self) -> bool:
         st = self.state
         if st.mode is Mode.OFF:
@@ -259,6 +275,9 @@ class _FusedLora(nn.Module):
         b = self.bank
         return (f"path={self.path!r}, slots={b.slots}, rank_capacity={b.rank_capacity}, dtype={b.A.dtype}, "
                 f"backend={self.selection}")
+
+
+_REFERENCE = registry.Selection(registry.backends()["torch"], ("autograd: the torch reference (kernels have no backward)",))
 
 
 class FusedLoraLinear(_FusedLora):
@@ -385,6 +404,8 @@ class FusedLoraLinear(_FusedLora):
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self._needs_autograd(x):
+            return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
             return dora.forward(self, x, args, kwargs)
         if self._cached():
@@ -463,6 +484,8 @@ class FusedLoraConv2d(_FusedLora):
         return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self._needs_autograd(x):
+            return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
             return dora.forward(self, x, args, kwargs)
         if self._cached():

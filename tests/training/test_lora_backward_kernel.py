@@ -88,8 +88,8 @@ def test_cuda_op_dispatches_to_triton_and_matches_reference():
     A, B = torch.randn(16, 256) / 16, torch.randn(512, 16)
     grads = []
     for dev in ("cpu", "cuda"):
-        xs = x.to(dev).requires_grad_(True)
-        As, Bs = A.to(dev).requires_grad_(True), B.to(dev).requires_grad_(True)
+        xs = x.detach().to(dev).requires_grad_(True)  # detach: on CPU .to() would return the same leaf
+        As, Bs = A.detach().to(dev).requires_grad_(True), B.detach().to(dev).requires_grad_(True)
         y, _ = torch.ops.fdlora.lora_train_linear(xs, None, None, W.to(dev), None, As, Bs,
                                                   torch.tensor(0.5, device=dev))
         y.float().square().mean().backward()

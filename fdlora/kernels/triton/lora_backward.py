@@ -52,9 +52,9 @@ def _expand_backward_kernel(
         cm = cols < N
         gy = tl.load(gy_ptr + rows[:, None] * sgm + cols[None, :] * sgn, mask=rm[:, None] & cm[None, :], other=0.0)
         b = tl.load(b_ptr + cols[:, None] * sbn + rr[None, :] * sbr, mask=cm[:, None] & rk[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(gy, b, input_precision="ieee")
-            part = tl.dot(tl.trans(gy), h, input_precision="ieee")
+        if IEEE:  # fp32 operands throughout (gy / B may be half precision; h is fp32)
+            acc += tl.dot(gy.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            part = tl.dot(tl.trans(gy).to(tl.float32), h, input_precision="ieee")
         else:
             acc += tl.dot(gy, b)
             part = tl.dot(tl.trans(gy), h.to(gy.dtype))
@@ -84,9 +84,9 @@ def _shrink_backward_kernel(
         km = ks < K
         a = tl.load(a_ptr + rr[:, None] * sam + ks[None, :] * sak, mask=rk[:, None] & km[None, :], other=0.0)
         u = tl.load(u_ptr + rows[:, None] * sum_ + ks[None, :] * suk, mask=rm[:, None] & km[None, :], other=0.0)
-        if IEEE:
-            gu = tl.dot(g, a, input_precision="ieee")
-            part = tl.dot(tl.trans(g), u, input_precision="ieee")
+        if IEEE:  # fp32 operands throughout (A / u may be half precision; g is fp32)
+            gu = tl.dot(g, a.to(tl.float32), input_precision="ieee")
+            part = tl.dot(tl.trans(g), u.to(tl.float32), input_precision="ieee")
         else:
             gu = tl.dot(g.to(a.dtype), a)
             part = tl.dot(tl.trans(g).to(u.dtype), u)
@@ -128,6 +128,7 @@ def lora_backward(
     N = gy.shape[1]
     RP = max(16, triton.next_power_of_2(r))
     dt = u.dtype
+    gy = gy.to(dt)  # autocast: gradients may come back in another dtype than the saved input
     ieee = dt == torch.float32
     BM, BN, BK, warps = _blocks(M, u.device)
     Bc, Ac = B.to(dt), A.to(dt)
