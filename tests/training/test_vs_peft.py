@@ -150,7 +150,7 @@ def test_trainable_from_live_peft_model_keeps_values_and_trains_like_peft():
             m.lora_B["default"].weight.normal_(0, 0.1)
         pm.base_model.model.classifier.modules_to_save["default"].weight.add_(0.5)
     ref = copy.deepcopy(pm)
-    fm = fdlora.training.trainable_from_peft(pm)
+    fm = fdlora.from_peft(pm, trainable=True)  # fdlora.training.trainable_from_peft
     batch = tiny.synthetic_batch("image-classification", fm, 3, 0)
     losses = [tiny.loss_of("image-classification", m, batch) for m in (ref, fm)]
     assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-6)

@@ -66,8 +66,12 @@ def convert_live(model: nn.Module) -> nn.Module:
     return live.root
 
 
-def from_peft(peft_model: nn.Module) -> nn.Module:
+def from_peft(peft_model: nn.Module, trainable: bool = False) -> nn.Module:
     """Convert a live PeftModel / LoraModel (or a model with PEFT LoRA layers) to fd-lora, in place.
+
+    `trainable=True` keeps its adapters trainable instead (fdlora.training.convert.trainable_from_peft: fd-lora's
+    trainable layers with the same values, modules_to_save and active set; `fdlora.trainable_parameters(model)` is
+    what an optimizer gets).
 
     Returns the underlying Transformers model, now served by fd-lora (an `fdlora.FdLoraModel`: its
     forward / generate take adapter_names); use it from now on, the PEFT wrapper has no LoRA layers
@@ -75,6 +79,10 @@ def from_peft(peft_model: nn.Module) -> nn.Module:
     modules_to_save become fd-lora module copies. Outputs are the same before and after (up to
     float rounding of the fused kernels).
     """
+    if trainable:
+        from ...training.convert import trainable_from_peft
+
+        return trainable_from_peft(peft_model)
     root = convert_live(peft_model)
     return enable(root)
 
