@@ -244,30 +244,35 @@ def _hub(c: _Checker, path: str, v: Any) -> dict[str, Any]:
     return hub
 
 
-def load_config(path: str | os.PathLike) -> Config:
-    """Read and validate a YAML config file."""
+def read_yaml(path: str | os.PathLike, fix: str = "") -> Any:
+    """The parsed YAML of a config file (run, serve or train); every way it can fail is one ConfigError line naming the
+    file (too large, unreadable, not UTF-8, not YAML, nested too deep, a value PyYAML cannot construct)."""
     import yaml
 
     p = Path(path)
     try:
         if p.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{p}: {p.stat().st_size} bytes is too large for a config file (limit "
-                              f"{MAX_CONFIG_BYTES}).")
+                              f"{MAX_CONFIG_BYTES}).{fix}")
         text = p.read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from None
+        raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}{fix}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}).") from None
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}).{fix}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}{fix}") from None
     except RecursionError:
-        raise ConfigError(f"{p}: the YAML nests too deeply to be a config.") from None
+        raise ConfigError(f"{p}: the YAML nests too deeply to be a config.{fix}") from None
     except (ValueError, TypeError, OverflowError) as e:  # PyYAML's constructors (a timestamp like 2001-13-01)
         raise ConfigError(f"{p}: not valid YAML: a value cannot be read ({type(e).__name__}: "
-                          f"{str(e)[:120]}).") from None
-    return validate(data, str(p))
+                          f"{str(e)[:120]}).{fix}") from None
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a YAML config file."""
+    return validate(read_yaml(path), str(path))
 
 
 def _device(cfg: Config) -> str:

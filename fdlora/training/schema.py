@@ -265,17 +265,9 @@ def validate(data: Any, where: str = "<config>") -> TrainConfig:
 
 def load(path: str | os.PathLike) -> TrainConfig:
     """Read and validate a YAML training config."""
-    import yaml
+    from ..config import read_yaml
 
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file; fix: pass the path of a YAML file (see `fdlora train --help`)")
-    if p.stat().st_size > 1 << 20:
-        raise ConfigError(f"{p}: the file is over 1 MiB, not a training config; fix: pass the YAML config")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        line = getattr(getattr(e, "problem_mark", None), "line", None)
-        raise ConfigError(f"{p}: not valid YAML{f' (line {line + 1})' if line is not None else ''}; "
-                          "fix: check the indentation and colons there") from None
-    return validate(data, str(p))
+    return validate(read_yaml(p, " Fix: pass a training config (see `fdlora train --help`)."), str(p))
