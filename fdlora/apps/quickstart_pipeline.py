@@ -1,6 +1,8 @@
-"""The main job's pipeline part: a tiny SD1.5 pipeline from configs, two LoRAs published to a local
-Hub cache, `pipe.load_fd_lora` by repo id, a blend sweep saved as an image grid, a per-prompt batch,
-and a timing table against diffusers + PEFT on the same files. Nothing is downloaded.
+"""The main job's pipeline part: a tiny SD1.5 pipeline from configs, two LoRAs trained in seconds toward a warm and
+a cool palette (fdlora.training.palette) and published to a local Hub cache, `pipe.load_fd_lora` by repo id, a blend
+sweep saved as an image grid (its mean colour must move monotonically with the weight), a per-prompt batch, and a
+timing table against diffusers + PEFT on the same files. Nothing is downloaded. The pictures are latent previews
+(the tiny VAE is random and maps every latent to nearly the same colour).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from ..testing import median_ms
 
-REPOS = {"pixel": "fdlora-demo/pixel-style", "watercolor": "fdlora-demo/watercolor"}
+REPOS = {"warm": "fdlora-demo/warm-palette", "cool": "fdlora-demo/cool-palette"}
+PALETTES = {"warm": (0.9, 0.3, 0.2), "cool": (0.2, 0.4, 0.9)}
 WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
@@ -36,16 +39,18 @@ def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
     import fdlora  # noqa: F401  (attaches pipe.load_fd_lora)
     from fdlora.hub.localcache import populate
     from fdlora.pipelines.diffusers import tiny
+    from fdlora.training import palette
 
     out_dir.mkdir(parents=True, exist_ok=True)
     base = tiny.sd15().to(device)
     base.set_progress_bar_config(disable=True)
     cache = tempfile.mkdtemp(prefix="fdlora-hub-cache-")
-    for i, repo in enumerate(REPOS.values()):
-        populate(cache, repo, tiny.random_lora_files(base, seed=i + 1))
+    t = time.perf_counter()
+    for i, (name, repo) in enumerate(REPOS.items()):
+        populate(cache, repo, palette.train(base, PALETTES[name], seed=i))
     hub = dict(cache_dir=cache, local_files_only=True)
-    print(f"\n[pipeline] tiny SD1.5 from configs on {device}; adapters published to a local Hub cache: "
-          f"{list(REPOS.values())}")
+    print(f"\n[pipeline] tiny SD1.5 from configs on {device}; two palette LoRAs trained with fd-lora in "
+          f"{time.perf_counter() - t:.0f} s and published to a local Hub cache: {list(REPOS.values())}")
 
     pipe = copy.deepcopy(base)
     t = time.perf_counter()
@@ -62,45 +67,49 @@ def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
         ref.load_lora_weights(repo, weight_name=WEIGHTS, adapter_name=name, **hub)
     load_ref = (time.perf_counter() - t) * 1e3 / len(REPOS)
 
-    def gen(p, **kw):
+    def gen(p, **kw):  # the final latents: compared as they are, shown as latent previews
         with torch.inference_mode():
-            return p(**tiny.generate_kwargs(p, **kw)).images
+            return p(**tiny.generate_kwargs(p, output_type="latent", **kw)).images
 
-    sweep, diffs = [], []
+    sweep, diffs, colours = [], [], []
     for w in (0.0, 0.25, 0.5, 0.75, 1.0):
-        pipe.set_adapters(["pixel", "watercolor"], [1 - w, w])
-        ref.set_adapters(["pixel", "watercolor"], [1 - w, w])
-        img, want = gen(pipe), gen(ref)
-        sweep.append(img[0].float().cpu())
-        diffs.append(float((img - want).abs().max()))
+        pipe.set_adapters(["warm", "cool"], [1 - w, w])
+        ref.set_adapters(["warm", "cool"], [1 - w, w])
+        lat, want = gen(pipe), gen(ref)
+        sweep.append(palette.latent_preview(lat.float().cpu())[0])
+        colours.append(sweep[-1].mean(dim=(1, 2)))
+        diffs.append(float((lat - want).abs().max() / want.abs().max()))  # latents: relative
     grid = out_dir / "blend_grid.png"
     _grid(torch.stack(sweep), cols=5).save(grid)
-    print(f"  blend sweep pixel->watercolor (5 weights) saved to {grid}; max |fd-lora - diffusers+PEFT| = "
-          f"{max(diffs):.2e}")
+    red, blue = [float(c[0]) for c in colours], [float(c[2]) for c in colours]
+    monotonic = all(a > b for a, b in zip(red, red[1:])) and all(a < b for a, b in zip(blue, blue[1:]))
+    print(f"  blend sweep warm->cool (5 weights) saved to {grid}; mean red {' > '.join(f'{r:.2f}' for r in red)}, "
+          f"blue {' < '.join(f'{b:.2f}' for b in blue)} ({'monotonic' if monotonic else 'NOT monotonic'}); "
+          f"max |fd-lora - diffusers+PEFT| / max |latent| = {max(diffs):.2e}")
 
-    prompts, specs = ["a cat", "a dog", "a cow"], ["pixel", "watercolor", {"pixel": 0.5, "watercolor": 0.5}]
+    prompts, specs = ["a cat", "a dog", "a cow"], ["warm", "cool", {"warm": 0.5, "cool": 0.5}]
     lat = torch.randn(3, 4, 32, 32, generator=torch.Generator().manual_seed(0))
     batch = gen(pipe, prompt=prompts, fd_lora_adapters=specs, latents=lat)
     alone = []
     for i, (p, s) in enumerate(zip(prompts, specs)):
         with fdlora.adapters(pipe, s):
             alone.append(gen(pipe, prompt=p, latents=lat[i: i + 1])[0])
-    per_prompt = float((batch - torch.stack(alone)).abs().max())
-    _grid(batch.float().cpu(), cols=3).save(out_dir / "per_prompt.png")
-    print(f"  per-prompt batch {specs} saved to {out_dir / 'per_prompt.png'}; vs one call each: {per_prompt:.2e}")
+    per_prompt = float((batch - torch.stack(alone)).abs().max() / batch.abs().max())
+    _grid(palette.latent_preview(batch.float().cpu()), cols=3).save(out_dir / "per_prompt.png")
+    print(f"  per-prompt batch {specs} saved to {out_dir / 'per_prompt.png'}; vs one call each (relative): {per_prompt:.2e}")
 
     step = iter(range(10**9))
     rows = [
         ("load one adapter from the local Hub cache", load_fd, load_ref),
         ("set_adapters weight change",
-         median_ms(lambda: pipe.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10, device),
-         median_ms(lambda: ref.set_adapters(["pixel", "watercolor"], [next(step) % 5 / 5, 0.5]), repeats * 10, device)),
+         median_ms(lambda: pipe.set_adapters(["warm", "cool"], [next(step) % 5 / 5, 0.5]), repeats * 10, device),
+         median_ms(lambda: ref.set_adapters(["warm", "cool"], [next(step) % 5 / 5, 0.5]), repeats * 10, device)),
         ("generate (2 steps, 64x64), 2-adapter blend",
          median_ms(lambda: gen(pipe), repeats, device), median_ms(lambda: gen(ref), repeats, device)),
     ]
     print(f"\n  {f'timing (median ms, {device})':46s} {'fd-lora':>10s} {'diffusers+PEFT':>15s}")
     for what, fd, dp in rows:
         print(f"  {what:46s} {fd:10.3f} {dp:15.3f}")
-    ok = max(diffs) < 1e-4 and per_prompt < 1e-4
+    ok = max(diffs) < 1e-4 and per_prompt < 1e-4 and monotonic
     print("  pipeline part:", "all checks passed" if ok else "SOME CHECKS FAILED")
     return ok
