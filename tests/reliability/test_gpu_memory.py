@@ -1,0 +1,79 @@
+"""GPU side of the reliability suite: deleting a model gives back every byte fd-lora took (banks, merged weights,
+kept-ready launches, per-call scratch) and the merge-cache budget with it, on every path a step can take; 100
+create/delete cycles stay flat. GPU-marked (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import fdlora
+from fdlora import LoraAdapter, ModuleLora
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DIMS = {"0": (256, 512), "2": (512, 256), "4": (256, 256)}
+
+
+def _model() -> torch.nn.Module:
+    m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256), torch.nn.GELU(),
+                            torch.nn.Linear(256, 256)).cuda().half()
+    fdlora.inject(m, list(DIMS), max_slots=4, max_rank=16)
+    for i, name in enumerate(("a", "b")):
+        g = torch.Generator().manual_seed(i)
+        mods = {p: ModuleLora(torch.randn(16, k, generator=g) * 0.1, torch.randn(n, 16, generator=g) * 0.1,
+                              alpha=16.0) for p, (k, n) in DIMS.items()}
+        fdlora.add_adapter(m, LoraAdapter(mods, name=name).to(device="cuda", dtype=torch.float16))
+    return m
+
+
+def _every_path(m: torch.nn.Module) -> None:
+    """Eager blend with the merge cache, without it (kept launches), a slider move, per-sample and per-row calls."""
+    x, rows = torch.randn(8, 64, 256, device="cuda", dtype=torch.float16), torch.randn(8, 256, device="cuda",
+                                                                                      dtype=torch.float16)
+    with torch.no_grad():
+        for w in (0.3, 0.7):
+            fdlora.set_adapters(m, ["a", "b"], [w, 1 - w])
+            m(x)
+            m(rows)
+        fdlora.set_merge_cache(0)
+        try:
+            m(x)
+            m(rows)
+        finally:
+            fdlora.set_merge_cache("auto")
+        with fdlora.per_sample(m, ["a", None, "b", "a", "b", None, "a", "b"]):
+            m(x)
+        with fdlora.per_row(m, ["a", None, "b", "a", "b", None, "a", "b"]):
+            m(rows)
+    torch.cuda.synchronize()
+
+
+def _settle() -> tuple[int, int]:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(), fdlora.merge_cache_bytes("cuda")
+
+
+def test_deleting_a_model_gives_every_byte_back():
+    base_alloc, base_cache = _settle()
+    m = _model()
+    _every_path(m)
+    assert fdlora.merge_cache_bytes("cuda") > base_cache  # the cache was used
+    del m
+    alloc, cache = _settle()
+    assert cache == base_cache, f"the merge-cache budget still counts {cache - base_cache} bytes of a deleted model"
+    assert alloc - base_alloc <= 64 << 10, f"{alloc - base_alloc} bytes stay allocated after the model is deleted"
+
+
+def test_create_delete_cycles_stay_flat():
+    _model_and_paths = lambda: _every_path(_model())  # noqa: E731
+    _model_and_paths()  # warm: kernels compiled, allocator pools made
+    first, _ = _settle()
+    for _ in range(100):
+        _model_and_paths()
+    last, cache = _settle()
+    assert cache == 0 or cache == fdlora.merge_cache_bytes("cuda")
+    assert last - first <= 256 << 10, f"{last - first} bytes grew over 100 create/delete cycles"
