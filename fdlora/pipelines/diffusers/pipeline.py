@@ -26,7 +26,7 @@ from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
 from .. import fuse as fusing
 from ..scope import pipe_lock
-from . import schedule
+from . import fused_qkv, schedule
 from .family import family_of
 from .scale import install_scale_hook, remove_scale_hook
 from .targets import SCALE_KWARGS, targets_for
@@ -136,6 +136,7 @@ class FdLoraPipelineMixin:
                 adapters = {c: a for c, a in adapters.items() if c not in absent}
             if not adapters:
                 raise FdLoraError("nothing to load: the adapter has no weights for this pipeline's components.")
+            adapters = {c: fused_qkv.retarget(modules[c], a) for c, a in adapters.items()}  # fuse_qkv_projections
             handles = self.fd_lora_handles()
             name = adapter_name or f"default_{len(self._fd_all_names())}"
             if name in self._fd_all_names():
