@@ -69,7 +69,13 @@ def to_load(model: nn.Module, cf: ConfigFacts, config: object, parts: dict[str, 
                 f"{what}: {path} has rank {w['A.weight'].shape[0]} in the weights but {r} in its LoraConfig "
                 "(r / rank_pattern); the adapter_config.json does not belong to these weights."
             )
-        modules[path] = ModuleLora(w["A.weight"], w["B.weight"], alpha, w.get("B.bias") if with_bias else None)
+        if bool(getattr(config, "use_dora", False)) != ("magnitude" in w):
+            raise FormatError(f"{what}: {path} has {'no ' if 'magnitude' not in w else ''}DoRA magnitude vector "
+                              f"(lora_magnitude_vector) but the LoraConfig says use_dora="
+                              f"{bool(getattr(config, 'use_dora', False))}; the file and its adapter_config.json do "
+                              "not belong together. Save the adapter again with PEFT.")
+        modules[path] = ModuleLora(w["A.weight"], w["B.weight"], alpha, w.get("B.bias") if with_bias else None,
+                                   magnitude=w.get("magnitude"))  # DoRA: fdlora.layers.dora
     saved = _saved_modules(model, cf, rest, what)
     _check_trained_biases(model, config, rest, what)
     if not modules:

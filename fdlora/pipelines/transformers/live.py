@@ -68,20 +68,23 @@ def adapter_from_peft(model: nn.Module, adapter_name: str = "default") -> LoraAd
     for path, layer in peft_root(model).named_modules():
         if not isinstance(layer, LoraLayer) or adapter_name not in layer.lora_A:
             continue
-        if layer.use_dora.get(adapter_name, False):
-            raise UnsupportedFeatureError(
-                f"{path}: adapter {adapter_name!r} uses DoRA, which fd-lora does not implement yet; "
-                "merge it with PEFT (merge_and_unload) or use a plain LoRA."
-            )
         A = layer.lora_A[adapter_name].weight.detach()
         B_mod = layer.lora_B[adapter_name]
         B = B_mod.weight.detach()
         r = A.shape[0]
         bias = B_mod.bias.detach() if getattr(B_mod, "bias", None) is not None else None
-        modules[path] = ModuleLora(A, B, alpha=float(layer.scaling[adapter_name]) * r, bias=bias)
+        modules[path] = ModuleLora(A, B, alpha=float(layer.scaling[adapter_name]) * r, bias=bias,
+                                   magnitude=_magnitude(layer, adapter_name))
     if not modules:
         raise FormatError(f"the PEFT model holds no LoRA adapter named {adapter_name!r}.")
     return LoraAdapter(modules, name=adapter_name, provenance=Provenance(source="<peft model>", format="peft-live"))
+
+
+def _magnitude(layer: nn.Module, name: str):
+    """DoRA's magnitude vector m [N] of adapter `name` in a PEFT LoraLayer, or None (fdlora.layers.dora serves it)."""
+    if not layer.use_dora.get(name, False):
+        return None
+    return layer.lora_magnitude_vector[name].weight.detach().reshape(-1)
 
 
 @dataclass
@@ -106,11 +109,8 @@ def _read_layer(path: str, layer: nn.Module, adapters: dict[str, _Live]) -> None
     spec = spec_of(base)
     for name in layer.lora_A:
         what = f"adapter {name!r}"
-        if layer.use_dora.get(name, False):
-            raise UnsupportedFeatureError(f"{path}: {what} uses DoRA, which fd-lora does not implement; serve it "
-                                          "with PEFT, or merge it with PEFT's merge_and_unload().")
         variant = getattr(layer, "lora_variant", {}).get(name)
-        if variant is not None:
+        if variant is not None and not type(variant).__name__.startswith("Dora"):  # DoRA: fdlora.layers.dora
             raise UnsupportedFeatureError(f"{path}: {what} is a {type(variant).__name__} LoRA variant, which "
                                           "fd-lora does not implement; serve it with PEFT.")
         if spec is None:
@@ -120,7 +120,8 @@ def _read_layer(path: str, layer: nn.Module, adapters: dict[str, _Live]) -> None
         r, alpha = int(layer.r[name]), float(layer.lora_alpha[name])
         rs = bool(layer.use_rslora.get(name, False))
         bias = b_mod.bias.detach() if getattr(layer, "lora_bias", {}).get(name) and b_mod.bias is not None else None
-        m = ModuleLora(layer.lora_A[name].weight.detach(), b_mod.weight.detach(), alpha, bias)
+        m = ModuleLora(layer.lora_A[name].weight.detach(), b_mod.weight.detach(), alpha, bias,
+                       magnitude=_magnitude(layer, name))
         check_fits(spec, m, path, what)
         live = adapters.setdefault(name, _Live(rslora=rs))
         live.modules[path] = m

@@ -8,7 +8,8 @@ Every field that changes the math is honoured the way PEFT applies it when it in
     fan_in_fan_out   transformers Conv1D keeps A [r, K], B [N, r]; only merging transposes
     lora_bias        lora_B.bias, scaled like the delta (the bank's bias)
 
-Variants fd-lora does not compute (DoRA and the others in UNSUPPORTED) raise before anything loads.
+Variants fd-lora does not compute (those in UNSUPPORTED) raise before anything loads; DoRA loads
+(fdlora.layers.dora).
 
 The read step (fdlora.pipelines.transformers.read) asks this module once, through `facts`, and gets
 back everything the config decides for one model as plain data (`ConfigFacts`): the load never
@@ -29,7 +30,6 @@ from .saved_modules import SavedModules
 
 # LoraConfig fields fd-lora cannot serve: (field, is it in use?, what it is). getattr keeps older peft working.
 UNSUPPORTED: list[tuple[str, Callable[[object], bool], str]] = [
-    ("use_dora", bool, "DoRA (weight-decomposed LoRA)"),
     ("target_parameters", bool, "LoRA on raw nn.Parameters (target_parameters)"),
     ("trainable_token_indices", bool, "trainable tokens (trainable_token_indices)"),
     ("layer_replication", bool, "layer replication"),

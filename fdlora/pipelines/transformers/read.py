@@ -40,8 +40,8 @@ from .convert import PREFIX, PeftLoad, to_load
 from .loraconfig import facts, lora_config
 
 LORA_KEY = re.compile(r"^(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.(?P<param>weight|bias)$")
-UNSUPPORTED_KEYS = {"lora_magnitude_vector": "DoRA (lora_magnitude_vector)",
-                    "lora_embedding_": "LoRA on embeddings (lora_embedding_A/B)",
+MAGNITUDE_KEY = re.compile(r"^(?P<path>.+)\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$")  # DoRA's m [N]
+UNSUPPORTED_KEYS = {"lora_embedding_": "LoRA on embeddings (lora_embedding_A/B)",
                     "trainable_tokens": "trainable tokens"}
 
 
@@ -100,8 +100,10 @@ def adapter_from_state(model: nn.Module, config: object, tensors: dict[str, torc
     rest: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         m = LORA_KEY.match(key)
-        if m is None:
-            rest[key] = t
-        else:
+        if m is not None:
             parts.setdefault(m["path"], {})[f"{m['ab']}.{m['param']}"] = t
+        elif (dm := MAGNITUDE_KEY.match(key)) is not None:
+            parts.setdefault(dm["path"], {})["magnitude"] = t
+        else:
+            rest[key] = t
     return to_load(model, cf, config, parts, rest, name, provenance)

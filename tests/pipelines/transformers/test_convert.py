@@ -84,11 +84,14 @@ def test_from_peft_keeps_weights_blends_and_disabled():
         assert torch.allclose(model(**inputs).logits, before, rtol=1e-5, atol=1e-5)
 
 
-def test_from_peft_refuses_dora_and_leaves_the_model_alone():
+def test_from_peft_refuses_other_variants_and_leaves_the_model_alone():
+    from peft.tuners.lora.layer import LoraLayer
+
     peft_model = peft_copy("llama")
-    peft_model.add_adapter("dora", LoraConfig(r=4, target_modules=["v_proj"], use_dora=True))
+    peft_model.add_adapter("emb", LoraConfig(r=4, target_modules=["embed_tokens"]))
     layers = {n: type(m) for n, m in peft_model.named_modules()}
-    with pytest.raises(fdlora.errors.UnsupportedFeatureError, match="DoRA"):
+    assert any(isinstance(m, LoraLayer) and len(m.lora_embedding_A) for m in peft_model.modules())
+    with pytest.raises(fdlora.errors.UnsupportedFeatureError, match="embeddings"):
         fdlora.from_peft(peft_model)
     assert {n: type(m) for n, m in peft_model.named_modules()} == layers
     assert peft_model.base_model.model not in registry_of_models

@@ -43,10 +43,16 @@ def test_adapter_for_another_architecture_names_the_modules():
     assert target not in registry_of_models and not any("base" in n for n, _ in target.named_modules())
 
 
-def test_dora_and_other_variants_are_refused():
+def test_dora_without_its_magnitudes_and_other_variants_are_refused():
     target = llama()
-    with pytest.raises(errors.UnsupportedFeatureError, match="DoRA"):
-        fdlora.load_fd_lora(target, saved(llama(), LoraConfig(target_modules=["q_proj"], use_dora=True)))
+    folder = saved(llama(), LoraConfig(target_modules=["q_proj"], use_dora=True))  # DoRA loads (test_dora.py) ...
+    import json
+    from pathlib import Path
+
+    cfg = Path(folder) / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "use_dora": False}))
+    with pytest.raises(errors.FormatError, match="DoRA magnitude vector .* use_dora=False"):  # ... a mismatch does not
+        fdlora.load_fd_lora(target, folder)
     with pytest.raises(errors.FormatError, match="IA3 adapter, not LoRA"):
         fdlora.load_fd_lora(target, saved(llama(), IA3Config(target_modules=["q_proj", "down_proj"],
                                                              feedforward_modules=["down_proj"])))

@@ -1,0 +1,63 @@
+"""DoRA adapters on Transformers models (PEFT use_dora): from a live PeftModel and from a saved adapter folder, equal
+to PEFT per adapter and in a blend (PEFT's blend rule; fdlora.layers.dora)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+import fdlora  # noqa: E402
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _peft_dora(base):
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                        use_dora=True, init_lora_weights=False))
+    pm.add_adapter("second", LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True,
+                                        init_lora_weights=False))
+    with torch.no_grad():  # magnitudes away from the weight norm, so DoRA's rescaling shows
+        for name, p in pm.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.0 + 0.3 * torch.rand_like(p))
+    return pm.eval()
+
+
+def _logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, **kw).logits
+
+
+def test_from_peft_and_saved_folder_equal_peft(tmp_path):
+    base = _llama()
+    pm = _peft_dora(base)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = {}
+    for name in ("default", "second"):
+        pm.set_adapter(name)
+        want[name] = _logits(pm, ids)
+    pm.save_pretrained(tmp_path)
+    assert (want["default"] - _logits(base, ids)).abs().max() > 1e-3  # the adapters do something
+
+    live = fdlora.from_peft(copy.deepcopy(pm))
+    loaded = fdlora.load_fd_lora(copy.deepcopy(base), str(tmp_path), adapter_name="default")
+    for name in ("default", "second"):
+        fdlora.set_adapters(live, [name], [1.0])
+        got = _logits(live, ids)
+        assert (got - want[name]).abs().max() <= 1e-5 * want[name].abs().max(), name
+    fdlora.set_adapters(loaded, ["default"], [1.0])
+    got = _logits(loaded, ids)
+    assert (got - want["default"]).abs().max() <= 1e-5 * want["default"].abs().max()
