@@ -127,6 +127,8 @@ def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] |
         wrap_triton(tuner)[grid](*args, **kwargs)
         return None
     chosen = _CHOSEN.get((tuner, key))
+    if chosen is None and len(tuner.configs) > 1 and memory_short(args):  # no autotuning allocations under pressure
+        chosen = _CHOSEN[(tuner, key)] = tuner.configs[0]
     if chosen is None:
         tuner[grid](*args, **kwargs)
         _CHOSEN[(tuner, key)] = tuner.best_config
@@ -152,6 +154,32 @@ def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] |
             return None
         run = kernel[_grid3(grid, jitted, full)]
     return None if keep is None else Prepared(run, full, keep)
+
+
+AUTOTUNE_MIN_FREE = 1 << 30  # bytes a first launch needs free to autotune (Triton's do_bench flushes 256 MiB of L2)
+_warned_short: set[int] = set()
+
+
+def memory_short(args: tuple) -> bool:
+    """True when the device of the first CUDA tensor in `args` has less than AUTOTUNE_MIN_FREE bytes to give (the
+    driver's free memory plus what torch's allocator holds unused): the first launch of a shape then runs the first
+    config instead of autotuning, whose timing buffers would raise out-of-memory inside a step that fits (issue: a
+    step that diffusers+PEFT runs must run). Warns once per device."""
+    t = next((a for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    if t is None:
+        return False
+    free, _ = torch.cuda.mem_get_info(t.device)
+    free += torch.cuda.memory_reserved(t.device) - torch.cuda.memory_allocated(t.device)
+    if free >= AUTOTUNE_MIN_FREE:
+        return False
+    if t.device.index not in _warned_short:
+        _warned_short.add(t.device.index)
+        import warnings
+
+        warnings.warn(f"fd-lora: {free / 2**20:.0f} MiB free on {t.device}: new kernel shapes run their default Triton "
+                      "config instead of autotuning (which allocates timing buffers); free memory and restart the "
+                      "process for tuned kernels.", ResourceWarning, stacklevel=3)
+    return True
 
 
 def kept(jitted, grid, *args, **kwargs) -> Prepared | None:
