@@ -6,7 +6,10 @@
 #           + host profiles of eager decode steps), layer (host time of one fused layer's eager forward), load (SDXL-size adapter load), fused / fused-measure
 #           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels),
 #           sweep (every delta config per shape; fused vs split components), probe-tma (Hopper TMA GEMM vs cuBLAS),
-#           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call)
+#           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call),
+#           tests-fast (GPU-marked tests, 6 workers: ~3 min; .whl must hold pytest-xdist + execnet), tests-cuda (the same
+#           under FDLORA_BACKEND=cuda), tests-notriton (triton's package moved away for the run, then back),
+#           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -17,6 +20,14 @@ for stage in "$@"; do
   case $stage in
     layer) TAIL=3 step 120 python3 benchmarks/probes/profile_layer.py --out "$OUT/results/layer_host.json" ;;
     tests) TAIL=15 step 560 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
+    tests-fast) TAIL=15 step 400 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 tests ;;
+    tests-cuda) TAIL=15 FDLORA_BACKEND=cuda step 400 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 tests ;;
+    tests-notriton) T=$(python3 -c "import triton, os; print(os.path.dirname(triton.__file__))"); mv "$T" /tmp/triton_hidden
+        TAIL=15 step 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 tests; mv /tmp/triton_hidden "$T" ;;
+    cuda-backend) step 300 python3 benchmarks/bench_cuda_backend.py --out "$OUT/results/cuda_backend.json" ;;
+    train) step 500 python3 benchmarks/bench_train.py --out "$OUT/results/train.json" ;;
+    breadth) step 300 python3 benchmarks/bench_breadth.py --out "$OUT/results/breadth.json"
+        step 200 python3 benchmarks/bench_breadth_lycoris.py --out "$OUT/results/breadth.json" ;;
     layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines/transformers ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
