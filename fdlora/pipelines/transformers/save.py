@@ -134,8 +134,8 @@ def _merge_plan(base: nn.Module, h, names: Sequence[str]):
         w = getattr(layer.base, "weight", None)
         if quantized.kind(layer.base) or not isinstance(w, torch.Tensor) or not w.is_floating_point():
             raise UnsupportedFeatureError(  # (torchao weights report a float dtype: fdlora.layers.quantized)
-                f"{path}: cannot merge into a {type(layer.base).__name__} ({quantized.kind(layer.base) or 'quantized'}"
-                " or opaque weights) without "
+                f"{path}: cannot merge into a {type(layer.base).__name__} (quantized or opaque weights: "
+                f"{quantized.kind(layer.base) or 'not float'}) without "
                 "dequantizing it; keep the adapter unmerged (fd-lora serves it at nearly base speed)."
             )
         db = None
