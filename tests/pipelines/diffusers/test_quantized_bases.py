@@ -254,3 +254,32 @@ def test_missing_quant_library_names_the_extra():
     for mod in ("torchao", "gguf", "bitsandbytes"):
         msg = str(missing(mod, "LoRA over this quantized base"))
         assert msg.count("\n") == 0 and "pip install 'fd-lora[quant]'" in msg, msg
+
+
+@needs_torchao
+def test_per_sample_grouped_path_skips_torchao_bases(merge_cache_on):
+    """Per-sample calls at diffusion sizes (>= 64 rows a sample) run on per-blend merged copies for float bases
+    (fdlora.layers.remerge.refresh_groups); over a torchao base they run base(x) + delta per sample instead, equal to
+    the quantized base's own output plus each sample's LoRA, and no copy is made."""
+    from fdlora.hub.adapter import LoraAdapter, ModuleLora
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48))
+    quantize_(model, torchao_config("int8"))
+    g = torch.Generator().manual_seed(1)
+    loras = {n: ModuleLora(torch.randn(4, 64, generator=g) / 4, torch.randn(48, 4, generator=g) / 4, 8.0)
+             for n in ("a", "b")}
+    h = fdlora.inject(model, ["0"], max_slots=2, max_rank=4)
+    for n, m in loras.items():
+        h.add_adapter(LoraAdapter({"0": m}), n)
+    x = torch.randn(2, 128, 64)
+    with torch.no_grad():
+        base = h.layers["0"].base(x)
+        with h.per_sample({2: ["a", "b"]}):
+            got = model(x)
+    for i, n in enumerate(("a", "b")):
+        m = loras[n]
+        want = base[i] + m.scaling() * (x[i] @ m.A.t() @ m.B.t())
+        assert F.close(got[i], want) < REL, n
+    assert check_no_dequantized_copy(model) == 1 and fdlora.merge_cache_bytes() == 0
