@@ -261,8 +261,9 @@ def test_per_sample_grouped_path_skips_torchao_bases(merge_cache_on):
     """Per-sample calls at diffusion sizes (>= 64 rows a sample) run on per-blend merged copies for float bases
     (fdlora.layers.remerge.refresh_groups); over a torchao base they run base(x) + delta per sample instead, equal to
     the quantized base's own output plus each sample's LoRA, and no copy is made."""
-    from fdlora.hub.adapter import LoraAdapter, ModuleLora
     from torchao.quantization import quantize_
+
+    from fdlora.hub.adapter import LoraAdapter, ModuleLora
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48))
@@ -282,4 +283,31 @@ def test_per_sample_grouped_path_skips_torchao_bases(merge_cache_on):
         m = loras[n]
         want = base[i] + m.scaling() * (x[i] @ m.A.t() @ m.B.t())
         assert F.close(got[i], want) < REL, n
+    assert check_no_dequantized_copy(model) == 1 and fdlora.merge_cache_bytes() == 0
+
+
+def test_layerwise_fp8_casting_on_a_locon_conv(merge_cache_on):
+    """A conv LoRA (kohya LoCon: UNet resnets) whose Conv2d base diffusers' layerwise casting turns float8 after the
+    layer took a merged copy: the copy is dropped, the conv runs through its casting hook, plus the LoCon delta."""
+    import torch.nn.functional as tF
+    from diffusers.hooks.layerwise_casting import apply_layerwise_casting
+
+    from fdlora.hub.adapter import LoraAdapter, ModuleLora
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1))
+    g = torch.Generator().manual_seed(1)
+    m = ModuleLora(torch.randn(4, 8, 3, 3, generator=g) / 4, torch.randn(16, 4, 1, 1, generator=g) / 4, 8.0)
+    h = fdlora.inject(model, ["0"], max_slots=2, max_rank=4)
+    h.add_adapter(LoraAdapter({"0": m}), "a")
+    x = torch.randn(2, 8, 6, 6)
+    with torch.no_grad():
+        model(x)
+        assert model[0].merged.buf is not None and fdlora.merge_cache_bytes() > 0  # float: merged copy
+        apply_layerwise_casting(model, storage_dtype=FP8, compute_dtype=torch.float32, skip_modules_pattern=())
+        got = model(x)
+        base = model[0].base(x)
+    want = base + m.scaling() * tF.conv2d(tF.conv2d(x, m.A, padding=1), m.B)
+    assert model[0].base.weight.dtype == FP8
+    assert F.close(got, want) < REL
     assert check_no_dequantized_copy(model) == 1 and fdlora.merge_cache_bytes() == 0
