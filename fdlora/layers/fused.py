@@ -26,6 +26,7 @@ from .merged import MergedWeight, merged_key
 from .state import Mode, ModelState
 
 logger = logging.getLogger("fdlora")
+_UNSEEN = (object(), None)
 GROUP_MIN_ROWS = 64  # rows per sample from which per-sample calls run on per-blend merged copies (diffusion sizes)
 
 
@@ -173,7 +174,7 @@ class _FusedLora(nn.Module):
         quantize_ or diffusers' enable_layerwise_casting run after fd-lora wrapped the model): a quantized or
         float8-stored weight is never read as a float matrix (fdlora.layers.quantized), and a merged copy made
         from the old weight is dropped. Two identity compares per call otherwise."""
-        w, dtype = self.__dict__["_seen"]
+        w, dtype = self.__dict__.get("_seen", _UNSEEN)  # (a layer pickled before this check: derive it now)
         now = self.base._parameters.get("weight")
         if now is not w or (now is not None and now.dtype is not dtype):
             self.select_backend()
