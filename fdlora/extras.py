@@ -25,6 +25,8 @@ EXTRA_OF = {
     "peft": "transformers",
     "accelerate": "transformers",
     "bitsandbytes": "quant",
+    "torchao": "quant",
+    "gguf": "quant",
     "gradio": "demo",
     "ray": "serve",
     "fastapi": "serve",

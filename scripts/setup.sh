@@ -9,7 +9,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 # The core install is torch, safetensors, huggingface_hub, tqdm, pyyaml (+ triton on Linux); the tests need every extra
-# (diffusers, transformers, demo, serve = ray[serve] + fastapi, quant on Linux).
+# (diffusers, transformers, demo, serve = ray[serve] + fastapi, quant = bitsandbytes + torchao + gguf on Linux).
 extras="dev,diffusers,transformers,train,demo,serve"
 [ "$(uname -s)" = "Linux" ] && extras="$extras,triton,quant"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"

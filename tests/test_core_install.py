@@ -27,7 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 COREONLY = ROOT / "tests" / "support" / "coreonly"
 CORE = {"torch", "safetensors", "huggingface-hub", "tqdm", "pyyaml", "triton"}
-OPTIONAL = {"diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "gradio", "ray", "fastapi"}
+OPTIONAL = {"diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "torchao", "gguf", "gradio", "ray",
+            "fastapi"}
 
 
 def _name(req: str) -> str:
@@ -63,7 +64,7 @@ def test_extras_name_what_they_install(metadata):
                                                "dev"}
     assert {"diffusers", "peft", "transformers"} <= extras["diffusers"]
     assert {"transformers", "peft", "accelerate"} <= extras["transformers"]
-    assert "bitsandbytes" in extras["quant"] and "gradio" in extras["demo"]
+    assert {"bitsandbytes", "torchao", "gguf"} <= extras["quant"] and "gradio" in extras["demo"]
     assert {"ray", "fastapi"} <= extras["serve"]
     assert extras["all"] == {"fd-lora"}  # all = fd-lora[every other extra but dev]
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import FdLoraError
+from . import quantized
 from .state import Mode
 
 MAX_KEPT = 64  # gains kept per layer (slot x weight pairs); beyond that the oldest go
@@ -39,9 +40,12 @@ def active(layer) -> bool:
 def _rows_of(layer) -> torch.Tensor:
     """The base weight as [N, K'] rows (Linear; transformers Conv1D transposed; Conv2d flattened)."""
     w = getattr(layer.base, "weight", None)
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+    q = quantized.kind(layer.base)
+    if (not isinstance(w, torch.Tensor) or not w.is_floating_point()
+            or (q is not None and type(w) not in (torch.nn.Parameter, torch.Tensor))):  # torchao: a float dtype
         raise FdLoraError(f"{layer.path}: DoRA needs the base weight's norm, and {type(layer.base).__name__} has no "
-                          "float weight (a quantized base); load a plain LoRA, or this adapter on a float base.")
+                          f"float weight (a quantized base: {q or 'opaque'}); load a plain LoRA, or this adapter on a "
+                          "float base.")
     if layer.kind == "linear" and w.shape[0] != layer.out_features:  # Conv1D [K, N]
         w = w.t()
     return w.reshape(layer.out_features, -1)

@@ -9,6 +9,7 @@ putting the same object back. The mode comes from the shared `ModelState`; all s
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,14 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import decode, dora, remerge
+from . import decode, dora, quantized, remerge
 from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
 from .state import Mode, ModelState
 
+logger = logging.getLogger("fdlora")
+_UNSEEN = (object(), None)
 GROUP_MIN_ROWS = 64  # rows per sample from which per-sample calls run on per-blend merged copies (diffusion sizes)
 
 
@@ -47,10 +50,12 @@ def compute_dtype(module: nn.Module, default: torch.dtype = torch.float32) -> tu
     """The float dtype and device the module computes in (quantized bases report a compute dtype)."""
     w = getattr(module, "weight", None)
     device = w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
+    dtype = quantized.compute_dtype(module)  # float8 storage, GGUF, bitsandbytes: the dtype they compute in
+    if dtype is not None:
+        return dtype, device
     if isinstance(w, torch.Tensor) and w.is_floating_point():
         return w.dtype, device
-    dtype = getattr(module, "compute_dtype", None)
-    return (dtype if isinstance(dtype, torch.dtype) else default), device
+    return default, device
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,25 @@ class _FusedLora(nn.Module):
     def release_merged(self) -> None:
         """Drop the merged-weight copy, if any (restore, unwrap, device or dtype moves)."""
         self.merged.release()
+
+    def _seen_weight(self) -> None:
+        w = self.base._parameters.get("weight")
+        self.__dict__["_seen"] = (w, None if w is None else w.dtype)
+
+    def plain_now(self) -> bool:
+        """`_plain`, re-derived when the base's weight was replaced or changed dtype under the layer (torchao's
+        quantize_ or diffusers' enable_layerwise_casting run after fd-lora wrapped the model): a quantized or
+        float8-stored weight is never read as a float matrix (fdlora.layers.quantized), and a merged copy made
+        from the old weight is dropped. Two identity compares per call otherwise."""
+        w, dtype = self.__dict__.get("_seen", _UNSEEN)  # (a layer pickled before this check: derive it now)
+        now = self.base._parameters.get("weight")
+        if now is not w or (now is not None and now.dtype is not dtype):
+            self.select_backend()
+            if not self._plain:
+                self.release_merged()
+                logger.debug("fd-lora: %s: base weight is now %s: base output + LoRA delta, no merged copy",
+                             self.path, quantized.kind(self.base) or "not plain")
+        return self._plain
 
     # --- loading ------------------------------------------------------------------------------
     def check(self, m: ModuleLora, what: str) -> None:
@@ -293,10 +317,12 @@ class FusedLoraLinear(_FusedLora):
 
     def select_backend(self) -> None:
         super().select_backend()
-        w, A = getattr(self.base, "weight", None), self.bank.A
+        A = self.bank.A
         linear = type(self.base) is nn.Linear
-        # a plain float nn.Linear / Conv1D in the bank's dtype: the merged-weight cache applies
-        self._plain = (linear or _is_conv1d(self.base)) and w.dtype == A.dtype and w.device == A.device
+        # a plain float nn.Linear / Conv1D in the bank's dtype: the merged-weight cache applies (not a torchao,
+        # GGUF or float8-stored weight, even inside an nn.Linear: fdlora.layers.quantized)
+        self._plain = (linear or _is_conv1d(self.base)) and quantized.plain_weight(self.base, A.dtype, A.device)
+        self._seen_weight()
         # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear): nn.Linear only
         self._whole = linear and self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
 
@@ -355,7 +381,7 @@ class FusedLoraLinear(_FusedLora):
         W = self.base.weight
         K, N = self.in_features, self.out_features
         M = x.numel() // K if K else 0
-        if (st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear
+        if (st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear or not self._plain
                 or M < GROUP_MIN_ROWS * len(groups.of_sample) or len(groups.blends) > remerge.MAX_GROUP_COPIES
                 or not _merged.BUDGET.enabled(x.device.type)
                 or (torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))
@@ -404,6 +430,7 @@ class FusedLoraLinear(_FusedLora):
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.plain_now()
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
@@ -477,13 +504,15 @@ class FusedLoraConv2d(_FusedLora):
 
     def select_backend(self) -> None:
         super().select_backend()
-        w, A = self.base.weight, self.bank.A
-        self._plain = type(self.base) is nn.Conv2d and w.dtype == A.dtype and w.device == A.device
+        A = self.bank.A
+        self._plain = type(self.base) is nn.Conv2d and quantized.plain_weight(self.base, A.dtype, A.device)
+        self._seen_weight()
 
     def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.plain_now()
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode

@@ -20,8 +20,10 @@ Two ways to find out that W' is stale, one buffer:
   stale), since replays keep writing it.
 
 Used for: blend mode, a plain nn.Linear (eager also transformers Conv1D and nn.Conv2d) base in the
-bank's dtype, no autograd through W or x, and room in the byte budget of its device; the eager form
-also needs no lora bias. Everything else, and per-sample / per-row calls, take the per-call paths.
+bank's dtype (never a quantized or float8-stored weight: torchao, GGUF, bitsandbytes, layerwise casting;
+see fdlora.layers.quantized: those run base(x) + delta and hold no copy, so merge_cache_bytes() does not
+grow), no autograd through W or x, and room in the byte budget of its device; the eager form also needs
+no lora bias. Everything else, and per-sample / per-row calls, take the per-call paths.
 Numerics: one rounding of W' to the weight dtype (PEFT's merge), bounded in tests by eager PyTorch's
 own error, like the per-call "merged" path of fdlora.kernels.triton.lora_linear.
 
@@ -168,6 +170,10 @@ class MergedWeight:
     def _buffer(self, W: torch.Tensor) -> torch.Tensor | None:
         if self.buf is None:
             if self.denied == BUDGET.generation:
+                return None
+            if type(W) not in (torch.nn.Parameter, torch.Tensor) or W.element_size() < 2:
+                # a quantized (torchao, GGUF) or float8-stored weight: never a dequantized copy (layers.quantized)
+                self.denied = BUDGET.generation
                 return None
             if not BUDGET.reserve(W.numel() * W.element_size(), W.device):
                 self.denied = BUDGET.generation

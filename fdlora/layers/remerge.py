@@ -25,7 +25,7 @@ def cacheable(layer, device: torch.device) -> bool:
     """Whether the eager cache serves this layer now: blend mode, a plain base in the bank's dtype on `device`,
     something loaded, no lora bias (the cached GEMM adds none), no DoRA slot (fdlora.layers.dora)."""
     bank = layer.bank
-    return (layer._plain and bank.A.device == device and bank._buffers["bias"] is None and True in bank.used
+    return (layer.plain_now() and bank.A.device == device and bank._buffers["bias"] is None and True in bank.used
             and bank._buffers["magnitude"] is None
             and layer.state.mode is Mode.BLEND)
 
@@ -114,7 +114,7 @@ MAX_GROUP_COPIES = 4  # per-sample blends a layer keeps a copy of (beyond that, 
 def groupable(layer, device: torch.device) -> bool:
     """Whether per-sample calls of this layer may run on per-blend copies (an nn.Linear base, as `cacheable`)."""
     bank = layer.bank
-    return (type(layer.base) is nn.Linear and layer._plain and bank.A.device == device
+    return (type(layer.base) is nn.Linear and layer.plain_now() and bank.A.device == device
             and bank._buffers["bias"] is None and True in bank.used
             and bank._buffers["magnitude"] is None)
 

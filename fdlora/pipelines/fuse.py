@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FdLoraError, NonFiniteError
-from ..layers import dora
+from ..layers import dora, quantized
 from ..layers.fused import FusedLoraConv2d, _FusedLora, _is_conv1d
 
 
@@ -31,9 +31,15 @@ def fuse_layer(layer: _FusedLora, slot_weights: torch.Tensor, safe: bool) -> tor
     """Add the delta into the base weight in place; returns the original weight (CPU copy), or (weight, bias)
     when a lora bias (LyCORIS diff_b, PEFT lora_bias) goes into the base bias too."""
     w = getattr(layer.base, "weight", None)
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        raise FdLoraError(f"{layer.path}: cannot fuse into a {type(layer.base).__name__} (quantized or opaque "
-                          "base); keep the adapter unfused, fd-lora applies it at nearly the same speed.")
+    q = quantized.kind(layer.base)
+    if q is not None or not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        n = layer.out_features * int(torch.tensor(layer.bank.A.shape[2:]).prod())
+        raise FdLoraError(
+            f"{layer.path}: cannot fuse into a {type(layer.base).__name__} ({q or 'quantized or opaque base'}): "
+            f"fusing would dequantize its weight into a {layer.bank.A.dtype} copy ({n * layer.bank.A.element_size()} "
+            "bytes for this layer, the memory the quantization saves) and re-quantize it, losing most of the LoRA. "
+            "Keep the adapter unfused: fd-lora applies it as base output + delta."
+        )
     fused = w.float() + delta_weight(layer, slot_weights)
     if safe and not torch.isfinite(fused).all():
         raise NonFiniteError(f"{layer.path}: fusing would put NaN/Inf into the weight; nothing was fused.")

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import re
 import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import nn
 from ...errors import DuplicateAdapterError, FdLoraError, PartialLoadWarning, TargetError, UnknownAdapterError
 from ...hub.adapter import LoraAdapter
 from ...hub.pool import AdapterPool
-from ...layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
+from ...layers import FdLoraHandle, match_targets, padded_rank, quantized, registry_of_models
 from .. import fuse as fusing
 from ..scope import pipe_lock
 from . import fused_qkv, schedule
@@ -185,7 +186,7 @@ class FdLoraPipelineMixin:
                 self._fd_reactivate(before)
                 raise
             self.set_adapters([name])
-            return report
+            return self._fd_note_quantized([comp for comp, *_ in plans], report)
 
     def _fd_reactivate(self, active: Mapping[str, Mapping[str, Any]]) -> None:
         """Put back each component's active set (after a call that changed it: a failed load whose room-making
@@ -247,6 +248,25 @@ class FdLoraPipelineMixin:
         for c, why in ignored.items():
             logger.info("fd-lora: %s: %s", c, why)
         return report
+
+    def _fd_note_quantized(self, comps: Sequence[str], report: Any):
+        """Say in the report (and the log) which wrapped layers have quantized or float8-stored bases (torchao,
+        GGUF, bitsandbytes, layerwise casting): they run base output + delta and keep no merged copy."""
+        handles = self.fd_lora_handles()
+        notes = []
+        for comp in comps:
+            kinds = Counter(k for lay in handles[comp].layers.values() if (k := quantized.kind(lay.base)))
+            if kinds:
+                n = len(handles[comp].layers)
+                notes.append(f"{comp}: {sum(kinds.values())} of {n} LoRA layers have quantized bases ("
+                             + ", ".join(f"{k}: {c}" for k, c in sorted(kinds.items()))
+                             + "): base output + LoRA delta, no dequantized copy (the merged-weight cache skips "
+                             "them; fuse_lora refuses them)")
+        for note in notes:
+            logger.info("fd-lora: %s", note)
+        if report is None or not notes or all(n in report.notes for n in notes):
+            return report
+        return dataclasses.replace(report, notes=list(report.notes) + [n for n in notes if n not in report.notes])
 
     def _fd_wrap_table(self, h: FdLoraHandle, extra: Sequence[str]) -> None:
         targets = targets_for(h.model) + list(extra)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ...errors import FdLoraError, SaveError, UnsupportedFeatureError
-from ...layers import registry_of_models
+from ...layers import quantized, registry_of_models
 from ...layers.fused import _is_conv1d
 from ..fuse import delta_weight
 from ..session import session_of
@@ -132,9 +132,10 @@ def _merge_plan(base: nn.Module, h, names: Sequence[str]):
         if not bool(s.any()):
             continue
         w = getattr(layer.base, "weight", None)
-        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-            raise UnsupportedFeatureError(
-                f"{path}: cannot merge into a {type(layer.base).__name__} (quantized or opaque weights) without "
+        if quantized.kind(layer.base) or not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            raise UnsupportedFeatureError(  # (torchao weights report a float dtype: fdlora.layers.quantized)
+                f"{path}: cannot merge into a {type(layer.base).__name__} (quantized or opaque weights: "
+                f"{quantized.kind(layer.base) or 'not float'}) without "
                 "dequantizing it; keep the adapter unmerged (fd-lora serves it at nearly base speed)."
             )
         db = None

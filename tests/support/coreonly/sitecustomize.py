@@ -10,8 +10,8 @@ tests this way; tests/test_core_install.py checks that the list matches pyprojec
 import importlib.abc
 import sys
 
-BLOCKED = frozenset({"diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "gradio", "gradio_client",
-                     "ray", "fastapi", "starlette", "PIL", "tokenizers", "sentencepiece"})
+BLOCKED = frozenset({"diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "torchao", "gguf", "gradio",
+                     "gradio_client", "ray", "fastapi", "starlette", "PIL", "tokenizers", "sentencepiece"})
 
 
 class _Blocker(importlib.abc.MetaPathFinder):
