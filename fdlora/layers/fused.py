@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import decode, dora, remerge
+from . import decode, dora, offload, remerge
 from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
@@ -95,6 +95,7 @@ class _FusedLora(nn.Module):
                  rank: int, a_shape: tuple[int, ...], out_features: int, dtype: torch.dtype | None) -> None:
         super().__init__()
         bdtype, device = compute_dtype(base)
+        device = offload.home(base, device)  # an offloaded (meta) weight: fdlora.layers.offload
         self.base = base
         self.path = path
         self.index = index
@@ -299,6 +300,7 @@ class FusedLoraLinear(_FusedLora):
         self._plain = (linear or _is_conv1d(self.base)) and w.dtype == A.dtype and w.device == A.device
         # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear): nn.Linear only
         self._whole = linear and self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
+        offload.note(self)  # under offload hooks: neither plain nor whole (fdlora.layers.offload)
 
     def _on_device_cache(self, x: torch.Tensor) -> bool:
         """Blend calls that may not branch on the host (compiled, frozen, being captured) use the merged-weight
@@ -355,7 +357,7 @@ class FusedLoraLinear(_FusedLora):
         W = self.base.weight
         K, N = self.in_features, self.out_features
         M = x.numel() // K if K else 0
-        if (st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear
+        if (st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear or self.offloaded
                 or M < GROUP_MIN_ROWS * len(groups.of_sample) or len(groups.blends) > remerge.MAX_GROUP_COPIES
                 or not _merged.BUDGET.enabled(x.device.type)
                 or (torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))
@@ -404,6 +406,8 @@ class FusedLoraLinear(_FusedLora):
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if offload.stale(self, x):  # an offload hook moved or replaced tensors (fdlora.layers.offload)
+            offload.follow(self, x.device)
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
@@ -479,11 +483,14 @@ class FusedLoraConv2d(_FusedLora):
         super().select_backend()
         w, A = self.base.weight, self.bank.A
         self._plain = type(self.base) is nn.Conv2d and w.dtype == A.dtype and w.device == A.device
+        offload.note(self)  # under offload hooks: not plain (fdlora.layers.offload)
 
     def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if offload.stale(self, x):  # an offload hook moved or replaced tensors (fdlora.layers.offload)
+            offload.follow(self, x.device)
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode

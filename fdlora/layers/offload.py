@@ -1,0 +1,102 @@
+"""Offload awareness: fused layers under accelerate / diffusers offload hooks and device maps.
+
+What those mechanisms do to a wrapped base module, and what a fused layer must do about it:
+
+- accelerate's AlignDevicesHook with offload (diffusers' enable_sequential_cpu_offload, `cpu_offload`,
+  `disk_offload`, a transformers device_map with "cpu"/"disk" entries) keeps the weights on the meta device
+  between calls and loads them in a pre-forward hook (on the leaf module itself, or on a parent block with
+  place_submodules); the loaded tensors are new objects on every call;
+- diffusers' group offloading (block or leaf level, with or without streams) swaps `param.data` between the
+  offload and the onload device around each block's call, without nn.Module.to;
+- model offload (enable_model_cpu_offload) moves whole components with .to(), which a fused layer already
+  follows (`_FusedLora._apply`).
+
+So a layer whose base weight is meta, whose base carries a hook (`_hf_hook`, `_diffusers_hook`), or whose
+tensors changed device or identity without passing through `_apply` is *offloaded*: it is never "plain" (no
+merged-weight cache, so no GPU copy of W' outlives the call, no direct reads of `base.weight`: `base(x)` runs,
+so the hooks load the weight), and its bank follows the device its inputs arrive on (moved once, kept there: a
+bank is LoRA-sized; with offload_buffers=False accelerate keeps buffers on the execution device the same way).
+
+The forward-time check (`stale`) is one device compare and one identity compare per call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def hooked(module: nn.Module) -> str | None:
+    """Why `module`'s weight is managed by an offload mechanism, or None."""
+    w = module._parameters.get("weight") if isinstance(module._parameters, dict) else None
+    if isinstance(w, torch.Tensor) and w.is_meta:
+        return "its weight is on the meta device (offloaded)"
+    if getattr(module, "_hf_hook", None) is not None:
+        return f"it carries an accelerate hook ({type(module._hf_hook).__name__})"
+    if getattr(module, "_diffusers_hook", None) is not None:
+        return "it carries a diffusers hook (group offloading)"
+    return None
+
+
+def note(layer: nn.Module) -> None:
+    """After select_backend: remember the devices and weight object this layer was set up with, and drop the
+    plain (merged-cache, direct weight read) paths if the base is managed by an offload mechanism."""
+    d = layer.__dict__
+    reason = d.get("offloaded") or hooked(layer.base)
+    d["offloaded"] = reason
+    if reason:
+        layer._plain = layer._whole = False
+    d["_seen"] = (layer.bank._buffers["A"].device, layer.base._parameters.get("weight"))
+
+
+def stale(layer: nn.Module, x: torch.Tensor) -> bool:
+    """The per-call check: did the input's device or the base weight object change since `note`?"""
+    seen = layer.__dict__["_seen"]
+    return x.device != seen[0] or layer.base._parameters.get("weight") is not seen[1]
+
+
+def follow(layer: nn.Module, device: torch.device) -> None:
+    """Bring `layer` in line with an offload mechanism that moved tensors behind its back: the bank (and the scale
+    views, backend and merged copy) onto `device`, where the layer executes; the layer marked offloaded."""
+    d = layer.__dict__
+    w = layer.base._parameters.get("weight")
+    A = layer.bank._buffers["A"]
+    if device == d["_seen"][0] and A.device == device and d.get("offloaded"):
+        d["_seen"] = (device, w)  # a hook's per-call weight: nothing else to do
+        return
+    moved = device != d["_seen"][0] or A.device != device
+    wdev = w.device if isinstance(w, torch.Tensor) else None
+    if moved or wdev is None or w.is_meta or hooked(layer.base) or wdev != device:
+        d["offloaded"] = d.get("offloaded") or hooked(layer.base) or (
+            f"its tensors moved to {device} outside .to() (an offload hook)")
+    if A.device != device:
+        layer.bank.to(device)
+    layer.release_merged()
+    layer.rebind()
+    layer.select_backend()  # calls note()
+
+
+def offloaded_layers(model: nn.Module) -> dict[str, str]:
+    """{path: why} for every fused layer of `model` that runs offloaded (so without the merged-weight cache)."""
+    return {name: m.__dict__["offloaded"] for name, m in model.named_modules()
+            if m.__dict__.get("offloaded")}
+
+
+def home(base: nn.Module, device: torch.device) -> torch.device:
+    """Where a new bank for `base` goes: its weight's device, or for an offloaded (meta) weight the hook's
+    execution device, else the CPU (the bank then follows the first input, `follow`)."""
+    if device.type != "meta":
+        return device
+    hook = getattr(base, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or (hook,):
+        dev = getattr(h, "execution_device", None)
+        if dev is not None:
+            return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
+    return torch.device("cpu")
+
+
+def current(layer: nn.Module) -> bool:
+    """Whether the base weight is still the real tensor this layer was set up with (a model-wide re-merge must
+    skip layers that a hook attached after wrapping has offloaded, before their own first call notices)."""
+    w = layer.base._parameters.get("weight")
+    return w is layer.__dict__["_seen"][1] and not w.is_meta
