@@ -27,14 +27,20 @@ from torch import nn
 
 
 def hooked(module: nn.Module) -> str | None:
-    """Why `module`'s weight is managed by an offload mechanism, or None."""
+    """Why `module`'s weight is managed by an offload mechanism, or None. Hooks that only move inputs (accelerate's
+    AlignDevicesHook without offload on a device_map's resident layers) and model offload (CpuOffload: whole
+    components moved with .to(), which `_apply` follows) leave the layer plain."""
     w = module._parameters.get("weight") if isinstance(module._parameters, dict) else None
     if isinstance(w, torch.Tensor) and w.is_meta:
         return "its weight is on the meta device (offloaded)"
-    if getattr(module, "_hf_hook", None) is not None:
-        return f"it carries an accelerate hook ({type(module._hf_hook).__name__})"
-    if getattr(module, "_diffusers_hook", None) is not None:
-        return "it carries a diffusers hook (group offloading)"
+    hook = module.__dict__.get("_hf_hook")
+    for h in getattr(hook, "hooks", None) or (hook,):
+        if getattr(h, "offload", False) is True:
+            return f"it carries an accelerate offload hook ({type(h).__name__})"
+    registry = module.__dict__.get("_diffusers_hook")
+    names = [str(k) for k in getattr(registry, "hooks", {})]
+    if any("offload" in k for k in names):
+        return f"it carries a diffusers offload hook ({', '.join(names)})"
     return None
 
 
@@ -46,13 +52,20 @@ def note(layer: nn.Module) -> None:
     d["offloaded"] = reason
     if reason:
         layer._plain = layer._whole = False
-    d["_seen"] = (layer.bank._buffers["A"].device, layer.base._parameters.get("weight"))
+    bd = layer.base.__dict__
+    d["_seen"] = (layer.bank._buffers["A"].device, layer.base._parameters.get("weight"), bd.get("_hf_hook"),
+                  bd.get("_diffusers_hook"))
 
 
 def stale(layer: nn.Module, x: torch.Tensor) -> bool:
-    """The per-call check: did the input's device or the base weight object change since `note`?"""
-    seen = layer.__dict__["_seen"]
-    return x.device != seen[0] or layer.base._parameters.get("weight") is not seen[1]
+    """The per-call check: did the input's device or the base weight object change since `note`, or did a hook
+    arrive on the base (a few dict reads)?"""
+    d = layer.__dict__
+    seen, base = d["_seen"], d["base"]
+    if x.device != seen[0] or base._parameters.get("weight") is not seen[1]:
+        return True
+    bd = base.__dict__
+    return bd.get("_hf_hook") is not seen[2] or bd.get("_diffusers_hook") is not seen[3]
 
 
 def follow(layer: nn.Module, device: torch.device) -> None:
@@ -62,7 +75,7 @@ def follow(layer: nn.Module, device: torch.device) -> None:
     w = layer.base._parameters.get("weight")
     A = layer.bank._buffers["A"]
     if device == d["_seen"][0] and A.device == device and d.get("offloaded"):
-        d["_seen"] = (device, w)  # a hook's per-call weight: nothing else to do
+        d["_seen"] = (device, w, *d["_seen"][2:])  # a hook's per-call weight: nothing else to do
         return
     moved = device != d["_seen"][0] or A.device != device
     wdev = w.device if isinstance(w, torch.Tensor) else None
