@@ -264,13 +264,13 @@ def test_sd15_offload_gpu(sd15, mode, order):
         enable(p)
         _fd(p, a, b)
     got = _images(p, size=64)
-    for g, r in zip(got, ref_fd):
-        torch.testing.assert_close(g.cpu(), r.cpu(), rtol=1e-4, atol=1e-4)
+    for g, r in zip(got, ref_fd):  # (fp32 with TF32 in cuDNN convs and Triton dots: images in [0, 1])
+        torch.testing.assert_close(g.cpu(), r.cpu(), rtol=0, atol=2e-3)
     q = copy.deepcopy(pipe)
     enable(q)
     peft = _images(_peft(q, a, b), per_prompt=False, size=64)
     for g, r in zip(got, peft):
-        torch.testing.assert_close(g.cpu(), r.cpu(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g.cpu(), r.cpu(), rtol=0, atol=2e-3)
     if mode != "model":  # model offload moves whole components with .to(): cached copies go with them
         assert _cached_offloaded(p.unet) == [] and offloaded_layers(p.unet)
     for layer in (m for m in p.unet.modules() if isinstance(m, _FusedLora)):
