@@ -136,6 +136,18 @@ def test_llama_offload_matches_no_offload(llama, llama_ref, tmp_path, build, n_o
         assert layer.bank.A.device.type == "cpu"  # the execution device, never meta
 
 
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_llama_generate_per_row_under_cpu_offload(llama, order):
+    """generate with PEFT's adapter_names through accelerate's hook on the model itself (its forward is fd-lora's)."""
+    ref = _load(_fresh(llama), llama).generate(IDS, adapter_names=["a", "__base__", "b"], max_new_tokens=4,
+                                               do_sample=False)
+    m = (accelerate.cpu_offload(_load(_fresh(llama), llama), execution_device="cpu") if order == "before"
+         else _load(accelerate.cpu_offload(_fresh(llama), execution_device="cpu"), llama))
+    got = m.generate(IDS, adapter_names=["a", "__base__", "b"], max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, ref)
+    assert not torch.equal(got, _fresh(llama).generate(IDS, max_new_tokens=4, do_sample=False))
+
+
 def test_llama_cpu_offload_matches_peft_under_same_offload(llama, tmp_path):
     from peft import PeftModel
 
