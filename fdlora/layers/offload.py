@@ -52,9 +52,9 @@ def note(layer: nn.Module) -> None:
     d["offloaded"] = reason
     if reason:
         layer._plain = layer._whole = False
-    bd = layer.base.__dict__
-    d["_seen"] = (layer.bank._buffers["A"].device, layer.base._parameters.get("weight"), bd.get("_hf_hook"),
-                  bd.get("_diffusers_hook"))
+    bd, w = layer.base.__dict__, layer.base._parameters.get("weight")
+    d["_seen"] = (layer.bank._buffers["A"].device, w, bd.get("_hf_hook"), bd.get("_diffusers_hook"),
+                  w.device if isinstance(w, torch.Tensor) else None)
 
 
 def stale(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -69,19 +69,27 @@ def stale(layer: nn.Module, x: torch.Tensor) -> bool:
 
 
 def follow(layer: nn.Module, device: torch.device) -> None:
-    """Bring `layer` in line with an offload mechanism that moved tensors behind its back: the bank (and the scale
-    views, backend and merged copy) onto `device`, where the layer executes; the layer marked offloaded."""
+    """Bring `layer` in line with a mechanism that moved or replaced tensors behind its back: the bank (and the scale
+    views, backend and merged copy) onto `device`, where the layer executes. The layer is marked offloaded when its
+    weight is meta, off `device`, under an offload hook, or the same object moved in place (diffusers' group
+    offloading swaps `.data`); a weight replaced by a new resident tensor (accelerate's dispatch of a device_map's
+    resident layers, or a user's reassignment) leaves it plain."""
     d = layer.__dict__
     w = layer.base._parameters.get("weight")
     A = layer.bank._buffers["A"]
-    if device == d["_seen"][0] and A.device == device and d.get("offloaded"):
-        d["_seen"] = (device, w, *d["_seen"][2:])  # a hook's per-call weight: nothing else to do
+    seen = d["_seen"]
+    if device == seen[0] and A.device == device and d.get("offloaded"):
+        d["_seen"] = (device, w, *seen[2:])  # a hook's per-call weight: nothing else to do
         return
-    moved = device != d["_seen"][0] or A.device != device
     wdev = w.device if isinstance(w, torch.Tensor) else None
-    if moved or wdev is None or w.is_meta or hooked(layer.base) or wdev != device:
-        d["offloaded"] = d.get("offloaded") or hooked(layer.base) or (
-            f"its tensors moved to {device} outside .to() (an offload hook)")
+    swapped = w is seen[1] and wdev != seen[4]
+    why = hooked(layer.base)
+    if why is None and wdev is None:
+        why = f"its tensors moved to {device} outside .to() and it has no weight to check (taken as offloaded)"
+    elif why is None and (wdev != device or swapped):
+        why = f"its weight moved to {wdev} in place, outside .to() (an offload hook)"
+    if why is not None:
+        d["offloaded"] = d.get("offloaded") or why
     if A.device != device:
         layer.bank.to(device)
     layer.release_merged()

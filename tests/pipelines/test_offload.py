@@ -162,6 +162,41 @@ def test_llama_cpu_offload_matches_peft_under_same_offload(llama, tmp_path):
         assert (got - _fresh(llama)(IDS).logits).abs().max() > 1e-3  # the LoRA does something
 
 
+def _gpu_map(second):
+    return {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": second, "model.norm": 0,
+            "model.rotary_emb": 0, "lm_head": 0}
+
+
+GPU_MAPS = {"cuda+cpu": ("cpu", 7), "cuda+disk": ("disk", 7), "two-gpus": (1, 0)}
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("where", list(GPU_MAPS))
+def test_llama_device_map_gpu(llama, llama_ref, tmp_path, where, order):
+    """A device_map with the GPU as main device: offloaded layers run on it with their banks there, never cached."""
+    second, n_offloaded = GPU_MAPS[where]
+    if second == 1 and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    fdlora.set_merge_cache("auto")
+    dm = _gpu_map(second)
+    if order == "after":
+        m = _load(_fresh(llama, device_map=dm, offload_folder=tmp_path), llama)
+    else:
+        m = accelerate.dispatch_model(_load(_fresh(llama), llama), device_map=dm, offload_dir=tmp_path,
+                                      main_device="cuda:0")
+    got = _outputs(m)
+    for what, g, r in zip(("blend", "per-row", "switched"), got, llama_ref):  # (TF32 dots in the Triton kernels)
+        torch.testing.assert_close(g.cpu(), r, rtol=5e-3, atol=5e-3, msg=lambda s, w=what: f"{w}: {s}")
+    assert len(offloaded_layers(m)) == n_offloaded
+    assert _cached_offloaded(m) == []
+    for name, layer in ((n, mod) for n, mod in m.named_modules() if isinstance(mod, _FusedLora)):
+        assert layer.bank.A.device.type == "cuda", name
+        if name.startswith("model.layers.1.") and second == 1:
+            assert layer.bank.A.device == torch.device("cuda", 1), name
+
+
 # --- diffusers: a tiny SD1.5 pipeline --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
