@@ -406,8 +406,8 @@ class FusedLoraLinear(_FusedLora):
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if offload.stale(self, x):  # an offload hook moved or replaced tensors (fdlora.layers.offload)
-            offload.follow(self, x.device)
+        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
+            offload.follow(self, x.device)  # tensors (fdlora.layers.offload); traced graphs must not guard on it
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
@@ -489,8 +489,8 @@ class FusedLoraConv2d(_FusedLora):
         return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if offload.stale(self, x):  # an offload hook moved or replaced tensors (fdlora.layers.offload)
-            offload.follow(self, x.device)
+        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
+            offload.follow(self, x.device)  # tensors (fdlora.layers.offload); traced graphs must not guard on it
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
