@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import decode, dora, quantized, remerge
+from . import decode, dora, offload, quantized, remerge
 from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
@@ -100,6 +100,7 @@ class _FusedLora(nn.Module):
                  rank: int, a_shape: tuple[int, ...], out_features: int, dtype: torch.dtype | None) -> None:
         super().__init__()
         bdtype, device = compute_dtype(base)
+        device = offload.home(base, device)  # an offloaded (meta) weight: fdlora.layers.offload
         self.base = base
         self.path = path
         self.index = index
@@ -167,14 +168,16 @@ class _FusedLora(nn.Module):
 
     def _seen_weight(self) -> None:
         w = self.base._parameters.get("weight")
-        self.__dict__["_seen"] = (w, None if w is None else w.dtype)
+        self.__dict__["_seen_w"] = (w, None if w is None else w.dtype)
 
     def plain_now(self) -> bool:
         """`_plain`, re-derived when the base's weight was replaced or changed dtype under the layer (torchao's
         quantize_ or diffusers' enable_layerwise_casting run after fd-lora wrapped the model): a quantized or
         float8-stored weight is never read as a float matrix (fdlora.layers.quantized), and a merged copy made
         from the old weight is dropped. Two identity compares per call otherwise."""
-        w, dtype = self.__dict__.get("_seen", _UNSEEN)  # (a layer pickled before this check: derive it now)
+        if self.__dict__.get("offloaded"):  # offload hooks swap the weight every call; such a layer is never plain
+            return False
+        w, dtype = self.__dict__.get("_seen_w", _UNSEEN)  # (a layer pickled before this check: derive it now)
         now = self.base._parameters.get("weight")
         if now is not w or (now is not None and now.dtype is not dtype):
             self.select_backend()
@@ -325,6 +328,7 @@ class FusedLoraLinear(_FusedLora):
         self._seen_weight()
         # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear): nn.Linear only
         self._whole = linear and self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
+        offload.note(self)  # under offload hooks: neither plain nor whole (fdlora.layers.offload)
 
     def _on_device_cache(self, x: torch.Tensor) -> bool:
         """Blend calls that may not branch on the host (compiled, frozen, being captured) use the merged-weight
@@ -382,6 +386,7 @@ class FusedLoraLinear(_FusedLora):
         K, N = self.in_features, self.out_features
         M = x.numel() // K if K else 0
         if (st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear or not self._plain
+                or self.offloaded
                 or M < GROUP_MIN_ROWS * len(groups.of_sample) or len(groups.blends) > remerge.MAX_GROUP_COPIES
                 or not _merged.BUDGET.enabled(x.device.type)
                 or (torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))
@@ -430,7 +435,9 @@ class FusedLoraLinear(_FusedLora):
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        self.plain_now()
+        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
+            offload.follow(self, x.device)  # tensors (fdlora.layers.offload); traced graphs must not guard on it
+        self.plain_now()  # a weight quantized / recast under the layer (fdlora.layers.quantized)
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
@@ -507,12 +514,15 @@ class FusedLoraConv2d(_FusedLora):
         A = self.bank.A
         self._plain = type(self.base) is nn.Conv2d and quantized.plain_weight(self.base, A.dtype, A.device)
         self._seen_weight()
+        offload.note(self)  # under offload hooks: not plain (fdlora.layers.offload)
 
     def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        self.plain_now()
+        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
+            offload.follow(self, x.device)  # tensors (fdlora.layers.offload); traced graphs must not guard on it
+        self.plain_now()  # a weight quantized / recast under the layer (fdlora.layers.quantized)
         if self._needs_autograd(x):
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode

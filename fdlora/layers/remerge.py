@@ -17,6 +17,7 @@ import functools
 import torch
 from torch import nn
 
+from . import offload
 from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, merged_key
 from .state import Mode, to_device
 
@@ -27,7 +28,8 @@ def cacheable(layer, device: torch.device) -> bool:
     bank = layer.bank
     return (layer.plain_now() and bank.A.device == device and bank._buffers["bias"] is None and True in bank.used
             and bank._buffers["magnitude"] is None
-            and layer.state.mode is Mode.BLEND)
+            and layer.state.mode is Mode.BLEND
+            and offload.current(layer))  # not offloaded behind the layer's back (fdlora.layers.offload)
 
 
 def entry(layer, out: torch.Tensor, W: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:

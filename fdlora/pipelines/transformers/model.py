@@ -189,11 +189,25 @@ def enable(model: nn.Module) -> nn.Module:
             body["generate"] = _generate_of(cls)
         sub = _SUBCLASSES[cls] = type(cls.__name__, (FdLoraModel, cls), body)
     model.__class__ = sub
+    _rehook(model)
     return model
+
+
+def _rehook(model: nn.Module) -> None:
+    """An accelerate hook on the model itself (cpu_offload, disk_offload, a device_map) kept the class's forward it
+    found when it was added; point it at the class the instance has now, so fd-lora's forward (adapter_names,
+    fd_lora_adapters) runs inside the hook and generate sees its signature (fdlora.layers.offload)."""
+    fwd = model.__dict__.get("forward")
+    if "_old_forward" not in model.__dict__ or not isinstance(fwd, functools.partial):
+        return
+    model._old_forward = type(model).forward.__get__(model)
+    model.forward = functools.update_wrapper(functools.partial(fwd.func, *fwd.args, **fwd.keywords),
+                                             model._old_forward)
 
 
 def disable(model: nn.Module) -> nn.Module:
     """The instance's own class back."""
     if isinstance(model, FdLoraModel):
         model.__class__ = type(model)._fdlora_base
+        _rehook(model)
     return model
