@@ -304,7 +304,8 @@ class _FusedLora(nn.Module):
                 f"backend={self.selection}")
 
 
-_REFERENCE = registry.Selection(registry.backends()["torch"], ("autograd: the torch reference (kernels have no backward)",))
+_REFERENCE = registry.Selection(registry.backends()["torch"],
+                                ("autograd: the torch reference (kernels have no backward)",))
 
 
 class FusedLoraLinear(_FusedLora):
