@@ -12,7 +12,6 @@ import shutil
 import tempfile
 
 import pytest
-
 from support.fakehub import FakeHub
 
 _ROOT = tempfile.mkdtemp(prefix="fdlora-tests-")

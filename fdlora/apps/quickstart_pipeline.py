@@ -96,7 +96,8 @@ def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
             alone.append(gen(pipe, prompt=p, latents=lat[i: i + 1])[0])
     per_prompt = float((batch - torch.stack(alone)).abs().max() / batch.abs().max())
     _grid(palette.latent_preview(batch.float().cpu()), cols=3).save(out_dir / "per_prompt.png")
-    print(f"  per-prompt batch {specs} saved to {out_dir / 'per_prompt.png'}; vs one call each (relative): {per_prompt:.2e}")
+    print(f"  per-prompt batch {specs} saved to {out_dir / 'per_prompt.png'}; vs one call each (relative): "
+          f"{per_prompt:.2e}")
 
     step = iter(range(10**9))
     rows = [

@@ -41,8 +41,9 @@ def _embeddings(pipe, texts) -> torch.Tensor:
 def train(pipe, rgb: tuple[float, float, float], *, steps: int = 40, num_inference_steps: int = 2,
           guidance_scale: float = 7.5, rank: int = 4, lr: float = 2e-2, seed: int = 0) -> dict[str, bytes]:
     """A UNet LoRA whose images' mean preview colour is `rgb`, as the diffusers LoRA file {name: bytes}."""
-    import fdlora
     from peft import LoraConfig
+
+    import fdlora
 
     unet = copy.deepcopy(pipe.unet).float()
     fdlora.add_trainable_adapter(unet, "palette", LoraConfig(r=rank, lora_alpha=rank, target_modules=list(TARGETS),

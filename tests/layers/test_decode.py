@@ -13,12 +13,14 @@ from torch import nn
 
 import fdlora
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
+
 pytest.importorskip("triton")
-pytestmark = pytest.mark.triton  # Triton's kept launches: on the Triton backend, as auto picks it
 from fdlora.kernels.triton import config as C  # noqa: E402
-from fdlora.layers import decode
-from fdlora.layers.state import as_rows
-from fdlora.testing import bound, max_err
+from fdlora.layers import decode  # noqa: E402
+from fdlora.layers.state import as_rows  # noqa: E402
+from fdlora.testing import bound, max_err  # noqa: E402
+
+pytestmark = pytest.mark.triton  # Triton's kept launches: on the Triton backend, as auto picks it
 
 CUDA = torch.cuda.is_available()
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

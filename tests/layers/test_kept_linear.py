@@ -9,6 +9,7 @@ from torch import nn
 
 import fdlora
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
+
 pytest.importorskip("triton")
 from fdlora.kernels.triton import config as C  # noqa: E402
 

@@ -1,7 +1,8 @@
 """Building and finding the CUDA C++ extension (csrc/): ahead of time, or just in time on first use.
 
 Where the library comes from, first found wins:
-1. built with the package (`FDLORA_BUILD_CUDA=1 pip install --no-build-isolation .`, setup.py): fdlora/kernels/cuda/_C*.so;
+1. built with the package (`FDLORA_BUILD_CUDA=1 pip install --no-build-isolation .`, setup.py):
+   fdlora/kernels/cuda/_C*.so;
 2. built earlier into the cache (`fdlora env --build-cuda`, or a previous first use):
    $FDLORA_CUDA_CACHE (default ~/.cache/fdlora/cuda)/<torch, CUDA and source digest>/fdlora_cuda.so;
 3. built now with torch.utils.cpp_extension (nvcc + ninja), under a file lock so concurrent processes build once.

@@ -17,7 +17,8 @@ specialisation), which no saving on the LoRA side makes up, so on Hopper the cho
 the model says otherwise, and are tested like the rest.
 
 A CUTLASS fused form was built and measured too, and is not a path (deleted after session 11, in git history
-as fdlora/kernels/cutlass; results/.../cutlass_s9_*.json): CUTLASS 4.2's warp-specialized cooperative GEMM with the shrink as a second,
+as fdlora/kernels/cutlass; results/.../cutlass_s9_*.json): CUTLASS 4.2's warp-specialized cooperative GEMM with
+the shrink as a second,
 N=16 wgmma per k-block and the expand as one extra k-stage. Exact on every check, but on the seven SDXL/Flux
 shapes its plain GEMM alone runs at 1.06-1.31x cuBLAS (128x256 tiles, cluster 1x1; the best of 1x1, 2x1 and
 stream-K 1.03-1.23x) and the in-loop shrink adds 5-21% to it at r16 (28-48% at r64): 1.20-1.48x cuBLAS at r16,

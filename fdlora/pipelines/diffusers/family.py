@@ -123,7 +123,8 @@ class Family:
         # keys diffusers skips without an error, and modules that went missing
         for k in raw.tensors:
             if k.endswith(".diff") or (k.endswith(".diff_b") and "norm" in k):
-                out.dropped[k] = ("a full weight / bias difference (diff, diff_b of a norm): diffusers' converter skips "
+                out.dropped[k] = ("a full weight / bias difference (diff, diff_b of a norm): diffusers' converter skips"
+                                  " "
                                   "it (fd-lora applies low-rank deltas)")
         n_in = len({MODULE_SUFFIX.sub("", k) for k in raw.tensors if LORA_PART.search(k)})
         n_out = sum(len(m) for m in out.components.values())
