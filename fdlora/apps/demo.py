@@ -33,6 +33,7 @@ from ..errors import FdLoraError
 log = logging.getLogger(__name__)
 MAX_ADAPTERS = 8  # slider slots: Gradio components are fixed once the page is built
 TINY_SIZE = 64
+REPOS = {"pixel": "fdlora-demo/pixel-style", "watercolor": "fdlora-demo/watercolor"}  # the embedded default's LoRAs
 
 
 def _gradio():
@@ -45,12 +46,11 @@ def _gradio():
 
 
 def tiny_pipe(steps: int = 4):
-    """The embedded default: tiny SD1.5 + the quickstart's two LoRAs, loaded by repo id from a local Hub cache."""
+    """The embedded default: tiny SD1.5 + two random LoRAs, loaded by repo id from a local Hub cache."""
     import fdlora  # noqa: F401  (attaches pipe.load_fd_lora)
 
     from ..hub.localcache import populate
     from ..pipelines.diffusers import tiny
-    from .quickstart_pipeline import REPOS
 
     pipe = tiny.sd15()
     pipe.set_progress_bar_config(disable=True)
