@@ -240,6 +240,20 @@ class _FusedLora(nn.Module):
         return prepare(*remerge.entry(self, out, W, self.scale_blend[:self.bank.slots]), stamp, self.bank.dversion)
 
     # --- forward ------------------------------------------------------------------------------
+    def _common_forward(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The start every layer kind's forward shares: follow offload hooks and weight changes, then the autograd
+        (reference), DoRA and merged-weight-cache paths; None when the kind's own paths decide."""
+        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
+            offload.follow(self, x.device)  # tensors (fdlora.layers.offload); traced graphs must not guard on it
+        self.plain_now()  # a weight quantized / recast under the layer (fdlora.layers.quantized)
+        if self._needs_autograd(x):
+            return self._reference_forward(x, args, kwargs)
+        if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
+            return dora.forward(self, x, args, kwargs)
+        if self._cached():
+            return self._merged_forward(x)
+        return None
+
     def _needs_autograd(self, x: torch.Tensor) -> bool:
         """A call whose input carries gradients (a trainable adapter or module before this layer, input
         gradients) on a kernel backend: the kernels' ops have no backward, so the reference computes it."""
@@ -436,17 +450,9 @@ class FusedLoraLinear(_FusedLora):
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
-            offload.follow(self, x.device)  # tensors (fdlora.layers.offload); traced graphs must not guard on it
-        self.plain_now()  # a weight quantized / recast under the layer (fdlora.layers.quantized)
-        if self._needs_autograd(x):
-            return self._reference_forward(x, args, kwargs)
-        if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
-            return dora.forward(self, x, args, kwargs)
-        if self._cached():
-            y = self._merged_forward(x)
-            if y is not None:
-                return y
+        y = self._common_forward(x, args, kwargs)
+        if y is not None:
+            return y
         mode, skip = self.state.mode, self._skip()
         if mode is Mode.SAMPLES and not skip and not (args or kwargs):
             y = self._grouped_forward(x)
@@ -521,17 +527,9 @@ class FusedLoraConv2d(_FusedLora):
         return self.base._conv_forward(x, w, bias)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
-            offload.follow(self, x.device)  # tensors (fdlora.layers.offload); traced graphs must not guard on it
-        self.plain_now()  # a weight quantized / recast under the layer (fdlora.layers.quantized)
-        if self._needs_autograd(x):
-            return self._reference_forward(x, args, kwargs)
-        if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.dora serves every mode
-            return dora.forward(self, x, args, kwargs)
-        if self._cached():
-            y = self._merged_forward(x)
-            if y is not None:
-                return y
+        y = self._common_forward(x, args, kwargs)
+        if y is not None:
+            return y
         y = self.base(x, *args, **kwargs)
         if self._skip():
             return y

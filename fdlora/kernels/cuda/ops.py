@@ -9,8 +9,8 @@ Importing this module loads the library, building it first if needed (fdlora.ker
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ..eager import direct, ones
 from . import build
 
 _C = build.load()
@@ -30,18 +30,6 @@ __all__ = ["lora_bias_add", "lora_conv_delta", "lora_delta", "lora_delta_rows", 
            "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_linear"]
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _direct(*tensors: torch.Tensor) -> bool:
-    """True when calling the library directly is indistinguishable from going through the dispatcher: eager, no
-    tracing mode, plain tensors, no autograd (the op has no autograd formula; through torch.ops it would refuse)."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    grad = torch.is_grad_enabled()
-    return all(type(t) in _PLAIN and not (grad and t.requires_grad) for t in tensors)
-
-
 def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:  # [M, K], [S, R, K] -> [M, S*R] fp32
     return _shrink(x, A)
 
@@ -54,7 +42,7 @@ def lora_expand_add(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, scale: to
 def lora_delta(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
                group_weight: torch.Tensor, ranks: torch.Tensor) -> None:
     """Blend / per-sample-segment mode: y += ((x A^T) * w) B^T over all slots as one rank-S*R adapter."""
-    if _direct(y, x, A, B, scale, group_weight, ranks):
+    if direct(y, x, A, B, scale, group_weight, ranks):
         return _C.lora_delta(y, x, A, B, scale, group_weight, ranks)
     _delta(y, x, A, B, scale, group_weight, ranks)
 
@@ -62,7 +50,7 @@ def lora_delta(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 def lora_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
                     row_slot: torch.Tensor, ranks: torch.Tensor) -> None:
     """Per-row mode: row m gets slot row_slot[m] at scale[row_slot[m]], or nothing for -1."""
-    if _direct(y, x, A, B, scale, row_slot, ranks):
+    if direct(y, x, A, B, scale, row_slot, ranks):
         return _C.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     _rows(y, x, A, B, scale, row_slot, ranks)
 
@@ -70,7 +58,7 @@ def lora_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.
 def lora_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
                 scale: torch.Tensor, group_weight: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
     """Base GEMM + LoRA as one op: merged weight + one GEMM, or GEMM + delta, chosen per shape in C++."""
-    if _direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or _direct(bias)):
+    if direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or direct(bias)):
         return _C.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
     return _linear(x, W, bias, A, B, scale, group_weight, ranks)
 
@@ -80,7 +68,7 @@ def prepare_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: tor
     """lora_delta_rows now, and for plain eager calls the call kept with the bank bound: `ready(y, x, scale,
     row_slot)` runs it on new tensors (True), as fdlora.layers.decode replays one launch per layer."""
     lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
-    if not _direct(y, x, A, B, scale, row_slot, ranks):
+    if not direct(y, x, A, B, scale, row_slot, ranks):
         return None
     run = _C.lora_delta_rows
 
@@ -91,21 +79,14 @@ def prepare_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: tor
     return ready
 
 
-_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
 def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
                    scale: torch.Tensor, ranks: torch.Tensor, stream: int):
     """lora_linear (blend) with every argument but x bound in C++, for eager layers to keep and call: `run(x)`. None
     for calls that must go through the dispatcher (traced, autograd). The layer remakes it when an address, the
     stream or the row count changes (fdlora.layers.fused.FusedLoraLinear._kept_linear)."""
-    if not (_direct(x, W, A, B, scale, ranks) and (bias is None or _direct(bias))):
+    if not (direct(x, W, A, B, scale, ranks) and (bias is None or direct(bias))):
         return None
-    key = (A.shape[0], A.device)
-    ones = _ONES.get(key)
-    if ones is None:
-        ones = _ONES[key] = torch.ones(1, A.shape[0], device=A.device)
-    return _C.BoundLinear(W, bias, A, B, scale, ones, ranks)
+    return _C.BoundLinear(W, bias, A, B, scale, ones(A.shape[0], A.device), ranks)
 
 
 def lora_merge(out: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,

@@ -26,8 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ..eager import direct
+from ..eager import ones as _ones
 from . import config as C
 from . import lora_delta as _delta  # registers fdlora::lora_delta
 from . import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
@@ -42,22 +43,11 @@ __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "l
            "lora_shrink", "merge_table", "prepare_linear", "prepare_merge"]
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a base layer's weight is a Parameter: still a plain tensor here
-
-
-def _direct(*tensors: torch.Tensor) -> bool:
-    """True when launching the kernel directly is indistinguishable from going through the op."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    grad = torch.is_grad_enabled()
-    return all(type(t) in _PLAIN and not (grad and t.requires_grad) for t in tensors)
-
-
 def lora_shrink(
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
 ) -> torch.Tensor:  # [M, S*R] fp32
-    if _direct(x, A):
+    if direct(x, A):
         with set_wrap_triton_enabled(False):
             return _shrink.lora_shrink(x, A)
     return torch.ops.fdlora.lora_shrink(x, A)
@@ -70,7 +60,7 @@ def lora_expand_add(
     scale: torch.Tensor,  # [S] fp32
     group_weight: torch.Tensor,  # [G, S] fp32
 ) -> None:
-    if _direct(y, h, B, scale, group_weight):
+    if direct(y, h, B, scale, group_weight):
         with set_wrap_triton_enabled(False):
             return _expand.lora_expand_add(y, h, B, scale, group_weight)
     torch.ops.fdlora.lora_expand_add(y, h, B, scale, group_weight)
@@ -86,7 +76,7 @@ def lora_delta(
     ranks: torch.Tensor,  # [S] int32
 ) -> None:
     """Blend / per-sample-segment mode: y += ((x A^T) * w) B^T over all slots as one rank-S*R adapter."""
-    if _direct(y, x, A, B, scale, group_weight, ranks):
+    if direct(y, x, A, B, scale, group_weight, ranks):
         with set_wrap_triton_enabled(False):
             return _delta.lora_delta(y, x, A, B, scale, group_weight, ranks)
     torch.ops.fdlora.lora_delta(y, x, A, B, scale, group_weight, ranks)
@@ -102,7 +92,7 @@ def lora_delta_rows(
     ranks: torch.Tensor,  # [S] int32
 ) -> None:
     """Per-row mode (SGMV): row m gets slot row_slot[m] at scale[row_slot[m]], or nothing for -1."""
-    if _direct(y, x, A, B, scale, row_slot, ranks):
+    if direct(y, x, A, B, scale, row_slot, ranks):
         with set_wrap_triton_enabled(False):
             return _rows.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
@@ -121,7 +111,7 @@ def prepare_delta_rows(
     row_slot)` replays it on new tensors of the same shapes, strides and dtypes (False, launching nothing, if
     their alignment changed). An eager decode step replays one launch per layer without re-deriving it
     (fdlora.kernels.triton.config.Prepared, fdlora.layers.decode)."""
-    if _direct(y, x, A, B, scale, row_slot, ranks):
+    if direct(y, x, A, B, scale, row_slot, ranks):
         with set_wrap_triton_enabled(False):
             return _rows.launch_rows(y, x, A, B, scale, row_slot, ranks, keep=True)
     torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
@@ -139,21 +129,10 @@ def lora_linear(
     ranks: torch.Tensor,  # [S] int32
 ) -> torch.Tensor:  # [M, N]
     """Base GEMM + LoRA as one op; the path (fused, merged + cuBLAS, cuBLAS + delta) is chosen per shape."""
-    if _direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or _direct(bias)):
+    if direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or direct(bias)):
         with set_wrap_triton_enabled(False):
             return _linear.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
     return torch.ops.fdlora.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
-
-
-_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}  # lora_merge's group weights: none made per call
-
-
-def _ones(S: int, device: torch.device) -> torch.Tensor:
-    """[1, S] ones: the one group of a blend merge."""
-    ones = _ONES.get((S, device))
-    if ones is None:
-        ones = _ONES[(S, device)] = torch.ones(1, S, device=device)
-    return ones
 
 
 def lora_merge(
