@@ -25,6 +25,10 @@ from fdlora.serve import ImageRequest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 T0 = time.perf_counter()
+# A replica reports the adapters it holds every 0.1 s and the controller passes them to the routers by long poll;
+# until a router knows, Ray routes as for a new adapter (the least-loaded replica). Wait this long after a first
+# load before asserting where the next requests land (on a busy 2-core CI machine the 0.1 s can stretch).
+SETTLE_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +136,21 @@ def replica_stats() -> list[dict]:
 
 
 def test_requests_for_one_adapter_land_on_the_replica_that_has_it(live):
-    body = {"prompt": "a cat", "adapters": {"a5": 1.0}, "num_inference_steps": 2, "height": 64, "width": 64}
-    first = serving.post(live.url, json.dumps({**body, "seed": 0}).encode())
-    assert first[0] == 200
-    home = first[1]["x-fdlora-replica"]
-    homes = [serving.post(live.url, json.dumps({**body, "seed": i}).encode())[1]["x-fdlora-replica"]
-             for i in range(1, 9)]  # one at a time: the replica holding a5 always has capacity
-    assert homes == [home] * 8
-    other = {"prompt": "a cat", "adapters": {"a6": 1.0}, "num_inference_steps": 2, "height": 64, "width": 64}
-    homes6 = {serving.post(live.url, json.dumps({**other, "seed": i}).encode())[1]["x-fdlora-replica"]
-              for i in range(6)}
-    assert len(homes6) == 1
+    """After a first request for an adapter, the next ones go only to replicas that already hold it and load
+    nothing anywhere (earlier tests may have left it on both replicas: then either may serve it)."""
+    for name in ("a5", "a6"):
+        body = {"prompt": "a cat", "adapters": {name: 1.0}, "num_inference_steps": 2, "height": 64, "width": 64}
+        first = serving.post(live.url, json.dumps({**body, "seed": 0}).encode())
+        assert first[0] == 200
+        time.sleep(SETTLE_S)
+        stats = replica_stats()
+        holders = {s["replica"] for s in stats if name in s["known"]}
+        loads = sum(s["loads"] for s in stats)
+        assert first[1]["x-fdlora-replica"] in holders
+        homes = {serving.post(live.url, json.dumps({**body, "seed": i}).encode())[1]["x-fdlora-replica"]
+                 for i in range(1, 9)}  # one at a time: a replica holding it always has capacity
+        assert homes <= holders, f"{name}: served by {homes}, held by {holders}"
+        assert sum(s["loads"] for s in replica_stats()) == loads, f"{name}: routed to a replica without it"
 
 
 def test_handle_api_validates_like_http_and_matches_the_oracle(live, oracle):
