@@ -20,6 +20,7 @@ from .errors import FdLoraError
 from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
 from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
+from .layers.captured import capture_steps, release_steps
 from .layers.merged import merge_cache_bytes, set_merge_cache
 from .pipelines.diffusers.hook import install as _install_diffusers_hook
 from .pipelines.scope import adapters
@@ -87,7 +88,7 @@ __all__ = [
     "adapters",
     "add_adapter",
     "add_trainable_adapter",
-    "add_trainable_adapter",
+    "capture_steps",
     "delete_adapter",
     "disable",
     "enable",
@@ -103,6 +104,7 @@ __all__ = [
     "per_row",
     "per_sample",
     "plan",
+    "release_steps",
     "restore",
     "save_peft",
     "set_adapters",

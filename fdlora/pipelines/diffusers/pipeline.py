@@ -25,6 +25,7 @@ from ...errors import DuplicateAdapterError, FdLoraError, PartialLoadWarning, Ta
 from ...hub.adapter import LoraAdapter
 from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, quantized, registry_of_models
+from ...layers.captured import capture_steps, release_steps, steps_of
 from .. import fuse as fusing
 from ..scope import pipe_lock
 from . import fused_qkv, schedule
@@ -350,6 +351,8 @@ class FdLoraPipelineMixin:
     def unload_lora_weights(self, *args: Any, **kwargs: Any) -> None:
         """Remove fd-lora from every component: original modules back (bit-exact unless fused first)."""
         with pipe_lock(self):
+            for m in self._fd_denoisers():
+                release_steps(m)  # captured graphs hold the fused layers' launches
             for h in self.fd_lora_handles().values():
                 h.__dict__.pop("fused", None)  # diffusers semantics: fuse then unload keeps the fused weights
                 remove_scale_hook(h.model)
@@ -358,6 +361,24 @@ class FdLoraPipelineMixin:
             base = type(self).__dict__.get("_fdlora_base")
             if base is not None:
                 self.__class__ = base
+
+    # --- captured steps (fdlora.layers.captured) ---------------------------------------------------
+    def _fd_denoisers(self) -> list[nn.Module]:
+        mods = self._fd_modules()
+        return [mods[n] for n in dict.fromkeys((self._fd_denoiser(), "transformer_2")) if n in mods]
+
+    def enable_fd_lora_cuda_graphs(self, *, clone_outputs: bool = True, max_graphs: int = 8) -> None:
+        """Run the denoiser's steps as CUDA graphs (captured per input shape on first use, then replayed): the
+        eager step's host cost goes, adapter switches and slider moves still apply on the next replay."""
+        with pipe_lock(self):
+            for m in self._fd_denoisers():
+                if steps_of(m) is None:
+                    capture_steps(m, clone_outputs=clone_outputs, max_graphs=max_graphs)
+
+    def disable_fd_lora_cuda_graphs(self) -> None:
+        with pipe_lock(self):
+            for m in self._fd_denoisers():
+                release_steps(m)
 
     # --- fusing --------------------------------------------------------------------------------
     def fuse_lora(self, components: Sequence[str] | None = None, lora_scale: float = 1.0, safe_fusing: bool = False,
