@@ -271,8 +271,51 @@ def denoiser(r: Run) -> None:
             r.case("nocache_1", run, run_base, checked(run, "one"), "set_merge_cache(0)")
         finally:
             fdlora.set_merge_cache("auto")
+        captured(r, fd, base, x, ref, effect(ref["one"], y_base[xb]))
         if not sdxl and (r.wants("compiled_regional_1") or r.wants("compile_time_x")):
             compiled(r, fd, base, x, ref["one"], effect(ref["one"], y_base[xb]))
+
+
+CAPTURED = ("captured_1", "captured_vs_captured_base", "captured_slider")
+
+
+def captured(r: Run, fd, base, x, ref, eff) -> None:
+    """Steps as CUDA graphs (fdlora.capture_steps): fd-lora replays vs the eager base (what a user gains), vs the base
+    captured the same way, and with the slider moved before every replay. No targets in the issue's table: rows
+    for the README's captured-steps section."""
+    if not any(r.wants(c) for c in CAPTURED):
+        return
+    if r.dev.type != "cuda":
+        print("  captured steps: CUDA graphs need a GPU (smoke run: skipped)", flush=True)
+        return
+    run, run_base = functools.partial(fd, **x), functools.partial(base, **x)
+    weights = itertools.cycle([i / 10 for i in range(1, 11)])
+
+    def slide():
+        fdlora.set_adapters(fd, ["a0"], [next(weights)])
+        return fd(**x)
+
+    def slide_then_final():
+        for w in (0.3, 1.0, FINAL):
+            fdlora.set_adapters(fd, ["a0"], [w])
+            y = fd(**x)
+        return y
+
+    fdlora.set_adapters(fd, ["a0"])
+    steps = fdlora.capture_steps(fd)
+    try:
+        r.case("captured_1", run, run_base, lambda: (run(), ref["one"], eff),
+               "fdlora.capture_steps(model): CUDA-graph replays vs the eager base")
+        fdlora.capture_steps(base)  # a module without fd-lora layers is captured the same way
+        r.case("captured_vs_captured_base", run, run_base, lambda: (run(), ref["one"], eff),
+               "both captured with fdlora.capture_steps")
+        r.case("captured_slider", slide, run_base, lambda: (slide_then_final(), ref["slider"], eff),
+               "set_adapters(['a0'], [w]) before every replay, w cycling 0.1..1.0; base captured")
+        if r.rows and r.rows[-1]["case"] in CAPTURED:
+            r.rows[-1]["notes"] += f"; graphs captured: fd-lora {steps.captures} (switches re-captured nothing)"
+    finally:
+        fdlora.release_steps(fd)
+        fdlora.release_steps(base)
 
 
 def compiled(r: Run, fd, base, x, ref, eff) -> None:

@@ -9,7 +9,10 @@
 #           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call),
 #           tests-fast (GPU-marked tests, 6 workers: ~3 min; .whl must hold pytest-xdist + execnet), tests-cuda (the same
 #           under FDLORA_BACKEND=cuda), tests-notriton (triton's package moved away for the run, then back),
-#           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py)
+#           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py),
+#           fullsize-sdxl / fullsize-flux / fullsize-llama (the headline table, one model per call: each takes minutes),
+#           fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
+#           gpu-memory (tests/reliability/test_gpu_memory.py)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -43,6 +46,12 @@ for stage in "$@"; do
     delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;
     sweep) TAIL=30 step 400 python3 benchmarks/probes/sweep_delta.py --parts decode,diffusion,components \
         --out "$OUT/results/sweep_delta.json" ;;
+    fullsize-sdxl|fullsize-flux|fullsize-llama) TAIL=30 step 560 python3 benchmarks/bench_fullsize.py \
+        --model "${stage#fullsize-}" --out "$OUT/results/fullsize.json" ;;
+    fullsize-cuda) for m in sdxl flux; do TAIL=12 FDLORA_BACKEND=cuda step 280 python3 benchmarks/bench_fullsize.py \
+        --model $m --cases nocache_1,per_prompt_2,slider_every_step,cache_1 --out "$OUT/results/fullsize_cuda.json"; done ;;
+    offload) step 400 python3 benchmarks/bench_offload.py --out "$OUT/results/offload.json" ;;
+    gpu-memory) TAIL=15 step 300 python3 -m pytest -q -p no:cacheprovider tests/reliability/test_gpu_memory.py ;;
     probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
   esac
 done
