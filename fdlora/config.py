@@ -3,7 +3,7 @@
     pipeline: tiny-sd15            # or a diffusers Hub id; or `model: tiny-llama | <transformers Hub id>`
     dtype: float32                 # float32 | float16 | bfloat16
     device: cpu                    # auto | cpu | cuda | cuda:N
-    backend: auto                  # auto | triton | cuda | torch
+    backend: auto                  # auto | triton | cuda | triton+cuda | torch
     hub: {cache_dir: ./cache}      # optional Hub keywords for the base model
     quantization: {bits: 4}        # optional; transformers Hub models only (bitsandbytes)
     adapters:
@@ -40,7 +40,7 @@ from typing import Any
 from .errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
-BACKENDS = ("auto", "triton", "cuda", "torch")
+BACKENDS = ("auto", "triton", "cuda", "triton+cuda", "torch")
 BITS = (4, 8)
 TINY_PIPELINES = ("tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-flux")
 TINY_MODELS = ("tiny-llama",)

@@ -9,7 +9,7 @@ BACKEND_VAR = "FDLORA_BACKEND"
 
 
 def backend_preference() -> str:
-    """`FDLORA_BACKEND`: auto | triton | cuda | torch (default auto)."""
+    """`FDLORA_BACKEND`: auto | triton | cuda | triton+cuda | torch (default auto)."""
     return os.environ.get(BACKEND_VAR, "auto").strip().lower() or "auto"
 
 

@@ -50,5 +50,10 @@ def _triton_tests_run_on_triton(request):
         pytest.skip("triton is not installed")
     from fdlora.kernels import registry
 
-    with registry.use_backend("auto"):
-        yield
+    order = registry.AUTO_ORDER  # auto as it picks without the extension: Triton (its tests assert the name)
+    registry.AUTO_ORDER = tuple(n for n in order if n != "triton+cuda")
+    try:
+        with registry.use_backend("auto"):
+            yield
+    finally:
+        registry.AUTO_ORDER = order

@@ -33,6 +33,18 @@ def _probe_cuda() -> str | None:
     return None
 
 
+def _probe_hybrid() -> str | None:
+    """Triton usable and the CUDA extension already built (picking a backend never starts a build)."""
+    from .cuda import build
+
+    if (reason := _probe_triton()) is not None:
+        return reason
+    if build.status().library is None:
+        return ("the CUDA extension is not built (build it once: `fdlora env --build-cuda`, or install with "
+                "FDLORA_BUILD_CUDA=1); Triton alone runs")
+    return _probe_cuda()
+
+
 register(
     Backend(
         "torch",
@@ -56,5 +68,14 @@ register(
         Capability(devices=frozenset({"cuda"}), dtypes=FLOATS, kinds=frozenset({"linear", "conv2d"}), max_slots=64),
         module="fdlora.kernels.cuda.ops",
         probe=_probe_cuda,
+    )
+)
+register(
+    Backend(
+        "triton+cuda",  # per-call GEMM paths from the extension, merges and decode launches from Triton (hybrid.py)
+        Capability(devices=frozenset({"cuda"}), dtypes=FLOATS, kinds=frozenset({"linear"}), max_rank=256,
+                   max_slots=64),
+        module="fdlora.kernels.hybrid",
+        probe=_probe_hybrid,
     )
 )

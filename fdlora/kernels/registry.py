@@ -21,7 +21,7 @@ import torch
 from .. import env
 from ..errors import BackendUnavailableError
 
-AUTO_ORDER = ("triton", "cuda", "torch")
+AUTO_ORDER = ("triton+cuda", "triton", "cuda", "torch")  # triton+cuda: only once the extension is built
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,8 @@ def track(layer: Any) -> None:
 
 
 def set_backend(name: str) -> None:
-    """Choose the backend for every layer: "auto" | "triton" | "cuda" | "torch". Live layers reselect now."""
+    """Choose the backend for every layer: "auto" | "triton" | "cuda" | "triton+cuda" | "torch". Live layers
+    reselect now."""
     global _preference
     name = _check_name(name)
     previous = _preference

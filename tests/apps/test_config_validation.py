@@ -28,7 +28,7 @@ CASES = [
     ({"pipeline": "tiny-sd16"}, "pipeline: got 'tiny-sd16'; allowed values: tiny-sd15, tiny-sdxl"),
     ({"model": "tiny-sd15"}, "model: got 'tiny-sd15'; allowed values: tiny-llama"),
     ({"pipeline": "tiny-sd15", "dtype": "float8"}, "dtype: got 'float8'; allowed values: float32, float16, bfloat16"),
-    ({"pipeline": "tiny-sd15", "backend": "cudnn"}, "backend: got 'cudnn'; allowed values: auto, triton, cuda, torch"),
+    ({"pipeline": "tiny-sd15", "backend": "cudnn"}, "backend: got 'cudnn'; allowed values: auto, triton, cuda, triton+cuda, torch"),
     ({"pipeline": "tiny-sd15", "device": "tpu"}, "device: got 'tpu'; allowed values: auto, cpu, cuda, cuda:N"),
     ({"pipeline": "tiny-sd15", "quantization": {"bits": 3}}, "quantization.bits: got 3; allowed values: 4, 8"),
     ({"pipeline": "tiny-sd15", "adapters": [{**AD, "weight": "high"}]},

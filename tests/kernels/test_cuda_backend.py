@@ -328,3 +328,63 @@ def test_compiled_model_on_the_cuda_backend_switches_without_recompiling(cops) -
                     torch.testing.assert_close(compiled(x).float(), expected(active), rtol=2e-2, atol=2e-2)
         finally:
             torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypatch) -> None:
+    """With the extension built and Triton present, auto picks "triton+cuda" for linear layers: the per-call GEMM ops
+    are the extension's, merges and decode launches Triton's (fdlora.kernels.hybrid); cached, no-cache, per-sample
+    and per-row calls all equal the float reference."""
+    pytest.importorskip("triton")
+    import fdlora
+    from fdlora import LoraAdapter, ModuleLora
+    from fdlora.kernels import hybrid
+
+    hyb = registry.backends()["triton+cuda"]
+    monkeypatch.setattr(hyb, "_probed", False)  # the extension was built by `cops` after an earlier probe
+    assert hyb.unavailable() is None
+    assert hybrid.lora_linear is registry.ops("cuda").lora_linear
+    assert hybrid.lora_merge_many is registry.ops("triton").lora_merge_many
+    torch.manual_seed(0)
+    dims = {"0": (64, 96), "2": (96, 64)}
+    with fdlora.use_backend("auto"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)).cuda().half()
+        fdlora.inject(model, list(dims), max_slots=4, max_rank=32)
+        adapters = {}
+        for name, r in (("a", 8), ("b", 32)):
+            adapters[name] = {p: ModuleLora(torch.randn(r, k) * 0.2, torch.randn(n, r) * 0.2, alpha=float(r))
+                              for p, (k, n) in dims.items()}
+            fdlora.add_adapter(model, LoraAdapter(adapters[name], name=name).to(dtype=torch.float16, device="cuda"))
+        assert all(lay.selection.name == "triton+cuda" for lay in fdlora.handle(model).layers.values())
+
+        def expected(x, per_sample: list[dict]) -> torch.Tensor:
+            out = []
+            for i, active in enumerate(per_sample):
+                h = x[i:i + 1].float()
+                for j, p in enumerate(dims):
+                    lin = model[int(p)].base
+                    o = h @ lin.weight.float().t() + lin.bias.float()
+                    for n, w in active.items():
+                        m = adapters[n][p]
+                        o = o + w * (h @ m.A.cuda().float().t()) @ m.B.cuda().float().t()
+                    h = torch.nn.functional.gelu(o) if j == 0 else o
+                out.append(h)
+            return torch.cat(out)
+
+        x = torch.randn(4, 80, 64, device="cuda", dtype=torch.float16)
+        tol = dict(rtol=2e-2, atol=2e-2)
+        with torch.no_grad():
+            for cache in ("auto", 0):
+                fdlora.set_merge_cache(cache)
+                fdlora.set_adapters(model, ["a", "b"], [0.6, -0.4])
+                torch.testing.assert_close(model(x).float(), expected(x, [{"a": 0.6, "b": -0.4}] * 4), **tol)
+            fdlora.set_merge_cache("auto")
+            specs = ["a", "b", None, "a"]
+            with fdlora.per_sample(model, specs):
+                want = expected(x, [{} if s is None else {s: 1.0} for s in specs])
+                torch.testing.assert_close(model(x).float(), want, **tol)
+            xr = torch.randn(4, 1, 64, device="cuda", dtype=torch.float16)  # decode rows
+            with fdlora.per_row(model, specs):
+                want = expected(xr, [{} if s is None else {s: 1.0} for s in specs])
+                torch.testing.assert_close(model(xr).float(), want, **tol)
+    monkeypatch.setattr(hyb, "_probed", False)
