@@ -21,6 +21,7 @@ kernel runs. Everything else goes through torch.ops.fdlora.*, which compile and 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -185,7 +186,9 @@ def lora_merge_many(entries: list[tuple[torch.Tensor, ...]], table: _many.MergeT
     table.launch([e[:5] for e in entries])
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, dtype, stream) -> the merged weight of the layer running now
+# (device, dtype, stream) -> the merged weight of the layer running now, held weakly: the kept launches that write
+# it hold it (views keep their base), so it goes back with the last model using it (tests/reliability/test_gpu_memory)
+_SCRATCH: dict[tuple, weakref.ref] = {}
 
 
 def prepare_linear(
@@ -212,9 +215,11 @@ def prepare_linear(
     if D.plan(D.Problem(M, K, N, S, R, x.dtype, x.device.type, C.device_sms(x), 1)).path != "merged":
         return None
     key = (W.device, W.dtype, stream)
-    scratch = _SCRATCH.get(key)
+    held = _SCRATCH.get(key)
+    scratch = None if held is None else held()
     if scratch is None or scratch.numel() < N * K:
-        scratch = _SCRATCH[key] = torch.empty(N * K, device=W.device, dtype=W.dtype)
+        scratch = torch.empty(N * K, device=W.device, dtype=W.dtype)
+        _SCRATCH[key] = weakref.ref(scratch)
     out = scratch[: N * K].view(N, K)
     ones = _ones(S, A.device)
     with set_wrap_triton_enabled(False):
