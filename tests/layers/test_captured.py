@@ -167,6 +167,40 @@ def test_max_graphs_keeps_the_most_recent(net):
     assert runner.captures == 4 and len(runner.graphs) == 2  # 1 was dropped when 3 came, captured again
 
 
+@torch.no_grad()
+def test_a_diffusers_pipeline_replays_its_unet_steps(tmp_path):
+    """The calling convention of a real pipeline (timestep tensors, keyword dicts, BaseOutput) through the runner:
+    a whole SD1.5 call with CFG equals the eager call, one graph for all steps, and a slider move between calls
+    applies without a new capture."""
+    pytest.importorskip("diffusers")
+    from fdlora.pipelines.diffusers import tiny
+
+    pipe = tiny.sd15()
+    pipe.set_progress_bar_config(disable=True)
+    (tmp_path / "l1").mkdir()
+    for name, data in tiny.random_lora_files(pipe, seed=1).items():
+        (tmp_path / "l1" / name).write_bytes(data)
+    pipe.load_fd_lora(str(tmp_path / "l1"), adapter_name="l1")
+    kw = dict(prompt=["a cat", "a dog"], num_inference_steps=3, height=32, width=32, output_type="pt")
+
+    def run():
+        return pipe(**kw, generator=torch.Generator().manual_seed(0)).images
+
+    want = {}
+    for w in (1.0, 0.4):
+        pipe.set_adapters(["l1"], [w])
+        want[w] = run()
+    runner = fdlora.capture_steps(pipe.unet, mechanism=StandIn(pipe.unet))
+    try:
+        for w in (1.0, 0.4):
+            pipe.set_adapters(["l1"], [w])
+            torch.testing.assert_close(run(), want[w], rtol=1e-5, atol=1e-5)
+    finally:
+        fdlora.release_steps(pipe.unet)
+    assert runner.captures == 1 and runner.replays == 6
+    assert (want[1.0] - want[0.4]).abs().max() > 1e-3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU error")
 def test_cpu_module_gets_one_clear_error_and_stays_as_it_was(net):
     with pytest.raises(FdLoraError, match="need a CUDA device"):
