@@ -97,7 +97,7 @@ def make_app(cfg, *, num_gpus: float = 0.0):
 
         @serve.multiplexed(max_num_models_per_replica=slots)
         async def adapter(self, name: str):
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.ensure, [name])
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.hold, name)
             return _Resident(self.engine, name)
 
         async def generate(self, req: dict) -> dict[str, Any]:

@@ -8,7 +8,8 @@ GPU-resident adapters (fdlora.hub.pool), and an adapter it evicts comes back fro
 multiplexing (fdlora.serve.deployment) routes requests to the replica that holds their adapter and calls
 `release` when its own LRU drops one; a release of an adapter a queued request still needs is harmless,
 since `run` loads what its batch names first. The other adapters of a blend load here too, outside Ray's
-LRU: host memory holds at most the allowlist's adapters, the device at most `adapters_per_replica`.
+LRU: they are `partners`, at most `adapters_per_replica` of them kept (least recently used deleted after a call),
+so host memory holds the adapters Ray's LRU holds plus that many, the device at most `adapters_per_replica`.
 
 Each request keeps its own seed (one torch.Generator per prompt), so a request's image does not depend on
 the batch it lands in, up to float rounding of batched matmuls (CPU: ~2e-6, at most 1/255 after the PNG
@@ -49,6 +50,8 @@ class Engine:
         self.calls = 0  # pipeline calls (a batch of several shapes makes several)
         self.loads = 0
         self.mixed = 0  # calls whose requests named different adapter sets: one per-prompt batch for all
+        self.held: set[str] = set()  # adapters Ray's multiplexed LRU holds (hold / release)
+        self.partners: dict[str, None] = {}  # other adapters of recent calls, least recently used first
 
     # --- adapters ------------------------------------------------------------------------------
     def known(self) -> list[str]:
@@ -67,11 +70,36 @@ class Engine:
                 self.pipe.load_fd_lora(spec.source, adapter_name=name, max_slots=self.slots, **spec.hub)
                 self.loads += 1
 
+    def hold(self, name: str) -> None:
+        """Load an adapter Ray's multiplexed LRU now holds (its requests route here); kept until `release`."""
+        with self._lock:
+            self.ensure([name])
+            self.held.add(name)
+            self.partners.pop(name, None)
+
     def release(self, name: str) -> None:
         """Forget an adapter (Ray's multiplexed LRU dropped it); a later request loads it again."""
         with self._lock:
+            self.held.discard(name)
+            self.partners.pop(name, None)
             if name in self.known():
-                self.pipe.delete_adapters(name)
+                self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        self.pipe.delete_adapters(name)
+
+    def _used(self, names: Sequence[str]) -> None:
+        """After a call naming `names`: the ones Ray does not hold become the most recent partners; past
+        `adapters_per_replica` partners, the least recently used go (a later request loads them again)."""
+        for name in names:
+            if name not in self.held:
+                self.partners.pop(name, None)
+                self.partners[name] = None
+        while len(self.partners) > self.slots:
+            old = next(iter(self.partners))
+            del self.partners[old]
+            if old in self.known():
+                self._delete(old)
 
     # --- requests --------------------------------------------------------------------------------
     def run(self, requests: Sequence[ImageRequest]) -> list[bytes]:
@@ -111,6 +139,7 @@ class Engine:
                 kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
             with torch.inference_mode():
                 images = self.pipe(**kw).images
+            self._used(names)
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [png(im) for im in images]
@@ -142,6 +171,7 @@ class TextEngine(Engine):
         self.vocab = int(self.pipe.get_input_embeddings().num_embeddings)
         self._lock = threading.RLock()
         self.calls = self.loads = self.mixed = 0
+        self.held, self.partners = set(), {}
 
     def known(self) -> list[str]:
         from ..layers import registry_of_models
@@ -162,12 +192,10 @@ class TextEngine(Engine):
                 load_fd_lora(self.pipe, spec.source, adapter_name=name, activate=False, **spec.hub)
                 self.loads += 1
 
-    def release(self, name: str) -> None:
+    def _delete(self, name: str) -> None:
         from .. import api
 
-        with self._lock:
-            if name in self.known():
-                api.delete_adapter(self.pipe, name)
+        api.delete_adapter(self.pipe, name)
 
     def _call(self, reqs: list) -> list[list[int]]:
         import torch
@@ -187,6 +215,7 @@ class TextEngine(Engine):
                 kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
             with torch.inference_mode():
                 out = self.pipe.generate(ids, **kw)[:, ids.shape[1]:]
+            self._used(names)
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [_until_eos(row.tolist(), eos) for row in out]

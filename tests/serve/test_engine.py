@@ -81,3 +81,21 @@ def test_text_engine_batches_mixed_adapters_like_each_alone(pytestconfig):
         eng.run([TextRequest((300,), {}, 2)])  # past the vocabulary: a 422, not an IndexError
     with pytest.raises(RequestError):
         parse_text({"input_ids": [1], "adapters": {"../t0": 1}}, eng.limits)
+
+
+def test_blend_partners_stay_within_the_replica_slots(engine):
+    """Adapters a blend names besides the routed one load outside Ray's LRU: at most adapters_per_replica of them
+    stay (least recently used deleted), held ones stay whatever happens, and a dropped one reloads when needed."""
+    for n in list(engine.known()):
+        engine.release(n)
+    engine.hold("e0")
+    first = engine.run([R({"e1": 0.5, "e2": 0.5}, seed=3)])[0]
+    assert set(engine.known()) == {"e0", "e1", "e2"}
+    engine.run([R({"e0": 1.0}, seed=1)])
+    assert set(engine.known()) == {"e0", "e1", "e2"}  # 2 partners fit the 2 slots
+    engine.release("e0")
+    engine.run([R({"e0": 0.5, "e1": 0.5}, seed=1)])  # e0 is a partner now: e2, the least recent, goes
+    assert set(engine.known()) == {"e0", "e1"} and list(engine.partners) == ["e0", "e1"]
+    loads = engine.loads
+    assert engine.run([R({"e1": 0.5, "e2": 0.5}, seed=3)])[0] == first  # e2 back from the caches, same image
+    assert engine.loads == loads + 1 and set(engine.known()) == {"e1", "e2"}
