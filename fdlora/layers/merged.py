@@ -34,6 +34,7 @@ also never takes memory that would leave less than 1 GiB free on its GPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -44,6 +45,7 @@ from .. import env
 from ..errors import ConfigError, FdLoraError
 from ..kernels.reference.lora_merge import new_stamp
 
+logger = logging.getLogger("fdlora")
 AUTO_SHARE = 0.25
 KEEP_FREE = 1 << 30
 
@@ -83,6 +85,7 @@ class MergeBudget:
         self.spec: int | float | str = parse_limit(env.merge_cache_limit())
         self.used: dict[torch.device, int] = {}
         self.generation = 0  # bumped when room may have appeared (limit change, release)
+        self.warned = -1  # generation of the last out-of-memory warning (one per generation)
         self.caches: weakref.WeakSet[MergedWeight] = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -107,10 +110,11 @@ class MergeBudget:
             self.used[device] = used + nbytes
             return True
 
-    def release(self, nbytes: int, device: torch.device) -> None:
+    def release(self, nbytes: int, device: torch.device, room: bool = True) -> None:
+        """Give bytes back; `room=False` for a reservation that was never used (no one else may retry for it)."""
         with self._lock:
             self.used[device] = max(0, self.used.get(device, 0) - nbytes)
-            self.generation += 1
+            self.generation += room
 
     def set_limit(self, spec: int | float | str) -> None:
         self.spec = parse_limit(spec)
@@ -178,7 +182,16 @@ class MergedWeight:
             if not BUDGET.reserve(W.numel() * W.element_size(), W.device):
                 self.denied = BUDGET.generation
                 return None
-            self.buf = torch.empty_like(W, memory_format=torch.contiguous_format)
+            try:
+                self.buf = torch.empty_like(W, memory_format=torch.contiguous_format)
+            except torch.OutOfMemoryError:  # room in the budget, none in the allocator (fragmentation, other
+                BUDGET.release(W.numel() * W.element_size(), W.device, room=False)  # processes): the per-call path
+                self.denied = BUDGET.generation  # needs no copy; retried once the budget changes
+                if BUDGET.warned != BUDGET.generation:
+                    BUDGET.warned = BUDGET.generation
+                    logger.warning("fd-lora: out of device memory for a merged copy of a %s weight: layers without "
+                                   "one run the per-call kernels until memory is freed", tuple(W.shape))
+                return None
             self._free = weakref.finalize(self, BUDGET.release, W.numel() * W.element_size(), W.device)
             self.key = self.stamp = None
         return self.buf
