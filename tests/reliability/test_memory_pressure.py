@@ -46,3 +46,68 @@ def test_a_copy_that_cannot_be_allocated_falls_back_and_the_step_runs(monkeypatc
         refused.clear()
         del m
     assert merged.BUDGET.used.get(torch.device("cpu"), 0) == 0
+
+
+def test_out_of_memory_inside_a_step_leaves_every_adapter_usable(tmp_path):
+    """An OutOfMemoryError raised by a layer in the middle of a per-prompt call, a request scope and a blend: the
+    error reaches the caller, and afterwards every mode gives the same images as before the failure."""
+    import pytest
+
+    pytest.importorskip("diffusers")
+    from fdlora.pipelines.diffusers import tiny
+
+    pipe = tiny.sd15()
+    pipe.set_progress_bar_config(disable=True)
+    files = {seed: tiny.random_lora_files(pipe, seed=seed) for seed in (1, 2)}  # from the plain pipe
+    for seed, lora in files.items():
+        d = tmp_path / f"l{seed}"
+        d.mkdir()
+        for name, data in lora.items():
+            (d / name).write_bytes(data)
+        pipe.load_fd_lora(str(d), adapter_name=f"l{seed}")
+    pipe.set_adapters(["l1", "l2"], [0.7, -0.5])
+    kw = dict(num_inference_steps=2, height=32, width=32, output_type="pt")
+
+    def calls():
+        g = torch.Generator().manual_seed(0)
+        out = {"blend": pipe(["a cat"], generator=g, **kw).images,
+               "per_prompt": pipe(["a cat", "a dog"], fd_lora_adapters=["l1", None], generator=g, **kw).images}
+        with fdlora.adapters(pipe, {"l2": 1.0}):
+            out["scope"] = pipe(["a cat"], generator=g, **kw).images
+        return out
+
+    want = calls()
+    from fdlora.kernels import reference
+
+    armed = [False]
+    real = {n: getattr(reference, n) for n in ("lora_delta", "lora_linear", "lora_delta_rows")}
+
+    def failing(fn):
+        def op(*a, **k):
+            if armed[0]:
+                armed[0] = False
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return fn(*a, **k)
+        return op
+
+    fdlora.set_merge_cache(0)  # every layer runs the per-call op: the failure lands mid-step
+    try:
+        for n, fn in real.items():
+            setattr(reference, n, failing(fn))
+        for name, fn in (("per_prompt", lambda: pipe(["a cat", "a dog"], fd_lora_adapters=["l1", None], **kw)),
+                         ("blend", lambda: pipe(["a cat"], **kw))):
+            armed[0] = True
+            with pytest.raises(torch.OutOfMemoryError):
+                fn()
+            assert pipe.get_active_adapters() == ["l1", "l2"], name
+        armed[0] = True
+        with pytest.raises(torch.OutOfMemoryError), fdlora.adapters(pipe, {"l2": 1.0}):
+            pipe(["a cat"], **kw)
+        assert pipe.get_active_adapters() == ["l1", "l2"]
+    finally:
+        for n, fn in real.items():
+            setattr(reference, n, fn)
+        fdlora.set_merge_cache("auto")
+    got = calls()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
