@@ -66,6 +66,9 @@ class Run:
         self.selected = set(a.cases.split(",")) if a.cases else None
         self.layers = 0  # fused LoRA layers of the converted model
         self.rows: list[dict] = []
+        from fdlora.kernels import registry  # the backend auto (or FDLORA_BACKEND) gives the models' linear layers
+
+        self.backend = registry.select(registry.Problem(self.dev.type, self.dtype, "linear", 16, 4)).name
         self.failed: list[str] = []
 
     def wants(self, case: str) -> bool:
@@ -126,7 +129,8 @@ class Run:
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.dev.type == "cuda" else None
         self.rows.append({"model": self.model, "case": case, "ms": ms, "base_ms": base_ms, "x_base": x,
                           "target": TARGETS[self.model].get(case), "peak_gib": peak,
-                          "cache_gib": fdlora.merge_cache_bytes() / 2**30, "checked": checked, "notes": notes})
+                          "cache_gib": fdlora.merge_cache_bytes() / 2**30, "checked": checked, "notes": notes,
+                          "backend": self.backend})
 
 
 def out_of(y) -> torch.Tensor:
@@ -485,8 +489,11 @@ def environment(r: Run) -> dict:
         triton_v = None
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    from fdlora.kernels import registry
+
+    linear = registry.select(registry.Problem(r.dev.type, r.dtype, "linear", 16, 4))
     return {"device": torch.cuda.get_device_name() if r.dev.type == "cuda" else "cpu (smoke: timings meaningless)",
-            "torch": torch.__version__, "triton": triton_v, "diffusers": diffusers.__version__,
+            "backend": str(linear), "torch": torch.__version__, "triton": triton_v, "diffusers": diffusers.__version__,
             "peft": peft.__version__, "transformers": transformers.__version__, "git_sha": sha}
 
 
