@@ -12,7 +12,8 @@
 #           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py),
 #           fullsize-sdxl / fullsize-flux / fullsize-llama (the headline table, one model per call: each takes minutes),
 #           fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
-#           gpu-memory (tests/reliability/test_gpu_memory.py)
+#           gpu-memory (tests/reliability/test_gpu_memory.py), build-cuda (the extension, before anything that should
+#           run on the triton+cuda backend auto takes once it is built)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -46,6 +47,7 @@ for stage in "$@"; do
     delta) step 300 python3 benchmarks/bench_delta.py --out "$OUT/results/delta.json" ;;
     sweep) TAIL=30 step 400 python3 benchmarks/probes/sweep_delta.py --parts decode,diffusion,components \
         --out "$OUT/results/sweep_delta.json" ;;
+    build-cuda) TAIL=5 step 200 python3 -m fdlora env --build-cuda ;;
     fullsize-sdxl|fullsize-flux|fullsize-llama) TAIL=30 step 560 python3 benchmarks/bench_fullsize.py \
         --model "${stage#fullsize-}" --out "$OUT/results/fullsize.json" ;;
     fullsize-cuda) for m in sdxl flux; do TAIL=12 FDLORA_BACKEND=cuda step 280 python3 benchmarks/bench_fullsize.py \
