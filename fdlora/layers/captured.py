@@ -15,7 +15,8 @@ re-capture (fdlora.layers.merged).
 A signature is the shapes, dtypes and devices of the tensor arguments, the values of the others, and fd-lora's
 call mode (blend; per-sample or per-row with the identity of their device tensors, which later calls of the same
 batch layout rewrite in place). A new signature captures anew, up to `max_graphs` (least recently used go first),
-all in one memory pool. Calls with autograd enabled, and calls while another capture is under way, run eagerly.
+all in one memory pool. Calls with autograd enabled, calls while another capture is under way, and signatures
+whose capture failed (a host sync in the forward: one warning) run eagerly.
 Inputs are copied into the graph's static buffers; outputs are the graph's static tensors, which the next replay
 overwrites, so they are returned as clones unless `clone_outputs=False` (then use each output before the next call).
 """
@@ -54,7 +55,8 @@ class CudaGraphs:
 
     def capture(self, run: Callable[[], Any]) -> tuple[Any, Any]:
         """(graph, static outputs): two warm-up calls on a side stream (autotuning, lazy allocations), then one
-        captured call."""
+        captured call. A forward that cannot be captured (a host sync such as .item(), a pageable copy) raises
+        Uncapturable; errors of the warm-up calls are the forward's own and propagate."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -62,13 +64,21 @@ class CudaGraphs:
             run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = run()
+        except Exception as e:  # noqa: BLE001 (any failure inside capture means: not capturable)
+            torch.cuda.synchronize()
+            raise Uncapturable(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from e
         return graph, out
 
     @staticmethod
     def replay(graph) -> None:
         graph.replay()
+
+
+class Uncapturable(Exception):
+    """The forward ran eagerly but could not be recorded as a CUDA graph."""
 
 
 class StepGraphs:
@@ -86,6 +96,7 @@ class StepGraphs:
         self.mech = mechanism or CudaGraphs(first.device if first is not None else torch.device("cpu"))
         self.graphs: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
         self.captures = 0  # graphs captured so far (tests and benchmarks count re-captures)
+        self.eager_only: set[tuple] = set()  # signatures whose capture failed: eager from then on
         self.replays = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -94,9 +105,17 @@ class StepGraphs:
         if torch.is_grad_enabled() or self.mech.capturing(first):  # training, or inside someone else's capture
             return self.eager(*args, **kwargs)
         key = (str(spec), tuple(_signature(v) for v in leaves), _mode_key(self.module))
+        if key in self.eager_only:
+            return self.eager(*args, **kwargs)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(key, leaves, spec)
+            try:
+                entry = self._capture(key, leaves, spec)
+            except Uncapturable as e:
+                self.eager_only.add(key)
+                logger.warning("fd-lora: %s's forward cannot be captured as a CUDA graph for this input signature "
+                               "(%s); those calls run eagerly", type(self.module).__name__, e)
+                return self.eager(*args, **kwargs)
         else:
             self.graphs.move_to_end(key)
         graph, static, out = entry

@@ -160,6 +160,22 @@ def test_autograd_calls_run_eagerly_and_release_restores(net):
 
 
 @torch.no_grad()
+def test_a_forward_that_cannot_be_captured_runs_eagerly_with_one_warning(net, caplog):
+    class Refusing(StandIn):
+        def capture(self, run):
+            run()
+            raise captured.Uncapturable("RuntimeError: operation not permitted when stream is capturing")
+
+    runner = fdlora.capture_steps(net, mechanism=Refusing(net))
+    x = torch.randn(3, 8)
+    with caplog.at_level("WARNING", logger="fdlora"):
+        for _ in range(3):
+            same(net(x), eager(net, x))
+    assert runner.captures == 0 and runner.replays == 0
+    assert sum("cannot be captured" in r.message for r in caplog.records) == 1
+
+
+@torch.no_grad()
 def test_max_graphs_keeps_the_most_recent(net):
     runner = fdlora.capture_steps(net, max_graphs=2, mechanism=StandIn(net))
     for n in (1, 2, 3, 1):
