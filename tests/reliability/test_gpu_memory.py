@@ -107,3 +107,22 @@ def test_first_launches_skip_autotuning_when_memory_is_short(monkeypatch):
     new = {k: v for k, v in C._CHOSEN.items() if k not in tuned_before}
     assert new and all(cfg is k[0].configs[0] for k, cfg in new.items())  # the default config, not a tuned one
     del reserved
+
+
+def test_captured_steps_give_their_memory_back_with_the_model():
+    """fdlora.capture_steps: the graphs' pool, static buffers and the merged copies they pinned go back once the
+    runner is released and the model deleted; switches between replays capture nothing new."""
+    base_alloc, base_cache = _settle()
+    m = _model()
+    runner = fdlora.capture_steps(m)
+    x = torch.randn(8, 64, 256, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        for w in (0.3, 0.7, 0.3):
+            fdlora.set_adapters(m, ["a", "b"], [w, 1 - w])
+            m(x)
+    assert runner.captures == 1 and runner.replays == 3
+    fdlora.release_steps(m)
+    del m, runner
+    alloc, cache = _settle()
+    assert cache == base_cache, f"the merge-cache budget still counts {cache - base_cache} bytes"
+    assert alloc - base_alloc <= 64 << 10, f"{alloc - base_alloc} bytes stay allocated after capture and delete"
