@@ -32,6 +32,16 @@ def push(out: str | Path, repo_id: str, log=print) -> str:
     return info.commit_url
 
 
+def _unreachable(e: BaseException) -> bool:
+    """A connection-level failure (refused, DNS, timeout), from httpx or the OS, anywhere in the cause chain."""
+    while e is not None:
+        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in (
+                "ConnectError", "ConnectTimeout", "ReadTimeout", "NetworkError", "TransportError"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _explain(e: Exception, repo_id: str, out: str | Path) -> str:
     from huggingface_hub import constants
 
@@ -46,8 +56,10 @@ def _explain(e: Exception, repo_id: str, out: str | Path) -> str:
     elif status == 404:
         why, fix = "no such namespace or repo is visible to this token", "check the repo id (`user/name`, your " \
             "user or an organization you belong to)"
-    elif status is None:
+    elif status is None and _unreachable(e):
         why, fix = f"could not reach {constants.ENDPOINT}", "check the network (or HF_ENDPOINT)"
+    elif status is None:
+        why, fix = "the upload stopped", "check the repo id and the Hub's answer quoted here"
     else:
         why, fix = f"the Hub answered {status}", "check the repo id and the token"
     return (f"output.push_to_hub: upload to {repo_id!r} failed: {why} ({type(e).__name__}: {first}); fix: {fix}; "

@@ -25,6 +25,7 @@ import difflib
 import importlib.util
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ QUANT_METHODS = ("manual", "hf")
 COMPUTE = ("float32", "float16", "bfloat16")
 INITS = (True, False, "gaussian")
 DEVICES = ("auto", "cpu", "cuda")
+REPO_ID = re.compile(r"[\w\-.]{1,96}/[\w\-.]{1,96}", re.ASCII)  # huggingface_hub's validate_repo_id, namespaced
 DISTRIBUTED = ("auto", "ddp", "fsdp")  # auto: fsdp under `accelerate launch --use_fsdp`, else ddp
 
 
@@ -263,8 +265,10 @@ def validate(data: Any, where: str = "<config>") -> TrainConfig:
             out = o
         if not isinstance(out, str) or not out:
             raise c.error("output.dir", out, "a directory path", "set `output: {dir: my-adapter}`")
-        if hub is not None and (not isinstance(hub, str) or hub.count("/") != 1):
-            raise c.error("output.push_to_hub", hub, "a Hub repo id `user/name`", "set `push_to_hub: me/my-adapter`")
+        if hub is not None and not (isinstance(hub, str) and REPO_ID.fullmatch(hub) and "--" not in hub
+                                    and ".." not in hub):
+            raise c.error("output.push_to_hub", hub, "a Hub repo id `user/name` (letters, digits, '-', '_', '.'; "
+                          "at most 96 each)", "set `push_to_hub: me/my-adapter`")
     return TrainConfig(name, task, r, alpha, dropout, targets, exclude, rslora, saved, init, quant, method, src,
                        opts, steps, batch, lr, opt, accum, mp, seed, every, resume, wd, device, dist, out, hub, where)
 
