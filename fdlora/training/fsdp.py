@@ -16,6 +16,9 @@ and NCCL (GPU). So the trainer shards the model itself, one path on every device
 
 Units: every module whose class is in the model's `_no_split_modules` (transformers' decoder / encoder layers,
 diffusers' blocks), innermost first, then the root for what is left (embeddings, head, modules_to_save copies).
+Each process builds the whole model on the CPU, then fully_shard moves only its shards to the GPU. accelerate's
+FSDP_* settings (fsdp_version, wrap policy, offload, state-dict type) are not read: units come from
+_no_split_modules, checkpoints and the saved adapter are always whole tensors.
 Parameter names do not change (FSDP2 adds no prefix), so checkpoints and the saved adapter are the same files a
 one-process run writes, and a run can resume with another process count or without FSDP.
 """
