@@ -6,7 +6,9 @@ batch (fdlora.training.data), so N processes follow the one-process loss curve. 
 with FSDP2 (fdlora.training.fsdp says why the trainer shards it itself). Checkpoints (fdlora.training.checkpoint)
 are written by the main process only and hold what is process-count independent, so a run resumes with another
 process count, with or without FSDP. Dropout masks are drawn from a generator seeded by (seed, step, micro-step,
-rank), and batches are indexed by step, so a resumed run repeats the uninterrupted run's loss curve exactly.
+rank), and batches are indexed by step, so a resumed run repeats the uninterrupted run's loss curve exactly
+(with the same process count; with `lora.dropout` > 0, N processes draw other masks than one does, so their
+curves agree in distribution, not step by step).
 """
 
 from __future__ import annotations
