@@ -41,6 +41,7 @@ class TrainResult:
     output: str
     model: nn.Module
     start_step: int = 0
+    main: bool = True  # the main process (the one that wrote the output); the others print nothing at the end
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -196,7 +197,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, stop_after: int | None = N
     acc.wait_for_everyone()
     if finished and cfg.push_to_hub and acc.is_main_process:
         push(out, cfg.push_to_hub, log)
-    return TrainResult(losses, str(out), model, start)
+    return TrainResult(losses, str(out), model, start, acc.is_main_process)
 
 
 class _null:
