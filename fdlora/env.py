@@ -101,3 +101,9 @@ def file_reader() -> str:
     use it to cover that path on CPU) or "safetensors". Both run the same header checks (fdlora.hub.safefile)."""
     raw = os.environ.get(READER_VAR, "auto").strip().lower() or "auto"
     return raw if raw in ("auto", "pinned", "safetensors") else "auto"
+
+
+def accelerate_fsdp() -> bool:
+    """`ACCELERATE_USE_FSDP=true`: what `accelerate launch --use_fsdp` (or an accelerate config with
+    `distributed_type: FSDP`) sets; `fdlora train` then shards the base with FSDP (fdlora.training.fsdp)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").strip().lower() in ("1", "true", "yes")

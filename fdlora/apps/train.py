@@ -39,6 +39,6 @@ def run(args: argparse.Namespace) -> int:
     from ..training.trainer import train
 
     result = train(cfg, progress=not args.no_progress)
-    if result.losses:
+    if result.losses and result.main:
         print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; adapter saved to {result.output}")
     return 0

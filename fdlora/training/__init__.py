@@ -4,6 +4,7 @@
     convert.py    a live PeftModel's adapters into trainable fd-lora layers (trainable_from_peft)
     save.py       a trained adapter out as a PEFT adapter directory
     schema.py / trainer.py / data.py / quant.py   `fdlora train`: YAML schema, loop, data sources, QLoRA bases
+    checkpoint.py / fsdp.py / push.py   process-count independent checkpoints, FSDP2 sharding, output.push_to_hub
     tiny.py       tiny-vit / tiny-llama / tiny-sd15 from configs, their synthetic batches and losses
     (the layers are fdlora.layers.trainable; the op and its autograd formula fdlora.kernels.train_ops)
 """

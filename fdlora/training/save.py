@@ -3,6 +3,8 @@
 Keys are PEFT's (`base_model.model.<path>.lora_A.weight`, `.lora_B.weight`, modules_to_save copies as
 `base_model.model.<path>.<param>`), the config is the LoraConfig the adapter was made from, so
 `PeftModel.from_pretrained(base, dir)` and `fdlora.load_fd_lora(base, dir)` both load it unchanged.
+Under FSDP (fdlora.training.fsdp) the tensors are sharded: every process calls `adapter_state_dict` (it gathers
+them whole) and one writes it with `save_adapter(..., state_dict=...)`.
 """
 
 from __future__ import annotations
@@ -16,24 +18,28 @@ from torch import nn
 
 from ..errors import SaveError
 from .adapters import _state, lora_parameters, saved_modules
+from .fsdp import full
 
 PREFIX = "base_model.model."
 
 
 def adapter_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s tensors under PEFT's keys, whole and on the CPU (sharded ones are gathered: under FSDP
+    every process must call this)."""
     out = {}
     for path, (A, B) in lora_parameters(model, name).items():
-        out[f"{PREFIX}{path}.lora_A.weight"] = A.detach().cpu().contiguous()
-        out[f"{PREFIX}{path}.lora_B.weight"] = B.detach().cpu().contiguous()
+        out[f"{PREFIX}{path}.lora_A.weight"] = full(A.detach()).cpu().contiguous()
+        out[f"{PREFIX}{path}.lora_B.weight"] = full(B.detach()).cpu().contiguous()
     for path, m in saved_modules(model, name).items():
         for k, v in m.state_dict().items():
-            out[f"{PREFIX}{path}.{k}"] = v.detach().cpu().contiguous()
+            out[f"{PREFIX}{path}.{k}"] = full(v.detach()).cpu().contiguous()
     return out
 
 
-def save_adapter(model: nn.Module, name: str, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None
-                 ) -> str:
-    """Write trainable adapter `name` of `model` to `out_dir` in PEFT's layout; returns the directory."""
+def save_adapter(model: nn.Module, name: str, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> str:
+    """Write trainable adapter `name` of `model` to `out_dir` in PEFT's layout; returns the directory.
+    `state_dict`: its tensors already gathered by `adapter_state_dict` (FSDP: on every process)."""
     from safetensors.torch import save_file
 
     cfg = copy.deepcopy(_state(model).configs[name])
@@ -42,7 +48,8 @@ def save_adapter(model: nn.Module, name: str, out_dir: str | os.PathLike, base_m
     try:
         os.makedirs(out_dir, exist_ok=True)
         cfg.save_pretrained(out_dir)
-        save_file(adapter_state_dict(model, name), os.path.join(out_dir, "adapter_model.safetensors"),
+        sd = adapter_state_dict(model, name) if state_dict is None else state_dict
+        save_file(sd, os.path.join(out_dir, "adapter_model.safetensors"),
                   metadata={"format": "pt"})
     except OSError as e:
         raise SaveError(f"could not write the adapter to {out_dir}: {e}; pick a writable directory.") from e

@@ -10,7 +10,7 @@
                    image_column: image, label_column: label, text_column: text, image_size: 16})
     train:        {steps: 100, batch_size: 8, lr: 1e-4, optimizer: adamw | adam | sgd, grad_accumulation: 1,
                    mixed_precision: no | fp16 | bf16, seed: 0, checkpoint_every: 0, resume: false | true | <dir>,
-                   weight_decay: 0.0, device: auto | cpu | cuda}
+                   weight_decay: 0.0, device: auto | cpu | cuda, distributed: auto | ddp | fsdp}
     output:       <dir> | {dir: <dir>, push_to_hub: <repo id>}
 
 Every error is one line naming the key, the value, what is allowed and the fix; unknown keys get a "did you
@@ -25,6 +25,7 @@ import difflib
 import importlib.util
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ KEYS = {
     "quantization": ("enabled", "method", "type", "compute_dtype", "double_quant", "skip_modules"),
     "data": ("source", "split", "image_column", "label_column", "text_column", "image_size"),
     "train": ("steps", "batch_size", "lr", "optimizer", "grad_accumulation", "mixed_precision", "seed",
-              "checkpoint_every", "resume", "weight_decay", "device"),
+              "checkpoint_every", "resume", "weight_decay", "device", "distributed"),
     "output": ("dir", "push_to_hub"),
 }
 TASK_NAMES = ("image-classification", "causal-lm", "text-to-image")
@@ -51,6 +52,8 @@ QUANT_METHODS = ("manual", "hf")
 COMPUTE = ("float32", "float16", "bfloat16")
 INITS = (True, False, "gaussian")
 DEVICES = ("auto", "cpu", "cuda")
+REPO_ID = re.compile(r"[\w\-.]{1,96}/[\w\-.]{1,96}", re.ASCII)  # huggingface_hub's validate_repo_id, namespaced
+DISTRIBUTED = ("auto", "ddp", "fsdp")  # auto: fsdp under `accelerate launch --use_fsdp`, else ddp
 
 
 @dataclass
@@ -80,6 +83,7 @@ class TrainConfig:
     resume: bool | str = False
     weight_decay: float = 0.0
     device: str = "auto"
+    distributed: str = "auto"
     output: str = "fdlora-adapter"
     push_to_hub: str | None = None
     source: str = "<dict>"
@@ -246,6 +250,10 @@ def validate(data: Any, where: str = "<config>") -> TrainConfig:
     device = t.get("device", "auto")
     if not (isinstance(device, str) and (device in DEVICES or device.startswith("cuda:"))):
         raise c.error("train.device", device, "auto | cpu | cuda | cuda:N", "set `device: auto`")
+    dist = c.enum("train.distributed", t.get("distributed", "auto"), DISTRIBUTED)
+    if dist == "fsdp" and quant is not None:
+        raise c.error("train.distributed", dist, "auto | ddp with quantization (FSDP does not shard quantized "
+                      "weights)", "set `distributed: ddp` or turn quantization off")
 
     out, hub = "fdlora-adapter", None
     if data.get("output") is not None:
@@ -257,10 +265,12 @@ def validate(data: Any, where: str = "<config>") -> TrainConfig:
             out = o
         if not isinstance(out, str) or not out:
             raise c.error("output.dir", out, "a directory path", "set `output: {dir: my-adapter}`")
-        if hub is not None and (not isinstance(hub, str) or hub.count("/") != 1):
-            raise c.error("output.push_to_hub", hub, "a Hub repo id `user/name`", "set `push_to_hub: me/my-adapter`")
+        if hub is not None and not (isinstance(hub, str) and REPO_ID.fullmatch(hub) and "--" not in hub
+                                    and ".." not in hub):
+            raise c.error("output.push_to_hub", hub, "a Hub repo id `user/name` (letters, digits, '-', '_', '.'; "
+                          "at most 96 each)", "set `push_to_hub: me/my-adapter`")
     return TrainConfig(name, task, r, alpha, dropout, targets, exclude, rslora, saved, init, quant, method, src,
-                       opts, steps, batch, lr, opt, accum, mp, seed, every, resume, wd, device, out, hub, where)
+                       opts, steps, batch, lr, opt, accum, mp, seed, every, resume, wd, device, dist, out, hub, where)
 
 
 def load(path: str | os.PathLike) -> TrainConfig:

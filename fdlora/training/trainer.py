@@ -1,18 +1,20 @@
 """The trainer behind `fdlora train`: build the model, quantize it, add the adapter, run the steps, checkpoint, save.
 
-One process or many: under `accelerate launch` (or torchrun) the Accelerator wraps the model in DDP and every
-process takes its slice of the same global batch (fdlora.training.data), so N processes follow the one-process
-loss curve. Checkpoints are written by the main process only and hold what is process-count independent: the
-trainable parameters by name, the optimizer state, the step and the loss curve so far. Dropout masks are drawn
-from a generator seeded by (seed, step, micro-step, rank), and batches are indexed by step, so a resumed run
-repeats the uninterrupted run's loss curve exactly.
+One process or many: under `accelerate launch` (or torchrun) every process takes its slice of the same global
+batch (fdlora.training.data), so N processes follow the one-process loss curve. The model is either replicated
+(DDP, through the Accelerator) or, with `train.distributed: fsdp` or `accelerate launch --use_fsdp`, sharded
+with FSDP2 (fdlora.training.fsdp says why the trainer shards it itself). Checkpoints (fdlora.training.checkpoint)
+are written by the main process only and hold what is process-count independent, so a run resumes with another
+process count, with or without FSDP. Dropout masks are drawn from a generator seeded by (seed, step, micro-step,
+rank), and batches are indexed by step, so a resumed run repeats the uninterrupted run's loss curve exactly
+(with the same process count; with `lora.dropout` > 0, N processes draw other masks than one does, so their
+curves agree in distribution, not step by step).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import env
 from ..errors import ConfigError, TargetError
-from . import tiny
+from . import checkpoint, fsdp, tiny
 from .adapters import add_trainable_adapter, trainable_parameters
 from .data import source_for
+from .push import push
 from .quant import hf_quantization_config, quantize_manual
-from .save import save_adapter
+from .save import adapter_state_dict, save_adapter
 from .schema import TrainConfig
 
 ADAPTER = "default"
@@ -37,6 +41,7 @@ class TrainResult:
     output: str
     model: nn.Module
     start_step: int = 0
+    main: bool = True  # the main process (the one that wrote the output); the others print nothing at the end
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -89,39 +94,17 @@ def _checkpoints(out: Path) -> list[Path]:
     return sorted(d.glob("step-*"), key=lambda p: int(p.name[5:])) if d.is_dir() else []
 
 
-def _named_trainable(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int, losses: list[float],
-                    world: int) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({n: p.detach().cpu().contiguous() for n, p in _named_trainable(model).items()},
-              tmp / "trainable.safetensors")
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "losses": losses, "processes": world}))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)  # a checkpoint dir is complete or absent
-
-
-def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list[float]]:
-    from safetensors.torch import load_file
-
-    state = json.loads((path / "state.json").read_text())
-    saved = load_file(path / "trainable.safetensors")
-    params = _named_trainable(model)
-    if saved.keys() != params.keys():
-        raise ConfigError(f"train.resume: {path} holds {len(saved)} trainable tensors, this model {len(params)}; "
-                          "allowed: a checkpoint of the same config; fix: set `resume: false` or fix the config")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(saved[n])
-    opt.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    return int(state["step"]), list(state["losses"])
+def parallelism(cfg: TrainConfig, world: int, asked_fsdp: bool) -> str:
+    """"single" | "ddp" | "fsdp": how `world` processes share the model (train.distributed; with auto, FSDP when
+    accelerate launch was asked for it)."""
+    if world == 1:
+        return "single"
+    mode = cfg.distributed if cfg.distributed != "auto" else "fsdp" if asked_fsdp else "ddp"
+    if mode == "fsdp" and cfg.quant is not None:
+        raise ConfigError(f"{cfg.source}: quantization with FSDP (accelerate launch --use_fsdp): FSDP does not shard "
+                          "quantized weights; fix: launch without --use_fsdp (DDP) or set `quantization: "
+                          "{enabled: false}`")
+    return mode
 
 
 def _optimizer(cfg: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -133,24 +116,29 @@ def _optimizer(cfg: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Opti
 
 def train(cfg: TrainConfig, *, progress: bool = True, stop_after: int | None = None, log=print) -> TrainResult:
     """Run `cfg`. `stop_after` ends the run after that many steps of this call (tests: an interrupted run)."""
-    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from tqdm.auto import tqdm
 
     device = _device(cfg)
     AcceleratorState._reset_state()  # a second run in one process may use other settings (the process group stays)
-    acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=device.type == "cpu")
+    asked_fsdp = env.accelerate_fsdp()  # `accelerate launch --use_fsdp`, read before the Accelerator hides it
+    acc = fsdp.accelerator(mixed_precision=cfg.mixed_precision, cpu=device.type == "cpu")
     device = acc.device
     world, rank = acc.num_processes, acc.process_index
     if cfg.batch_size % world:
         raise ConfigError(f"{cfg.source}: train.batch_size: got {cfg.batch_size}; allowed: a multiple of the "
                           f"{world} processes; fix: set `batch_size: {cfg.batch_size // world * world or world}`")
+    mode = parallelism(cfg, world, asked_fsdp)
     model = build_model(cfg, device)
     try:
         add_trainable_adapter(model, ADAPTER, cfg.lora_config())
     except TargetError as e:
         raise ConfigError(f"{cfg.source}: lora.target_modules: {e}") from None
-    if cfg.quant is None or cfg.quant_method == "manual":
+    if mode == "fsdp":
+        fsdp.shard(model, device, world)  # moves each process's shards to the device
+        if acc.is_main_process:
+            log(f"FSDP over {world} processes: {fsdp.held(model)}")
+    elif cfg.quant is None or cfg.quant_method == "manual":
         model.to(device)
     model.train()
     params = trainable_parameters(model)
@@ -163,9 +151,12 @@ def train(cfg: TrainConfig, *, progress: bool = True, stop_after: int | None = N
             if not (ck / "state.json").exists():
                 raise ConfigError(f"{cfg.source}: train.resume: got {str(ck)!r}; allowed: a checkpoint dir "
                                   f"(with state.json); fix: point it at {out / 'checkpoints'}/step-N or use true")
-            start, losses = load_checkpoint(ck, model, opt)
+            start, losses = checkpoint.load(ck, model, opt, params)
             log(f"resuming from {ck} at step {start}")
-    dmodel, opt = acc.prepare(model, opt)
+    if mode == "fsdp":  # the model is sharded already: accelerate wraps only the optimizer (its loss scaler)
+        dmodel, opt = model, acc.prepare_optimizer(opt, device_placement=False)
+    else:
+        dmodel, opt = acc.prepare(model, opt)
     data = source_for(cfg, model)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train",
                disable=not (progress and acc.is_main_process), dynamic_ncols=True)
@@ -177,7 +168,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, stop_after: int | None = N
             batch = {k: v.to(device) for k, v in data.batch(i, cfg.batch_size, rank, world).items()}
             torch.manual_seed(cfg.seed * 1_000_003 + i * 131 + rank)  # dropout masks: a function of the step
             sync = micro == cfg.grad_accumulation - 1
-            ctx = acc.no_sync(dmodel) if not sync and world > 1 else _null()
+            ctx = (fsdp.no_sync(dmodel, not sync) if mode == "fsdp"
+                   else acc.no_sync(dmodel) if not sync and world > 1 else _null())
             with ctx, acc.autocast():
                 loss = tiny.loss_of(cfg.task, dmodel, batch) / cfg.grad_accumulation
             acc.backward(loss)
@@ -187,25 +179,25 @@ def train(cfg: TrainConfig, *, progress: bool = True, stop_after: int | None = N
         losses.append(acc.reduce(total, "mean").item())
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            tensors, opt_state = checkpoint.gather(model, opt)  # every process: FSDP gathers the shards
             if acc.is_main_process:
-                save_checkpoint(out / "checkpoints" / f"step-{step + 1}", model, opt, step + 1, losses, world)
+                checkpoint.write(out / "checkpoints" / f"step-{step + 1}", tensors, opt_state, step + 1, losses,
+                                 world)
             acc.wait_for_everyone()
         done += 1
         if stop_after is not None and done >= stop_after:
             break
     bar.close()
     finished = start + done >= cfg.steps
-    if finished and acc.is_main_process:
-        save_adapter(model, ADAPTER, out, None if cfg.model in tiny.TASKS else cfg.model)
-        (out / "losses.json").write_text(json.dumps(losses))
-        if cfg.push_to_hub:
-            from huggingface_hub import HfApi
-
-            api = HfApi()
-            api.create_repo(cfg.push_to_hub, exist_ok=True)
-            api.upload_folder(repo_id=cfg.push_to_hub, folder_path=str(out), ignore_patterns=["checkpoints/*"])
+    if finished and (mode == "fsdp" or acc.is_main_process):
+        sd = adapter_state_dict(model, ADAPTER)  # every process under FSDP: it gathers the shards
+        if acc.is_main_process:
+            save_adapter(model, ADAPTER, out, None if cfg.model in tiny.TASKS else cfg.model, state_dict=sd)
+            (out / "losses.json").write_text(json.dumps(losses))
     acc.wait_for_everyone()
-    return TrainResult(losses, str(out), model, start)
+    if finished and cfg.push_to_hub and acc.is_main_process:
+        push(out, cfg.push_to_hub, log)
+    return TrainResult(losses, str(out), model, start, acc.is_main_process)
 
 
 class _null:

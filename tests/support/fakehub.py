@@ -14,6 +14,16 @@ Endpoints (enough for huggingface_hub 1.x and 2.x `hf_hub_download`, `snapshot_d
     POST     /api/models/{repo_id}/paths-info/{rev}
     GET      /api/models/{repo_id}/refs
 
+and the writes of `create_repo` + `upload_folder` / `create_commit` (small files only: every file is "regular",
+sent inline; a commit is a new snapshot folder and moves the branch ref):
+
+    POST     /api/repos/create
+    POST     /api/models/{repo_id}/preupload/{rev}
+    POST     /api/models/{repo_id}/commit/{rev}
+
+Writes are open unless `writers` ({token: {namespaces}}) is set: then a missing or unknown token gets 401 and a
+namespace the token does not own 403, as on the Hub.
+
 No xet headers are ever sent, so clients use plain HTTP downloads. It binds 127.0.0.1 on an
 ephemeral port; use it as a context manager. `log` records (method, path, status) of every request,
 which is how tests assert that a cached, sha-pinned load makes no request at all; each entry also
@@ -22,6 +32,7 @@ carries the request's `authorization` header (None when absent).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -33,7 +44,8 @@ from pathlib import Path
 
 from fdlora.hub.localcache import LFS_EXT, git_blob_sha1
 
-API = re.compile(r"/api/(models|datasets)/([^/]+/[^/]+)(?:/(revision|tree|paths-info|refs)(?:/([^/]+)(/.*)?)?)?")
+API = re.compile(r"/api/(models|datasets)/([^/]+/[^/]+)"
+                 r"(?:/(revision|tree|paths-info|refs|preupload|commit)(?:/([^/]+)(/.*)?)?)?")
 RESOLVE = re.compile(r"/(?:(datasets)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)")
 
 
@@ -139,6 +151,8 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, head):
         url = urllib.parse.urlsplit(self.path)
         q = urllib.parse.parse_qs(url.query)
+        if url.path == "/api/repos/create" and self.command == "POST":
+            return self._create()
         m = API.fullmatch(url.path)
         if m:
             rtype, repo_id, kind, rev, sub = m.groups()
@@ -243,11 +257,85 @@ class Handler(BaseHTTPRequestHandler):
             out.append(self._entry(rdir, commit, p))
         return [{"type": "directory", "oid": "0" * 40, "size": 0, "path": d} for d in sorted(dirs)] + out
 
+    # --- writes ------------------------------------------------------------------------------
+    def _may_write(self, repo_id) -> bool:
+        """False (and the error sent) when `writers` is set and this request's token may not write repo_id."""
+        writers = self.server.writers
+        if writers is None:
+            return True
+        auth = self.headers.get("Authorization") or ""
+        token = auth[7:] if auth.startswith("Bearer ") else None
+        if token not in writers:
+            self._err(401, "Unauthorized", "Invalid credentials in Authorization header")
+            return False
+        if repo_id.split("/")[0] not in writers[token]:
+            self._err(403, "Forbidden", f"You don't have the rights to create a model under the namespace "
+                      f"\"{repo_id.split('/')[0]}\"")
+            return False
+        return True
+
+    def _create(self):
+        body = json.loads(self._body or b"{}")
+        rtype = body.get("type") or "model"
+        repo_id = f"{body.get('organization')}/{body.get('name')}"
+        if not self._may_write(repo_id):
+            return
+        st = self.server.store
+        if st.repo_dir(rtype, repo_id) is not None:
+            msg = "You already created this model repo"
+            return self._send(409, {"error": msg, "url": f"{self.server.url}/{repo_id}"},
+                              headers={"X-Error-Code": "Conflict", "X-Error-Message": msg})
+        rdir = st.root / f"{rtype}s--{repo_id.replace('/', '--')}"
+        commit = hashlib.sha1(f"init {repo_id}".encode()).hexdigest()
+        (rdir / "snapshots" / commit).mkdir(parents=True)
+        (rdir / "refs").mkdir()
+        (rdir / "refs" / "main").write_text(commit)
+        self._send(200, {"url": f"{self.server.url}/{repo_id}", "name": repo_id})
+
+    def _preupload(self, rdir, commit):
+        files = set(self.server.store.files(rdir, commit)) if commit else set()
+        out = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
+                "oid": self._entry(rdir, commit, f["path"])["oid"] if f["path"] in files else None}
+               for f in json.loads(self._body or b"{}").get("files", [])]
+        self._send(200, {"files": out})
+
+    def _commit(self, rtype, repo_id, rdir, rev, parent):
+        import shutil
+
+        items = [json.loads(line) for line in self._body.splitlines() if line.strip()]
+        adds = {}
+        for it in items:
+            if it["key"] == "file" and it["value"].get("encoding") == "base64":
+                adds[it["value"]["path"]] = base64.b64decode(it["value"]["content"])
+            elif it["key"] != "header":
+                return self._err(400, "BadRequest", f"fakehub commits only inline files, not {it['key']}")
+        digest = hashlib.sha1(f"{parent}".encode())
+        for path in sorted(adds):
+            digest.update(path.encode() + b"\0" + git_blob_sha1(adds[path]).encode())
+        commit = digest.hexdigest()
+        snap = rdir / "snapshots" / commit
+        if parent:
+            shutil.copytree(rdir / "snapshots" / parent, snap, dirs_exist_ok=True)
+        for path, data in adds.items():
+            (snap / path).parent.mkdir(parents=True, exist_ok=True)
+            (snap / path).write_bytes(data)
+        snap.mkdir(parents=True, exist_ok=True)
+        (rdir / "refs" / rev).write_text(commit)
+        prefix = "" if rtype == "model" else f"{rtype}s/"
+        self._send(200, {"commitUrl": f"{self.server.url}/{prefix}{repo_id}/commit/{commit}",
+                         "commitOid": commit, "success": True, "pullRequestUrl": None})
+
     def _api(self, rtype, repo_id, kind, rev, sub, q, head):
         st = self.server.store
+        if kind in ("preupload", "commit") and not self._may_write(repo_id):
+            return
         rdir = self._repo(rtype, repo_id, head)
         if rdir is None:
             return
+        if kind == "preupload":
+            return self._preupload(rdir, st.resolve(rdir, rev))
+        if kind == "commit":
+            return self._commit(rtype, repo_id, rdir, rev, st.resolve(rdir, rev))
         if kind == "refs":
             return self._send(200, self._refs(rdir), head=head)
         commit = st.resolve(rdir, rev)
@@ -282,12 +370,21 @@ class FakeHub:
         self.httpd.daemon_threads = True
         self.httpd.store = Store(root)
         self.httpd.log = []
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.httpd.writers = None  # {token: {namespaces}}: writes need a token that owns the namespace
+        self.url = self.httpd.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
 
     @property
     def log(self) -> list[Request]:
         return self.httpd.log
+
+    @property
+    def writers(self) -> dict[str, set[str]] | None:
+        return self.httpd.writers
+
+    @writers.setter
+    def writers(self, value: dict[str, set[str]] | None) -> None:
+        self.httpd.writers = value
 
     def __enter__(self) -> FakeHub:
         self._thread.start()

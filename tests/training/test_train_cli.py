@@ -51,6 +51,11 @@ BAD = [
     ("unknown-section", {**GOOD, "trian": {}}, ["trian: unknown key", "did you mean 'train'"]),
     ("bad-optimizer", _with("train.optimizer", "adamx"), ["train.optimizer: got 'adamx'", "did you mean 'adam"]),
     ("task-mismatch", _with("model.task", "causal-lm"), ["model.task", "set `task: image-classification`"]),
+    ("bad-distributed", _with("train.distributed", "fsdp2"), ["train.distributed: got 'fsdp2'", "did you mean 'fsdp'"]),
+    ("fsdp-with-quantization", _with("quantization", {"enabled": True, "type": "nf4"}) | {
+        "train": {**GOOD["train"], "distributed": "fsdp"}}, ["train.distributed: got 'fsdp'", "distributed: ddp"]),
+    ("bad-hub-repo-id", {**GOOD, "output": {"dir": "x", "push_to_hub": "me/my adapter"}},
+     ["output.push_to_hub: got 'me/my adapter'", "a Hub repo id", "fix: set `push_to_hub: me/my-adapter`"]),
 ]
 
 
