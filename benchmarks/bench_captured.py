@@ -31,6 +31,7 @@ from bench_pipeline import flux, fold, out_of, sdxl  # noqa: E402
 
 import fdlora  # noqa: E402
 from fdlora.hub.adapter import LoraAdapter, ModuleLora  # noqa: E402
+from fdlora.layers.captured import CudaGraphs  # noqa: E402
 
 
 def adapter(model, targets, seed, rank=16):
@@ -45,17 +46,10 @@ def adapter(model, targets, seed, rank=16):
 
 
 def capture(fn):
-    """(graph, static output) of fn() captured after two warm-up calls on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = out_of(fn())
-    return g, out
+    """(graph, static output) of fn() captured after two warm-up calls on a side stream (fdlora.capture_steps' own
+    mechanism)."""
+    g, out = CudaGraphs(torch.device("cuda")).capture(fn)
+    return g, out_of(out)
 
 
 def replay_ms(g, n=5) -> float:

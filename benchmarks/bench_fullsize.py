@@ -243,18 +243,7 @@ def denoiser(r: Run) -> None:
                 return fd(**inp[len(sp)])
         return step
 
-    weights = itertools.cycle([i / 10 for i in range(1, 11)])
-
-    def slide():  # the slider moves before every step: every layer's merged weight is stale each time
-        fdlora.set_adapters(fd, ["a0"], [next(weights)])
-        return fd(**x)
-
-    def slide_then_final():
-        for w in (0.3, 1.0, FINAL):
-            fdlora.set_adapters(fd, ["a0"], [w])
-            y = fd(**x)
-        return y
-
+    slide, slide_then_final = slider(fd, x)
     run, run_base = functools.partial(fd, **x), functools.partial(base, **x)
     with torch.inference_mode():
         fdlora.set_adapters(fd, ["a0"])
@@ -289,6 +278,24 @@ def denoiser(r: Run) -> None:
             compiled(r, fd, base, x, ref["one"], effect(ref["one"], y_base[xb]))
 
 
+def slider(fd, x):
+    """(slide, slide_then_final): a step after moving a0's weight (cycling 0.1..1.0: every layer's merged weight is
+    stale each time), and the check's form, which ends on FINAL after two other moves."""
+    weights = itertools.cycle([i / 10 for i in range(1, 11)])
+
+    def slide():
+        fdlora.set_adapters(fd, ["a0"], [next(weights)])
+        return fd(**x)
+
+    def slide_then_final():
+        for w in (0.3, 1.0, FINAL):
+            fdlora.set_adapters(fd, ["a0"], [w])
+            y = fd(**x)
+        return y
+
+    return slide, slide_then_final
+
+
 CAPTURED = ("captured_1", "captured_vs_captured_base", "captured_slider")
 
 
@@ -302,18 +309,7 @@ def captured(r: Run, fd, base, x, ref, eff) -> None:
         print("  captured steps: CUDA graphs need a GPU (smoke run: skipped)", flush=True)
         return
     run, run_base = functools.partial(fd, **x), functools.partial(base, **x)
-    weights = itertools.cycle([i / 10 for i in range(1, 11)])
-
-    def slide():
-        fdlora.set_adapters(fd, ["a0"], [next(weights)])
-        return fd(**x)
-
-    def slide_then_final():
-        for w in (0.3, 1.0, FINAL):
-            fdlora.set_adapters(fd, ["a0"], [w])
-            y = fd(**x)
-        return y
-
+    slide, slide_then_final = slider(fd, x)
     fdlora.set_adapters(fd, ["a0"])
     steps = fdlora.capture_steps(fd)
     try:
