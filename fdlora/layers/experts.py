@@ -1,0 +1,367 @@
+"""LoRA on fused MoE experts: 3-D expert parameters served inside the routed, grouped expert computation.
+
+Transformers 5 keeps a MoE layer's experts as stacked parameters (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V2/V3:
+gate_up_proj [E, 2I, H], down_proj [E, H, I]; gpt-oss stores them transposed, [E, K, N], with biases), run by
+one experts module whose forward takes (hidden_states [M, H], top_k_index [M, k], top_k_weights [M, k]).
+
+What PEFT computes (peft 0.21, lora.ParamWrapper, read off peft/tuners/lora/layer.py): a 3-D target
+parameter gets lora_A [E*r, K] and lora_B [N, E*r], K the input and N the output features of the
+expert matmul (for [E, N, K] parameters PEFT swaps its in/out features; for transposed [E, K, N] ones
+it does not, and stores the delta transposed), and the experts run on W + ΔW with
+
+    A_e = lora_A.view(E, r, K)[e]            (expert e owns rows e*r .. e*r+r-1)
+    B_e = lora_B.view(N, r, E)[:, :, e]      (expert e owns columns e, e+E, e+2E, ...: interleaved)
+    ΔW_e = scale * B_e A_e   [N, K]          scale = alpha / r (alpha / sqrt(r) for rsLoRA)
+
+fd-lora keeps the factors (the canonical `ModuleLora` kind "experts": A [E, r, K], B [E, N, r];
+`peft_factors` converts) and applies them where each expert runs, on the tokens routed to it:
+
+    y_t = x_t W_e^T + sum_s w[t, s] * scale[s] * (x_t A_{e,s}^T) B_{e,s}^T      for each token t routed to e
+
+The computation is grouped like transformers' own grouped_mm experts forward (the default
+implementation of these modules, so it is the reference for the base part): the (token, choice)
+pairs are sorted by expert, and each expert's block is one base matmul plus one `lora_delta` over
+all slots (the torch reference op, one weight row per pair), never a dense per-token ΔW. The
+per-token slot weights w [M, S] (per-row adapters, per-sample adapters) are gathered with the
+tokens, so a row's adapter follows its tokens through routing; in blend mode every token has the blend.
+
+Each expert parameter is one layer for the handle (`ExpertLora`, path "<experts>.<param>", its own
+scale-table row and `ExpertBank`); the experts module is replaced by one `FusedLoraExperts` holding
+the original module and the `ExpertLora`s of its parameters, and is put back when the last goes.
+Routers (a 2-D `weight` used through F.linear) are `fdlora.layers.router.FusedLoraRouter`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import AdapterShapeError, FdLoraError, UnsupportedFeatureError
+from ..hub.adapter import ModuleLora
+from ..kernels import registry
+from ..kernels.reference import lora as ref
+from .bank import padded_rank
+from .merged import MergedWeight
+from .state import Mode, ModelState
+
+SELECTION = registry.Selection(registry.backends()["torch"],
+                               ("fused experts: the torch reference, one lora_delta per expert's token group",))
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers experts module fd-lora can run: one set up by `use_experts_implementation` (the attributes
+    below), whose forward transformers itself runs through the generic grouped implementation by default."""
+    return (all(hasattr(module, a) for a in ("num_experts", "has_gate", "has_bias", "is_transposed"))
+            and hasattr(module, "_apply_gate"))
+
+
+def expert_params(module: nn.Module) -> tuple[str, str]:
+    """(up projection, down projection) parameter names of an experts module."""
+    return ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
+
+
+def dims(module: nn.Module, param: str) -> tuple[int, int, int]:
+    """(E, K, N) of expert parameter `param`: experts, input and output features of its matmul."""
+    E, d1, d2 = getattr(module, param).shape
+    return (int(E), int(d1), int(d2)) if module.is_transposed else (int(E), int(d2), int(d1))
+
+
+def peft_factors(module: nn.Module, param: str, lora_A: torch.Tensor,
+                 lora_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT ParamWrapper's lora_A [E*r, K] / lora_B [N, E*r] of `module.param` -> (A [E, r, K], B [E, N, r])."""
+    E, K, N = dims(module, param)
+    if (lora_A.dim() != 2 or lora_B.dim() != 2 or lora_A.shape[0] % E or lora_A.shape[1] != K
+            or tuple(lora_B.shape) != (N, lora_A.shape[0])):
+        raise AdapterShapeError(
+            f"LoRA for expert parameter {param} {tuple(getattr(module, param).shape)} has lora_A "
+            f"{tuple(lora_A.shape)} and lora_B {tuple(lora_B.shape)}; PEFT's layout for it is lora_A [{E}*r, {K}] "
+            f"and lora_B [{N}, {E}*r]. The adapter was made for another model."
+        )
+    r = lora_A.shape[0] // E
+    return lora_A.reshape(E, r, K), lora_B.reshape(N, r, E).permute(2, 0, 1).contiguous()
+
+
+def check_fits(module: nn.Module, param: str, m: ModuleLora, path: str, what: str) -> None:
+    E, K, N = dims(module, param)
+    if m.kind != "experts" or tuple(m.A.shape) != (E, m.rank, K) or tuple(m.B.shape) != (E, N, m.rank):
+        raise AdapterShapeError(f"{what}: LoRA for {path} has A {tuple(m.A.shape)} and B {tuple(m.B.shape)}, but "
+                                f"the expert parameter takes A [{E}, r, {K}] and B [{E}, {N}, r]. The adapter was "
+                                "made for another model.")
+    if m.bias is not None or m.magnitude is not None:
+        raise UnsupportedFeatureError(f"{what}: {path} has a LoRA bias or DoRA magnitude; PEFT's ParamWrapper has "
+                                      "neither, and fd-lora does not implement them on expert parameters.")
+    if not (m.A.is_floating_point() and m.B.is_floating_point()):
+        raise AdapterShapeError(f"{what}: {path} weights are {m.A.dtype}/{m.B.dtype}; LoRA weights must be float.")
+
+
+class ExpertBank(nn.Module):
+    """Preallocated per-slot factors of one expert parameter (AdapterBank's layout with an expert axis first):
+
+        A [E, S, R, K], B [E, N, S, R]   so A[e] / B[e] are expert e's [S, R, K] / [N, S, R] bank
+
+    Written in place, like AdapterBank; `bias` / `magnitude` stay None (PEFT's ParamWrapper has neither)."""
+
+    def __init__(self, slots: int, rank: int, experts: int, in_features: int, out_features: int,
+                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        R = padded_rank(rank)
+        self.register_buffer("A", torch.zeros(experts, slots, R, in_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("B", torch.zeros(experts, out_features, slots, R, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("ranks", torch.zeros(slots, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+        self.register_buffer("magnitude", None, persistent=False)
+        self.register_buffer("dversion", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        self.dora_eps: list[float | None] = [None] * slots
+        self.used: list[bool] = [False] * slots
+        self.host_ranks: list[int] = [0] * slots
+        self.version = 0
+
+    @property
+    def slots(self) -> int:
+        return self.A.shape[1]
+
+    @property
+    def rank_capacity(self) -> int:
+        return self.A.shape[2]
+
+    def extent(self) -> tuple[int, int]:
+        S = max((s + 1 for s, u in enumerate(self.used) if u), default=0)
+        return S, padded_rank(max(self.host_ranks, default=1))
+
+    def write(self, slot: int, m: ModuleLora) -> None:
+        r = m.rank
+        self.A[:, slot, :r].copy_(m.A)
+        self.A[:, slot, r:].zero_()
+        self.B[:, :, slot, :r].copy_(m.B)
+        self.B[:, :, slot, r:].zero_()
+        self.ranks[slot] = r
+        self.mark(slot, r)
+
+    def clear(self, slot: int) -> None:
+        self.A[:, slot].zero_()
+        self.B[:, :, slot].zero_()
+        self.ranks[slot] = 0
+        self.mark(slot, 0)
+
+    def mark(self, slot: int, rank: int, device: bool = True) -> None:
+        self.used[slot] = rank > 0
+        self.host_ranks[slot] = rank
+        self.__dict__["version"] += 1
+        if device:
+            self._buffers["dversion"].add_(1)
+
+    def resize(self, slots: int, rank: int) -> None:
+        """Reallocate to `slots` x rank `rank`, keeping every loaded slot (as AdapterBank.resize)."""
+        R, S0, R0 = padded_rank(rank), self.slots, self.rank_capacity
+        if slots < S0 or R < max(self.host_ranks, default=0):
+            raise ValueError(f"resize to {slots} slots x rank {R} would drop loaded adapters ({S0} slots, live ranks "
+                             f"{self.host_ranks}).")
+        E, _, _, K = self.A.shape
+        A = self.A.new_zeros(E, slots, R, K)
+        B = self.B.new_zeros(E, self.B.shape[1], slots, R)
+        keep = min(R, R0)
+        A[:, :S0, :keep] = self.A[:, :, :keep]
+        B[:, :, :S0, :keep] = self.B[:, :, :, :keep]
+        ranks = self.ranks.new_zeros(slots)
+        ranks[:S0] = self.ranks
+        self.A, self.B, self.ranks = A, B, ranks
+        self.dora_eps = self.dora_eps + [None] * (slots - S0)
+        self.used = self.used + [False] * (slots - S0)
+        self.host_ranks = self.host_ranks + [0] * (slots - S0)
+        self.version += 1
+        self.dversion.add_(1)
+
+
+class ExpertLora(nn.Module):
+    """The adapters of one expert parameter: a layer for the handle (path "<experts>.<param>", a scale-table row,
+    a bank), living inside the `FusedLoraExperts` that replaced its experts module, whose grouped forward calls
+    `delta` for each expert's block of tokens."""
+
+    kind = "experts"
+
+    def __init__(self, experts: nn.Module, param: str, state: ModelState, index: int, path: str, rank: int,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        W = getattr(experts, param)
+        E, K, N = dims(experts, param)
+        self.param, self.path, self.index = param, path, index
+        self.in_features, self.out_features = K, N
+        self.bank = ExpertBank(state.slots.capacity, rank, E, K, N, dtype or W.dtype, W.device)
+        object.__setattr__(self, "base", experts)  # the original experts module (not a submodule of this one)
+        object.__setattr__(self, "state", state)  # shared, not a submodule
+        object.__setattr__(self, "merged", MergedWeight())  # the merged-weight cache never serves experts
+        self.selection = SELECTION
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Point the scale views at the shared table on the bank's device (as _FusedLora.rebind)."""
+        t = self.state.table.on(self.bank.A.device)
+        self.scale_blend = t[0, self.index]  # [S] weight * alpha / r
+        self.scale_unit = t[1, self.index]  # [S] alpha / r
+
+    def select_backend(self) -> None:
+        self.selection = SELECTION
+
+    def release_merged(self) -> None:
+        pass  # (no merged copy: the layer is not a merged-weight cache member)
+
+    def plain_now(self) -> bool:
+        return False  # never served by the merged-weight cache (fdlora.layers.remerge skips it)
+
+    def _apply(self, fn, recurse=True):  # .to() / .half(): the scale views follow the bank's device
+        super()._apply(fn, recurse)
+        self.rebind()
+        return self
+
+    def check(self, m: ModuleLora, what: str) -> None:
+        check_fits(self.base, self.param, m, self.path, what)
+
+    def active(self) -> bool:
+        st = self.state
+        if st.mode is Mode.OFF or True not in self.bank.used:
+            return False
+        return st.mode is not Mode.BLEND or bool(st.active)
+
+    def delta(self, y: torch.Tensor, x: torch.Tensor, expert: int, rows: torch.Tensor | None) -> None:
+        """y [n, N] += this parameter's LoRA on `x` [n, K], the tokens routed to `expert`; `rows` [n, S] are their
+        slot weights (per-row / per-sample modes), None in blend mode."""
+        b = self.bank
+        S, R = b.extent()
+        A, B = b.A[expert, :S, :R], b.B[expert, :, :S, :R]
+        if rows is None:
+            scale, gw = self.scale_blend[:S], self.state.ones(x.device)[:, :S]
+        else:
+            scale, gw = self.scale_unit[:S], rows[:, :S]
+        ref.lora_delta(y, x.to(A.dtype), A, B, scale, gw, b.ranks[:S])
+
+    def extra_repr(self) -> str:
+        b = self.bank
+        return (f"path={self.path!r}, experts={b.A.shape[0]}, slots={b.slots}, rank_capacity={b.rank_capacity}, "
+                f"dtype={b.A.dtype}, backend={self.selection}")
+
+
+def token_weights(state: ModelState, M: int, device: torch.device, where: str) -> torch.Tensor | None:
+    """[M, S] fp32 slot weights of each of M batch-major token rows (per-row mode: one-hot of its slot; per-sample
+    mode: its sample's weights), or None in blend mode (every token has the blend)."""
+    if state.mode is Mode.ROWS:
+        rs = state.row_slot(device)
+        if rs.shape[0] != M:
+            raise FdLoraError(f"{where}: {rs.shape[0]} per-row adapters given for {M} token rows.")
+        return (rs.long()[:, None] == torch.arange(state.slots.capacity, device=device)).float()
+    if state.mode is Mode.SAMPLES:
+        gw = state.group_weight(M, M, device)
+        if gw is None or M % gw.shape[0]:
+            given = sorted({b for (b, _) in state._group_weight})
+            raise FdLoraError(f"{where}: per-sample adapters were given for batch sizes {given}, but the experts got "
+                              f"{M} token rows; give one entry per sample of the batch.")
+        return gw.float().repeat_interleave(M // gw.shape[0], dim=0)
+    return None
+
+
+class FusedLoraExperts(nn.Module):
+    """An experts module served with LoRA on its parameters (see the module docstring): the original module is
+    `base`, untouched; `loras` holds an `ExpertLora` per adapted parameter."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        if getattr(base, "_is_expert_parallel", False):
+            raise UnsupportedFeatureError(f"{type(base).__name__} is expert-parallel; fd-lora serves LoRA on experts "
+                                          "that hold every expert locally.")
+        self.base = base
+        self.loras = nn.ModuleDict()
+
+    @property
+    def num_experts(self) -> int:
+        return self.base.num_experts
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                ) -> torch.Tensor:
+        loras = [lo for lo in self.loras.values() if lo.active()]
+        if not loras:
+            return self.base(hidden_states, top_k_index, top_k_weights)
+        b = self.base
+        M, H = hidden_states.shape
+        k = top_k_index.shape[-1]
+        ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # (token, choice) pairs grouped by expert
+        token = perm // k
+        x = hidden_states[token]
+        counts = torch.bincount(ids, minlength=b.num_experts).tolist()
+        rows = token_weights(loras[0].state, M, hidden_states.device, loras[0].path.rpartition(".")[0])
+        rows = None if rows is None else rows[token]  # each pair carries its token's slot weights
+        up, down = expert_params(b)
+        h = self._grouped(up, x, counts, rows)
+        h = b._apply_gate(h) if b.has_gate else b.act_fn(h)
+        y = self._grouped(down, h, counts, rows)
+        if getattr(b, "has_post_expert_norm", False):
+            y = b.post_expert_norm(y)
+        y = y * top_k_weights.reshape(-1)[perm, None]
+        out = torch.empty_like(y)
+        out[perm] = y  # back to (token, choice) order
+        return out.view(M, k, H).sum(dim=1).to(hidden_states.dtype)
+
+    def _grouped(self, param: str, x: torch.Tensor, counts: list[int], rows: torch.Tensor | None) -> torch.Tensor:
+        """Expert e's matmul (bias included) on its block of `x`, plus this parameter's LoRA if it has one."""
+        b = self.base
+        W = getattr(b, param)
+        bias = getattr(b, param + "_bias") if b.has_bias else None
+        lora = self.loras[param] if param in self.loras and self.loras[param].active() else None
+        N = W.shape[2] if b.is_transposed else W.shape[1]
+        y = x.new_empty(x.shape[0], N, dtype=W.dtype)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            blk = slice(start, start + n)
+            xe = x[blk].to(W.dtype)
+            ye = xe @ W[e] if b.is_transposed else F.linear(xe, W[e])
+            if bias is not None:
+                ye = ye + bias[e]
+            if lora is not None:
+                lora.delta(ye, xe, e, None if rows is None else rows[blk])
+            y[blk] = ye
+            start += n
+        return y
+
+
+def param_target(model: nn.Module, path: str) -> tuple[nn.Module, str] | None:
+    """(experts module, parameter name) if `path` names an expert parameter fd-lora serves, else None."""
+    parent, _, param = path.rpartition(".")
+    try:
+        module = model.get_submodule(parent)
+    except AttributeError:
+        return None
+    if isinstance(module, FusedLoraExperts):
+        module = module.base
+    if is_experts(module) and param in expert_params(module):
+        W = getattr(module, param, None)
+        if isinstance(W, torch.Tensor) and W.dim() == 3:
+            return module, param
+    return None
+
+
+def install(model: nn.Module, layer: ExpertLora) -> None:
+    """Put `layer` into the FusedLoraExperts at its experts path (replacing the experts module first if needed)."""
+    parent = layer.path.rpartition(".")[0]
+    module = model.get_submodule(parent)
+    if not isinstance(module, FusedLoraExperts):
+        module = FusedLoraExperts(module)
+        set_module(model, parent, module)
+    module.loras[layer.param] = layer
+
+
+def uninstall(model: nn.Module, layer: ExpertLora) -> None:
+    """Take `layer` out; the original experts module goes back when no parameter has LoRA any more."""
+    parent = layer.path.rpartition(".")[0]
+    module = model.get_submodule(parent)
+    if isinstance(module, FusedLoraExperts):
+        del module.loras[layer.param]
+        if not len(module.loras):
+            set_module(model, parent, module.base)
+
+
+def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

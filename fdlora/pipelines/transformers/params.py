@@ -1,0 +1,119 @@
+"""PEFT's LoRA on parameters (lora.ParamWrapper: `target_parameters`, and what "all-linear" wraps on MoE models)
+as fd-lora adapter paths and factors.
+
+PEFT wraps each targeted parameter in its own ParamWrapper; several parameters of one module nest, the
+first targeted (in the module's parameter order) innermost, so a folder's keys are
+"<module>(.base_layer)*.lora_A.weight": "<experts>.lora_A" is the outermost (last) parameter,
+"<experts>.base_layer.lora_A" the one before. fd-lora names them by what they adapt:
+
+    3-D expert parameter  "<experts>.<param>"   ModuleLora kind "experts" (fdlora.layers.experts)
+    2-D weight (a router)  "<module>"            a linear ModuleLora, as PEFT's math is Linear's there
+                                                  (fdlora.layers.router)
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ...errors import FormatError, TargetError
+from ...hub.adapter import ModuleLora
+from ...layers import experts
+from ...layers.fused import LayerSpec, _FusedLora, check_fits, spec_of
+from ...layers.router import is_router
+
+BASE_LAYER = ".base_layer"
+
+
+def is_param_wrapper(layer: nn.Module) -> bool:
+    return type(layer).__name__ == "ParamWrapper"
+
+
+def wrappers(path: str, layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """[(fd-lora path, PEFT LoRA layer)] of the PEFT layer at `path`: itself, or every ParamWrapper of a nest."""
+    if not is_param_wrapper(layer):
+        return [(path, layer)]
+    out = []
+    while is_param_wrapper(layer):
+        param = getattr(layer.get_base_layer(), layer.parameter_name)
+        out.append((f"{path}.{layer.parameter_name}" if param.dim() == 3 else path, layer))
+        layer = layer.base_layer
+    return out
+
+
+def module_lora(path: str, layer: nn.Module, name: str, alpha: float, bias: torch.Tensor | None,
+                magnitude: torch.Tensor | None, what: str) -> ModuleLora:
+    """Adapter `name` of PEFT layer `layer` as a canonical ModuleLora, checked against the module it adapts."""
+    A, B = layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach()
+    if is_param_wrapper(layer):
+        return factors(layer.get_base_layer(), layer.parameter_name, path, A, B, alpha, what)
+    return ModuleLora(A, B, alpha, bias, magnitude=magnitude)
+
+
+def factors(module: nn.Module, param: str, path: str, A: torch.Tensor, B: torch.Tensor, alpha: float,
+            what: str) -> ModuleLora:
+    """PEFT ParamWrapper factors of `module.param` (lora_A, lora_B as stored) -> a checked ModuleLora."""
+    W = getattr(module, param, None)
+    if isinstance(W, torch.Tensor) and W.dim() == 3:
+        if not experts.is_experts(module) or param not in experts.expert_params(module):
+            raise TargetError(f"{what}: {path} is a 3-D parameter of {type(module).__name__}, which is not an "
+                              "experts module fd-lora runs (transformers' use_experts_implementation experts); serve "
+                              "this adapter with PEFT.")
+        m = ModuleLora(*experts.peft_factors(module, param, A, B), alpha)
+        experts.check_fits(module, param, m, path, what)
+        return m
+    if param != "weight" or not isinstance(W, torch.Tensor) or W.dim() != 2:
+        raise TargetError(f"{what}: {path}.{param} is a {tuple(getattr(W, 'shape', ()))} parameter; fd-lora serves "
+                          "LoRA on 3-D expert parameters and on 2-D `weight`s (routers, Linear-like modules).")
+    m = ModuleLora(A, B, alpha)
+    spec = spec_of(module) or (LayerSpec("linear", (W.shape[1],), W.shape[0]) if is_router(module) else None)
+    if spec is None:
+        raise TargetError(f"{what}: {path} is a {type(module).__name__}; fd-lora serves parameter LoRA on expert "
+                          "parameters and router weights.")
+    check_fits(spec, m, path, what)
+    return m
+
+
+def targeted_params(model: nn.Module, config: object) -> dict[str, list[str]]:
+    """PEFT's `_inject_parameters` matching, as data: module path -> [its targeted parameter names in the module's
+    parameter order (the nesting order: first innermost)], for `config.target_parameters`."""
+    names = sorted(set(getattr(config, "target_parameters", None) or []))
+    found: dict[str, list[str]] = {}
+    if not names:
+        return found
+    alias = {p + ".base": p for p, mod in model.named_modules() if isinstance(mod, (experts.FusedLoraExperts,
+                                                                                    _FusedLora))}
+    for path, module in model.named_modules():
+        path = alias.get(path, path)  # a module fd-lora wraps is known by its own path
+        if not path:
+            continue
+        for pname, _ in module.named_parameters(recurse=False):
+            key = f"{path}.{pname}"
+            if key in names or any(key.endswith(f".{t}") for t in names):
+                found.setdefault(path, []).append(pname)
+    return found
+
+
+_KEY = re.compile(r"^(?P<module>.+?)(?P<nest>(?:\.base_layer)*)$")
+
+
+def saved_path(model: nn.Module, key_path: str, found: dict[str, list[str]], what: str) -> tuple[str, nn.Module,
+                                                                                                  str] | None:
+    """(fd-lora path, module, parameter) of a saved ParamWrapper key path "<module>(.base_layer)*", or None when
+    that module has no targeted parameter (a regular LoRA module)."""
+    m = _KEY.match(key_path)
+    module_path, depth = m["module"], m["nest"].count(BASE_LAYER)
+    params = found.get(module_path)
+    if not params:
+        return None
+    if depth >= len(params):
+        raise FormatError(f"{what}: {key_path} is ParamWrapper nesting level {depth}, but its LoraConfig targets only "
+                          f"{params} on {module_path}; adapter_config.json does not fit the weights.")
+    param = params[len(params) - 1 - depth]  # the outermost wrapper is the last targeted parameter
+    module = model.get_submodule(module_path)
+    if isinstance(module, (experts.FusedLoraExperts, _FusedLora)):
+        module = module.base
+    W = getattr(module, param)
+    return (f"{module_path}.{param}" if W.dim() == 3 else module_path), module, param
