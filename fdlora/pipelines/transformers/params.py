@@ -96,6 +96,15 @@ def targeted_params(model: nn.Module, config: object) -> dict[str, list[str]]:
     return found
 
 
+def fd_path(model: nn.Module, module_path: str, param: str) -> str:
+    """fd-lora's path for LoRA on `module_path`.`param`: "<module>.<param>" for a 3-D expert parameter, else the
+    module path (a 2-D weight: Linear math)."""
+    module = model.get_submodule(module_path)
+    if isinstance(module, (experts.FusedLoraExperts, _FusedLora)):
+        module = module.base
+    return f"{module_path}.{param}" if getattr(module, param).dim() == 3 else module_path
+
+
 _KEY = re.compile(r"^(?P<module>.+?)(?P<nest>(?:\.base_layer)*)$")
 
 
@@ -115,5 +124,22 @@ def saved_path(model: nn.Module, key_path: str, found: dict[str, list[str]], wha
     module = model.get_submodule(module_path)
     if isinstance(module, (experts.FusedLoraExperts, _FusedLora)):
         module = module.base
-    W = getattr(module, param)
-    return (f"{module_path}.{param}" if W.dim() == 3 else module_path), module, param
+    return fd_path(model, module_path, param), module, param
+
+
+def remap(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], found: dict[str, list[str]],
+          what: str) -> dict[str, dict[str, torch.Tensor]]:
+    """A saved file's LoRA parts keyed by PEFT path ("<module>(.base_layer)*") -> keyed by fd-lora path, with
+    3-D expert parameters' factors in fd-lora's layout (A [E, r, K], B [E, N, r]); other modules unchanged."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key_path, w in parts.items():
+        hit = saved_path(model, key_path, found, what)
+        if hit is None:
+            out[key_path] = w
+            continue
+        path, module, param = hit
+        if getattr(module, param).dim() == 3 and "A.weight" in w and "B.weight" in w:
+            A, B = experts.peft_factors(module, param, w["A.weight"], w["B.weight"])
+            w = {**w, "A.weight": A, "B.weight": B}
+        out[path] = w
+    return out
