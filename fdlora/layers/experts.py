@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import AdapterShapeError, FdLoraError, UnsupportedFeatureError
+from ..errors import AdapterShapeError, UnsupportedFeatureError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
 from ..kernels.reference import lora as ref
@@ -243,24 +243,6 @@ class ExpertLora(nn.Module):
                 f"dtype={b.A.dtype}, backend={self.selection}")
 
 
-def token_weights(state: ModelState, M: int, device: torch.device, where: str) -> torch.Tensor | None:
-    """[M, S] fp32 slot weights of each of M batch-major token rows (per-row mode: one-hot of its slot; per-sample
-    mode: its sample's weights), or None in blend mode (every token has the blend)."""
-    if state.mode is Mode.ROWS:
-        rs = state.row_slot(device)
-        if rs.shape[0] != M:
-            raise FdLoraError(f"{where}: {rs.shape[0]} per-row adapters given for {M} token rows.")
-        return (rs.long()[:, None] == torch.arange(state.slots.capacity, device=device)).float()
-    if state.mode is Mode.SAMPLES:
-        gw = state.group_weight(M, M, device)
-        if gw is None or M % gw.shape[0]:
-            given = sorted({b for (b, _) in state._group_weight})
-            raise FdLoraError(f"{where}: per-sample adapters were given for batch sizes {given}, but the experts got "
-                              f"{M} token rows; give one entry per sample of the batch.")
-        return gw.float().repeat_interleave(M // gw.shape[0], dim=0)
-    return None
-
-
 class FusedLoraExperts(nn.Module):
     """An experts module served with LoRA on its parameters (see the module docstring): the original module is
     `base`, untouched; `loras` holds an `ExpertLora` per adapted parameter."""
@@ -289,7 +271,7 @@ class FusedLoraExperts(nn.Module):
         token = perm // k
         x = hidden_states[token]
         counts = torch.bincount(ids, minlength=b.num_experts).tolist()
-        rows = token_weights(loras[0].state, M, hidden_states.device, loras[0].path.rpartition(".")[0])
+        rows = loras[0].state.token_weights(M, hidden_states.device)  # [M, S] per-row / per-sample, else None
         rows = None if rows is None else rows[token]  # each pair carries its token's slot weights
         up, down = expert_params(b)
         h = self._grouped(up, x, counts, rows)

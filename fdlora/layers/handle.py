@@ -19,7 +19,7 @@ from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, F
 from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from ..hub.formats import lycoris
-from . import experts, router
+from . import experts, routed, router
 from .bank import AdapterBank, padded_rank
 from .bulk import write_staged
 from .fused import FusedLoraConv2d, FusedLoraLinear, LayerSpec, _FusedLora, check_fits, spec_of
@@ -78,6 +78,7 @@ class FdLoraHandle:
             self._put(layer)
             self._originals[layer.path] = layer.base
             self.layers[layer.path] = layer
+        routed.enter(self.model, self.state, [layer.path for layer in made])  # Switch-style experts: rows follow
         for layer in self.layers.values():
             layer.rebind()
         return made
@@ -116,6 +117,7 @@ class FdLoraHandle:
         self._alive()
         for path in self._originals:
             self._take(path)
+        routed.leave(self.model)
         for layer in self.layers.values():
             layer.release_merged()
         self._originals.clear()
