@@ -308,6 +308,18 @@ class FusedLoraExperts(nn.Module):
         return y
 
 
+def delta_weight(layer: ExpertLora, slot_weights: torch.Tensor) -> torch.Tensor:
+    """sum_s w_s * B_{e,s} A_{e,s} for every expert e, in fp32, shaped like the parameter ([E, N, K], or [E, K, N]
+    for transposed experts). `slot_weights` [S] holds w_s * alpha / r (merging: fdlora.pipelines.transformers.save)."""
+    S, R = layer.bank.extent()
+    A = layer.bank.A[:, :S, :R].float()  # [E, S, R, K]
+    B = layer.bank.B[:, :, :S, :R].float()  # [E, N, S, R]
+    E, N, K = B.shape[0], B.shape[1], A.shape[-1]
+    Bw = (B * slot_weights[:S].float().to(B.device)[None, None, :, None]).reshape(E, N, S * R)
+    delta = torch.bmm(Bw, A.reshape(E, S * R, K))
+    return delta.transpose(1, 2) if layer.base.is_transposed else delta
+
+
 def param_target(model: nn.Module, path: str) -> tuple[nn.Module, str] | None:
     """(experts module, parameter name) if `path` names an expert parameter fd-lora serves, else None."""
     parent, _, param = path.rpartition(".")

@@ -67,7 +67,7 @@ def adapter_from_peft(model: nn.Module, adapter_name: str = "default") -> LoraAd
 
     modules: dict[str, ModuleLora] = {}
     for outer, module in peft_root(model).named_modules():
-        if not isinstance(module, LoraLayer) or params.is_param_wrapper(getattr(module, "base_layer", None)):
+        if not isinstance(module, LoraLayer) or outer.endswith(params.BASE_LAYER):
             continue  # (an inner ParamWrapper is read with its outermost one)
         for path, layer in params.wrappers(outer, module):
             if adapter_name not in layer.lora_A:

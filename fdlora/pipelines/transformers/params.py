@@ -143,3 +143,21 @@ def remap(model: nn.Module, parts: dict[str, dict[str, torch.Tensor]], found: di
             w = {**w, "A.weight": A, "B.weight": B}
         out[path] = w
     return out
+
+
+def to_peft(model: nn.Module, path: str, A: torch.Tensor, B: torch.Tensor,
+            found: dict[str, list[str]]) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(PEFT key path, lora_A, lora_B) of fd-lora's LoRA at `path`, for writing a PEFT folder: 3-D factors back to
+    ParamWrapper's lora_A [E*r, K] / lora_B [N, E*r], and the wrapper nesting of the module's targeted parameters
+    (`found`, from `targeted_params`) in the key. Module LoRA that is not on a targeted parameter is unchanged."""
+    target = experts.param_target(model, path)
+    if target is not None:
+        module_path, param = path.rpartition(".")[0], target[1]
+        E, r, K = A.shape
+        A, B = A.reshape(E * r, K), B.permute(1, 2, 0).reshape(B.shape[1], r * E)
+    else:
+        module_path, param = path, "weight"
+    names = found.get(module_path, [])
+    if param not in names:
+        return path, A, B
+    return module_path + BASE_LAYER * (len(names) - 1 - names.index(param)), A, B
