@@ -175,3 +175,18 @@ def test_restore_puts_the_experts_module_back():
     x = torch.randint(0, 64, (2, 4))
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, base(input_ids=x).logits)
+
+
+def test_training_refuses_parameter_lora_before_changing_anything():
+    """fd-lora trains module LoRA only: LoRA on routers / experts (PEFT's ParamWrapper) raises, model untouched."""
+    from fdlora.errors import UnsupportedFeatureError
+
+    model = mixtral().eval()
+    experts_module = model.model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFeatureError, match="does not train"):
+        fdlora.add_trainable_adapter(model, "t", LoraConfig(r=2, target_modules="all-linear"))
+    assert model.model.layers[0].mlp.experts is experts_module
+    _, pm = peft_model("mixtral")
+    with pytest.raises(UnsupportedFeatureError, match="cannot be kept trainable"):
+        fdlora.from_peft(pm, trainable=True)
+    assert any(type(m).__name__ == "ParamWrapper" for m in pm.modules())
