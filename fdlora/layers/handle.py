@@ -22,7 +22,7 @@ from ..hub.formats import lycoris
 from . import experts, routed, router
 from .bank import AdapterBank, padded_rank
 from .bulk import write_staged
-from .fused import FusedLoraConv2d, FusedLoraLinear, LayerSpec, _FusedLora, check_fits, spec_of
+from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from .registry import registry_of_models
 from .state import Mode, ModelState
 
@@ -179,10 +179,11 @@ class FdLoraHandle:
                 base = self.model.get_submodule(path)
             except AttributeError:
                 base = None
+            if base is not None and spec_of(base) is None and router.is_router(base):  # fdlora.layers.router
+                router.check(base, m, path, what)
+                self._check_rank(path, m, what)
+                return True
             spec = None if base is None else spec_of(base)
-            if spec is None and base is not None and router.is_router(base):  # fdlora.layers.router
-                E, H = base.weight.shape
-                spec = LayerSpec("linear", (int(H),), int(E))
             if spec is None:
                 raise TargetError(f"{what} targets {path!r}, which is "
                                   + ("not a module of this model." if base is None else f"a {type(base).__name__}."))

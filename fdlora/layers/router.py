@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..errors import FdLoraError
+from ..errors import FdLoraError, UnsupportedFeatureError
 from ..hub.adapter import ModuleLora
 from . import offload
 from .fused import LayerSpec, _FusedLora, check_fits, spec_of
@@ -33,6 +33,16 @@ def is_router(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
     return (isinstance(w, nn.Parameter) and w.dim() == 2 and w.is_floating_point() and spec_of(module) is None
             and not isinstance(module, _FusedLora) and not isinstance(module, nn.Embedding))
+
+
+def check(module: nn.Module, m: ModuleLora, path: str, what: str) -> None:
+    """Raise unless `m` is a plain LoRA for router `module` (A [r, H], B [E, r]; no bias or DoRA: PEFT's
+    ParamWrapper has neither, and the router's forward is not one matmul to add them to)."""
+    E, H = module.weight.shape
+    check_fits(LayerSpec("linear", (int(H),), int(E)), m, path, what)
+    if m.bias is not None or m.magnitude is not None:
+        raise UnsupportedFeatureError(f"{what}: {path} ({type(module).__name__}) has a LoRA bias or DoRA magnitude; "
+                                      "fd-lora serves plain LoRA on routers.")
 
 
 class _AddLora(TorchFunctionMode):
@@ -70,7 +80,7 @@ class FusedLoraRouter(_FusedLora):
         offload.note(self)
 
     def check(self, m: ModuleLora, what: str) -> None:
-        check_fits(LayerSpec("linear", (self.in_features,), self.out_features), m, self.path, what)
+        check(self.base, m, self.path, what)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         y = self._common_forward(x, args, kwargs)
