@@ -19,7 +19,7 @@ from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, F
 from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from ..hub.formats import lycoris
-from . import experts, routed, router
+from . import moe
 from .bank import AdapterBank, padded_rank
 from .bulk import write_staged
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
@@ -73,40 +73,21 @@ class FdLoraHandle:
         self.state.table.resize(L0 + len(new), self.state.slots.capacity)
         made = []
         for i, path in enumerate(new):
-            made.append(self._make(path, L0 + i))
+            layer = moe.make(self.model, path, self.state, L0 + i, self.max_rank, self.dtype)  # routers, experts
+            if layer is None:
+                base = self.model.get_submodule(path)
+                cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
+                layer = cls(base, self.state, L0 + i, path, self.max_rank, self.dtype)
+            made.append(layer)
         for layer in made:
-            self._put(layer)
+            if not moe.put(self.model, layer):
+                self._swap(layer.path, layer)
             self._originals[layer.path] = layer.base
             self.layers[layer.path] = layer
-        routed.enter(self.model, self.state, [layer.path for layer in made])  # Switch-style experts: rows follow
+        moe.enter(self.model, self.state, [layer.path for layer in made])
         for layer in self.layers.values():
             layer.rebind()
         return made
-
-    def _make(self, path: str, index: int) -> nn.Module:
-        """The fused layer for `path`: Linear-like / Conv2d modules, routers (fdlora.layers.router) and fused expert
-        parameters ("<experts>.<param>", fdlora.layers.experts)."""
-        target = experts.param_target(self.model, path)
-        if target is not None:
-            return experts.ExpertLora(*target, self.state, index, path, self.max_rank, self.dtype)
-        base = self.model.get_submodule(path)
-        cls = (FusedLoraConv2d if isinstance(base, nn.Conv2d) else router.FusedLoraRouter if router.is_router(base)
-               else FusedLoraLinear)
-        return cls(base, self.state, index, path, self.max_rank, self.dtype)
-
-    def _put(self, layer: nn.Module) -> None:
-        if isinstance(layer, experts.ExpertLora):  # lives inside the experts module's FusedLoraExperts
-            experts.install(self.model, layer)
-        else:
-            self._swap(layer.path, layer)
-
-    def _take(self, path: str) -> None:
-        """Put the original back at `path` (the layer stays in self.layers)."""
-        layer = self.layers.get(path)
-        if isinstance(layer, experts.ExpertLora):
-            experts.uninstall(self.model, layer)
-        else:
-            self._swap(path, self._originals[path])
 
     def _swap(self, path: str, module: nn.Module) -> None:
         parent, _, child = path.rpartition(".")
@@ -115,9 +96,10 @@ class FdLoraHandle:
     def restore(self) -> nn.Module:
         """Put every original module back (bit-exact base model) and drop all adapters."""
         self._alive()
-        for path in self._originals:
-            self._take(path)
-        routed.leave(self.model)
+        for path, original in self._originals.items():
+            if not moe.take(self.model, self.layers[path]):
+                self._swap(path, original)
+        moe.leave(self.model)
         for layer in self.layers.values():
             layer.release_merged()
         self._originals.clear()
@@ -170,30 +152,18 @@ class FdLoraHandle:
             if inner is not None:  # a path read off the wrapped model (`X.base`): never wrap inside a fused layer
                 raise TargetError(f"{what} targets {path!r}, inside fd-lora's layer at {inner!r}; name the module "
                                   f"{inner!r} (its path in the model as it was before fd-lora wrapped it).")
-            expert = experts.param_target(self.model, path)
-            if expert is not None:  # a fused expert parameter (fdlora.layers.experts)
-                experts.check_fits(*expert, m, path, what)
-                self._check_rank(path, m, what)
-                return True
-            try:
-                base = self.model.get_submodule(path)
-            except AttributeError:
-                base = None
-            if base is not None and spec_of(base) is None and router.is_router(base):  # fdlora.layers.router
-                router.check(base, m, path, what)
-                self._check_rank(path, m, what)
-                return True
-            spec = None if base is None else spec_of(base)
-            if spec is None:
-                raise TargetError(f"{what} targets {path!r}, which is "
-                                  + ("not a module of this model." if base is None else f"a {type(base).__name__}."))
-            check_fits(spec, m, path, what)
+            if not moe.check(self.model, path, m, what):  # routers and fused expert parameters: fdlora.layers.moe
+                try:
+                    base = self.model.get_submodule(path)
+                except AttributeError:
+                    base = None
+                spec = None if base is None else spec_of(base)
+                if spec is None:
+                    raise TargetError(f"{what} targets {path!r}, which is " + (
+                        "not a module of this model." if base is None else f"a {type(base).__name__}."))
+                check_fits(spec, m, path, what)
         else:
             layer.check(m, what)
-        self._check_rank(path, m, what)
-        return layer is None
-
-    def _check_rank(self, path: str, m, what: str) -> None:
         cap = env.max_rank_limit()
         if m.rank > cap:
             raise CapacityError(f"{what}: {path} has rank {m.rank}, above the rank limit {cap}; raise it "
@@ -204,6 +174,7 @@ class FdLoraHandle:
                 f"Raise max_rank (fdlora.inject(..., max_rank={padded_rank(m.rank)}) or "
                 f"handle.grow(max_rank={padded_rank(m.rank)}))."
             )
+        return layer is None
 
     def commit(self, plan: LoadPlan, *, activate: bool = True) -> int:
         """Carry out a `plan` from `plan()`: wrap, write the banks, register the name."""
@@ -247,8 +218,9 @@ class FdLoraHandle:
 
     def _unwrap(self, path: str) -> None:
         self.state.epoch += 1
-        self._take(path)
-        self._originals.pop(path)
+        original = self._originals.pop(path)
+        if not moe.take(self.model, self.layers[path]):
+            self._swap(path, original)
         self.layers.pop(path).release_merged()
 
     def _clear_slot(self, slot: int) -> None:
