@@ -44,11 +44,11 @@ ROUTER = {"mixtral": "gate.weight", "gpt-oss": "router.weight"}
 BUILD = {"mixtral": mixtral, "gpt-oss": gpt_oss}
 
 
-def peft_model(arch: str, r: int = 3):
+def peft_model(arch: str, r: int = 3, modules: tuple[str, ...] = ()):
     torch.manual_seed(0)
     base = BUILD[arch]().eval()
     pm = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=r, lora_alpha=5, init_lora_weights=False, target_modules=[],
+        r=r, lora_alpha=5, init_lora_weights=False, target_modules=list(modules),
         target_parameters=["experts.gate_up_proj", "experts.down_proj", ROUTER[arch]]))
     with torch.no_grad():
         for n, p in pm.named_parameters():
@@ -190,3 +190,24 @@ def test_training_refuses_parameter_lora_before_changing_anything():
     with pytest.raises(UnsupportedFeatureError, match="cannot be kept trainable"):
         fdlora.from_peft(pm, trainable=True)
     assert any(type(m).__name__ == "ParamWrapper" for m in pm.modules())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["mixtral", "gpt-oss"])
+def test_cuda_matches_peft(arch):
+    """On CUDA (routers on the selected kernel backend, experts on the torch reference, attention on the fused
+    Linear kernels): the adapter and per-row [adapter, base] equal PEFT on the GPU."""
+    base, pm = peft_model(arch, modules=("q_proj",))
+    pm = pm.cuda()
+    base = base.cuda()
+    x = torch.randint(0, 64, (2, 6), device="cuda")
+    with torch.no_grad():
+        want = pm(input_ids=x).logits
+        plain = base(input_ids=x).logits
+        model = fdlora.from_peft(pm)
+        got = model(input_ids=x).logits
+        rows = model(input_ids=x, adapter_names=["default", "__base__"]).logits
+    assert not torch.allclose(want, plain, atol=1e-2)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(rows, torch.stack([want[0], plain[1]]), rtol=1e-3, atol=1e-3)
