@@ -15,7 +15,6 @@ from torch import nn
 
 from ..hub.adapter import ModuleLora
 from . import experts, routed, router
-from .fused import spec_of
 from .state import ModelState
 
 
@@ -28,7 +27,7 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
 
 def _router_at(model: nn.Module, path: str) -> nn.Module | None:
     base = _module(model, path)
-    return base if base is not None and spec_of(base) is None and router.is_router(base) else None
+    return base if base is not None and router.is_router(base) else None
 
 
 def check(model: nn.Module, path: str, m: ModuleLora, what: str) -> bool:
