@@ -33,6 +33,8 @@ Routers (a 2-D `weight` used through F.linear) are `fdlora.layers.router.FusedLo
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +43,6 @@ from ..errors import AdapterShapeError, UnsupportedFeatureError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
 from ..kernels.reference import lora as ref
-from .bank import padded_rank
 from .merged import MergedWeight
 from .state import Mode, ModelState
 
@@ -83,6 +84,11 @@ def peft_factors(module: nn.Module, param: str, lora_A: torch.Tensor,
 
 
 def check_fits(module: nn.Module, param: str, m: ModuleLora, path: str, what: str) -> None:
+    """Raise unless LoRA `m` fits expert parameter `module.param` (checked when a load is planned)."""
+    if getattr(module, "_is_expert_parallel", False):
+        raise UnsupportedFeatureError(f"{what}: {path} belongs to expert-parallel experts "
+                                      f"({type(module).__name__}); fd-lora serves LoRA on experts that hold every "
+                                      "expert locally.")
     E, K, N = dims(module, param)
     if m.kind != "experts" or tuple(m.A.shape) != (E, m.rank, K) or tuple(m.B.shape) != (E, N, m.rank):
         raise AdapterShapeError(f"{what}: LoRA for {path} has A {tuple(m.A.shape)} and B {tuple(m.B.shape)}, but "
@@ -96,43 +102,63 @@ def check_fits(module: nn.Module, param: str, m: ModuleLora, path: str, what: st
 
 
 class ExpertBank(nn.Module):
-    """Preallocated per-slot factors of one expert parameter (AdapterBank's layout with an expert axis first):
+    """The per-slot factors of one expert parameter, AdapterBank's layout with an expert axis first:
 
-        A [E, S, R, K], B [E, N, S, R]   so A[e] / B[e] are expert e's [S, R, K] / [N, S, R] bank
+        A [E, S', R', K], B [E, N, S', R']   so A[e] / B[e] are expert e's [S', R', K] / [N, S', R'] bank
+        ranks [S'] int32                      the live rank per slot (the ops' signature takes it)
 
-    Written in place, like AdapterBank; `bias` / `magnitude` stay None (PEFT's ParamWrapper has neither)."""
+    Unlike AdapterBank it holds only what is loaded: S' = the last used slot + 1 and R' = the largest live rank
+    (no padding: the torch reference needs none), grown in place by `write`. An expert stack is E times a
+    layer's size, so a bank preallocated at the handle's capacity (4 slots x rank 64) would cost a full-size
+    DeepSeek-V3 (E=256) ~2.7 GB per layer before any adapter is loaded; this one costs what PEFT's factors cost.
+    Experts are never compiled or captured (the grouped forward syncs on the host), so growing is safe.
+    `bias` / `magnitude` stay None (PEFT's ParamWrapper has neither)."""
 
-    def __init__(self, slots: int, rank: int, experts: int, in_features: int, out_features: int,
-                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(self, slots: int, experts: int, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
         super().__init__()
-        R = padded_rank(rank)
-        self.register_buffer("A", torch.zeros(experts, slots, R, in_features, dtype=dtype, device=device),
+        self.register_buffer("A", torch.zeros(experts, 0, 0, in_features, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("B", torch.zeros(experts, out_features, slots, R, dtype=dtype, device=device),
+        self.register_buffer("B", torch.zeros(experts, out_features, 0, 0, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("ranks", torch.zeros(slots, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("ranks", torch.zeros(0, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.register_buffer("magnitude", None, persistent=False)
         self.register_buffer("dversion", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
-        self.dora_eps: list[float | None] = [None] * slots
         self.used: list[bool] = [False] * slots
         self.host_ranks: list[int] = [0] * slots
         self.version = 0
 
     @property
     def slots(self) -> int:
-        return self.A.shape[1]
+        return len(self.used)
 
     @property
     def rank_capacity(self) -> int:
         return self.A.shape[2]
 
     def extent(self) -> tuple[int, int]:
+        """(slots up to the last used one, largest live rank): the loaded part."""
         S = max((s + 1 for s, u in enumerate(self.used) if u), default=0)
-        return S, padded_rank(max(self.host_ranks, default=1))
+        return S, max(self.host_ranks, default=0)
+
+    def _fit(self, slots: int, rank: int) -> None:
+        """Reallocate to at least `slots` x `rank`, keeping what is loaded."""
+        E, S0, R0, K = self.A.shape
+        S, R = max(S0, slots), max(R0, rank)
+        if (S, R) == (S0, R0):
+            return
+        A = self.A.new_zeros(E, S, R, K)
+        B = self.B.new_zeros(E, self.B.shape[1], S, R)
+        A[:, :S0, :R0] = self.A
+        B[:, :, :S0, :R0] = self.B
+        ranks = self.ranks.new_zeros(S)
+        ranks[:S0] = self.ranks
+        self.A, self.B, self.ranks = A, B, ranks
 
     def write(self, slot: int, m: ModuleLora) -> None:
         r = m.rank
+        self._fit(slot + 1, r)
         self.A[:, slot, :r].copy_(m.A)
         self.A[:, slot, r:].zero_()
         self.B[:, :, slot, :r].copy_(m.B)
@@ -141,9 +167,10 @@ class ExpertBank(nn.Module):
         self.mark(slot, r)
 
     def clear(self, slot: int) -> None:
-        self.A[:, slot].zero_()
-        self.B[:, :, slot].zero_()
-        self.ranks[slot] = 0
+        if slot < self.A.shape[1]:
+            self.A[:, slot].zero_()
+            self.B[:, :, slot].zero_()
+            self.ranks[slot] = 0
         self.mark(slot, 0)
 
     def mark(self, slot: int, rank: int, device: bool = True) -> None:
@@ -154,23 +181,12 @@ class ExpertBank(nn.Module):
             self._buffers["dversion"].add_(1)
 
     def resize(self, slots: int, rank: int) -> None:
-        """Reallocate to `slots` x rank `rank`, keeping every loaded slot (as AdapterBank.resize)."""
-        R, S0, R0 = padded_rank(rank), self.slots, self.rank_capacity
-        if slots < S0 or R < max(self.host_ranks, default=0):
-            raise ValueError(f"resize to {slots} slots x rank {R} would drop loaded adapters ({S0} slots, live ranks "
-                             f"{self.host_ranks}).")
-        E, _, _, K = self.A.shape
-        A = self.A.new_zeros(E, slots, R, K)
-        B = self.B.new_zeros(E, self.B.shape[1], slots, R)
-        keep = min(R, R0)
-        A[:, :S0, :keep] = self.A[:, :, :keep]
-        B[:, :, :S0, :keep] = self.B[:, :, :, :keep]
-        ranks = self.ranks.new_zeros(slots)
-        ranks[:S0] = self.ranks
-        self.A, self.B, self.ranks = A, B, ranks
-        self.dora_eps = self.dora_eps + [None] * (slots - S0)
-        self.used = self.used + [False] * (slots - S0)
-        self.host_ranks = self.host_ranks + [0] * (slots - S0)
+        """The handle's capacity changed: more slots may be used now (nothing is allocated until a write); the
+        rank argument is the handle's capacity, which this bank does not preallocate."""
+        if slots < self.slots:
+            raise ValueError(f"resize to {slots} slots would drop loaded adapters ({self.slots} slots).")
+        self.used = self.used + [False] * (slots - self.slots)
+        self.host_ranks = self.host_ranks + [0] * (slots - len(self.host_ranks))
         self.version += 1
         self.dversion.add_(1)
 
@@ -189,7 +205,7 @@ class ExpertLora(nn.Module):
         E, K, N = dims(experts, param)
         self.param, self.path, self.index = param, path, index
         self.in_features, self.out_features = K, N
-        self.bank = ExpertBank(state.slots.capacity, rank, E, K, N, dtype or W.dtype, W.device)
+        self.bank = ExpertBank(state.slots.capacity, E, K, N, dtype or W.dtype, W.device)  # (grows on load)
         object.__setattr__(self, "base", experts)  # the original experts module (not a submodule of this one)
         object.__setattr__(self, "state", state)  # shared, not a submodule
         object.__setattr__(self, "merged", MergedWeight())  # the merged-weight cache never serves experts
@@ -230,7 +246,7 @@ class ExpertLora(nn.Module):
         slot weights (per-row / per-sample modes), None in blend mode."""
         b = self.bank
         S, R = b.extent()
-        A, B = b.A[expert, :S, :R], b.B[expert, :, :S, :R]
+        A, B = b.A[expert, :S, :R], b.B[expert, :, :S, :R]  # (the loaded part: A [S, R, K], B [N, S, R])
         if rows is None:
             scale, gw = self.scale_blend[:S], self.state.ones(x.device)[:, :S]
         else:
@@ -249,21 +265,21 @@ class FusedLoraExperts(nn.Module):
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
-        if getattr(base, "_is_expert_parallel", False):
-            raise UnsupportedFeatureError(f"{type(base).__name__} is expert-parallel; fd-lora serves LoRA on experts "
-                                          "that hold every expert locally.")
         self.base = base
         self.loras = nn.ModuleDict()
+        # the (hidden_states, top_k_index, top_k_weights) arguments by the names this class gives them
+        self._signature = inspect.signature(type(base).forward)
 
     @property
     def num_experts(self) -> int:
         return self.base.num_experts
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                ) -> torch.Tensor:
+    def forward(self, *args, **kwargs) -> torch.Tensor:
         loras = [lo for lo in self.loras.values() if lo.active()]
         if not loras:
-            return self.base(hidden_states, top_k_index, top_k_weights)
+            return self.base(*args, **kwargs)
+        hidden_states, top_k_index, top_k_weights = list(self._signature.bind(self.base, *args, **kwargs)
+                                                         .arguments.values())[1:4]
         b = self.base
         M, H = hidden_states.shape
         k = top_k_index.shape[-1]
@@ -334,28 +350,3 @@ def param_target(model: nn.Module, path: str) -> tuple[nn.Module, str] | None:
         if isinstance(W, torch.Tensor) and W.dim() == 3:
             return module, param
     return None
-
-
-def install(model: nn.Module, layer: ExpertLora) -> None:
-    """Put `layer` into the FusedLoraExperts at its experts path (replacing the experts module first if needed)."""
-    parent = layer.path.rpartition(".")[0]
-    module = model.get_submodule(parent)
-    if not isinstance(module, FusedLoraExperts):
-        module = FusedLoraExperts(module)
-        set_module(model, parent, module)
-    module.loras[layer.param] = layer
-
-
-def uninstall(model: nn.Module, layer: ExpertLora) -> None:
-    """Take `layer` out; the original experts module goes back when no parameter has LoRA any more."""
-    parent = layer.path.rpartition(".")[0]
-    module = model.get_submodule(parent)
-    if isinstance(module, FusedLoraExperts):
-        del module.loras[layer.param]
-        if not len(module.loras):
-            set_module(model, parent, module.base)
-
-
-def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -55,26 +55,48 @@ def make(model: nn.Module, path: str, state: ModelState, index: int, rank: int,
 
 
 def put(model: nn.Module, layer: nn.Module) -> bool:
-    """Place an expert parameter's layer (True); False: the handle swaps `layer` in at its path."""
-    if isinstance(layer, experts.ExpertLora):
-        experts.install(model, layer)
-        return True
-    return False
+    """Place an expert parameter's layer in the FusedLoraExperts at its experts path (replacing the experts module
+    first if needed): True. False: the handle swaps `layer` in at its path."""
+    if not isinstance(layer, experts.ExpertLora):
+        return False
+    parent = layer.path.rpartition(".")[0]
+    module = model.get_submodule(parent)
+    if not isinstance(module, experts.FusedLoraExperts):
+        module = experts.FusedLoraExperts(module)
+        set_module(model, parent, module)
+    module.loras[layer.param] = layer
+    return True
 
 
 def take(model: nn.Module, layer: nn.Module) -> bool:
-    """Take an expert parameter's layer out (True); False: the handle swaps the original back at its path."""
-    if isinstance(layer, experts.ExpertLora):
-        experts.uninstall(model, layer)
-        return True
-    return False
+    """Take an expert parameter's layer out, the original experts module back when no parameter has LoRA any more:
+    True. False: the handle swaps the original back at the layer's path."""
+    if not isinstance(layer, experts.ExpertLora):
+        return False
+    parent = layer.path.rpartition(".")[0]
+    module = model.get_submodule(parent)
+    if isinstance(module, experts.FusedLoraExperts):
+        del module.loras[layer.param]
+        if not len(module.loras):
+            set_module(model, parent, module.base)
+    return True
 
 
 def enter(model: nn.Module, state: ModelState, paths: list[str]) -> None:
-    """After fused layers were swapped in at `paths`: wrap the routed-expert containers that hold any of them."""
-    routed.enter(model, state, paths)
+    """After fused layers were swapped in at `paths`: a RoutedExperts over every served routed-expert container
+    (fdlora.layers.routed.FORWARDS) that holds one of them."""
+    for path, m in list(model.named_modules()):
+        if type(m).__name__ in routed.FORWARDS and any(p.startswith(path + ".") for p in paths):
+            set_module(model, path, routed.RoutedExperts(m, state))
 
 
 def leave(model: nn.Module) -> None:
     """Restore: every routed-expert container back."""
-    routed.leave(model)
+    for path, m in list(model.named_modules()):
+        if isinstance(m, routed.RoutedExperts):
+            set_module(model, path, m.original)
+
+
+def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -10,8 +10,9 @@ forward, run with each expert's token indices known: the token rows' slot weight
 and runs the container as it is.
 
 The wrapper shares the container's children (same `_modules` dict), so every module path stays the
-same and the fused layers inside are swapped in and out as usual; `restore` puts the original
-container back. Which containers are served is data (`FORWARDS`: class name -> the loop).
+same and the fused layers inside are swapped in and out as usual; fdlora.layers.moe puts it in when
+fused layers arrive inside a served container and takes it out on restore. Which containers are
+served is data (`FORWARDS`: class name -> the loop).
 """
 
 from __future__ import annotations
@@ -56,23 +57,3 @@ class RoutedExperts(nn.ModuleDict):
         if self.state.mode not in (Mode.ROWS, Mode.SAMPLES):
             return self.original(*args, **kwargs)
         return FORWARDS[type(self.original).__name__](self, *args, **kwargs)
-
-
-def enter(model: nn.Module, state: ModelState, paths: list[str]) -> None:
-    """Put a RoutedExperts over every served container that holds one of `paths` (fused layers just swapped in)."""
-    containers = {p for p, m in model.named_modules() if type(m).__name__ in FORWARDS}
-    for path in containers:
-        if any(p.startswith(path + ".") for p in paths):
-            _set(model, path, RoutedExperts(model.get_submodule(path), state))
-
-
-def leave(model: nn.Module) -> None:
-    """Every RoutedExperts back to its original container."""
-    for path, m in list(model.named_modules()):
-        if isinstance(m, RoutedExperts):
-            _set(model, path, m.original)
-
-
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

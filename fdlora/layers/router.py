@@ -9,7 +9,8 @@ F.linear(x, self.weight[, bias]); DeepSeek's casts first, `weight.type(torch.flo
     logits = x W^T (+ b) + sum_s w[m, s] * scale[s] * (x A_s^T) B_s^T
 
 with the same modes as FusedLoraLinear (blend, per-sample, per-row; rows are the router's flattened
-[M, H] input, batch-major). A router whose forward never calls F.linear on its weight raises, naming it.
+[M, H] input, batch-major). A router whose forward never calls F.linear on its weight raises, naming it,
+on its first call: the one MoE refusal that comes after a load (a load cannot run the forward to see).
 """
 
 from __future__ import annotations

@@ -92,7 +92,10 @@ def test_grouped_calls_carry_each_tokens_adapter(monkeypatch):
         target_parameters=["experts.gate_up_proj", "experts.down_proj", "gate.weight"]))
     model = fdlora.from_peft(copy.deepcopy(pm))
     fdlora.add_adapter(model, adapter_from_peft(pm2, "default"), "b")
-    slot = fdlora.handle(model).state.slots.slot
+    h = fdlora.handle(model)
+    slot = h.state.slots.slot
+    bank = h.layers["model.layers.0.mlp.experts.gate_up_proj"].bank
+    assert tuple(bank.A.shape[:3]) == (E, 2, 3)  # only what is loaded: 2 slots, the largest rank 3 (no padding)
     calls = []
     real = ex.ref.lora_delta
     monkeypatch.setattr(ex.ref, "lora_delta", lambda *a: (calls.append(a), real(*a))[1])
@@ -155,13 +158,24 @@ def test_router_without_f_linear_raises_naming_it():
         model.gate(torch.randn(2, H))
 
 
-def test_wrong_expert_shape_is_refused_before_anything_changes():
+def test_wrong_expert_shape_or_expert_parallel_is_refused_before_anything_changes():
+    from fdlora.errors import UnsupportedFeatureError
+
     model = mixtral().eval()
     experts_module = model.model.layers[0].mlp.experts
+    q = ModuleLora(torch.randn(2, H), torch.randn(H, 2))
     bad = ModuleLora(torch.randn(E + 1, 2, H), torch.randn(E + 1, 48, 2))  # one expert too many
     with pytest.raises(AdapterShapeError, match=r"takes A \[4, r, 16\]"):
         fdlora.add_adapter(model, LoraAdapter({"model.layers.0.mlp.experts.gate_up_proj": bad}), "x")
     assert model.model.layers[0].mlp.experts is experts_module
+    fdlora.add_adapter(model, LoraAdapter({"model.layers.0.self_attn.q_proj": q}), "q")
+    experts_module._is_expert_parallel = True
+    good = ModuleLora(torch.randn(E, 2, H), torch.randn(E, 48, 2))
+    with pytest.raises(UnsupportedFeatureError, match="expert-parallel"):
+        fdlora.add_adapter(model, LoraAdapter({"model.layers.0.self_attn.o_proj": q,
+                                               "model.layers.0.mlp.experts.gate_up_proj": good}), "y")
+    assert model.model.layers[0].mlp.experts is experts_module
+    assert list(fdlora.handle(model).layers) == ["model.layers.0.self_attn.q_proj"]  # o_proj was not wrapped
 
 
 def test_restore_puts_the_experts_module_back():
