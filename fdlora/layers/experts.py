@@ -27,8 +27,14 @@ tokens, so a row's adapter follows its tokens through routing; in blend mode eve
 
 Each expert parameter is one layer for the handle (`ExpertLora`, path "<experts>.<param>", its own
 scale-table row and `ExpertBank`); the experts module is replaced by one `FusedLoraExperts` holding
-the original module and the `ExpertLora`s of its parameters, and is put back when the last goes.
-Routers (a 2-D `weight` used through F.linear) are `fdlora.layers.router.FusedLoraRouter`.
+the original module and the `ExpertLora`s of its parameters, and is put back when the last goes
+(the placement is fdlora.layers.moe's). Routers (a 2-D `weight` used through F.linear) are
+`fdlora.layers.router.FusedLoraRouter`.
+
+Cost: the expert loop reads the token counts on the host (one sync per MoE layer call, as
+transformers' own fallback does) and runs 2 matmuls + 1 lora_delta per hit expert and parameter,
+so it is eager-only (not for torch.compile / CUDA graphs) and slower than transformers' single
+grouped GEMM when many experts are hit; three grouped GEMMs (base, shrink, expand) would close that.
 """
 
 from __future__ import annotations
