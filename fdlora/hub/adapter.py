@@ -6,6 +6,8 @@ weights in the layout of ``nn.Linear`` / ``nn.Conv2d``:
 
     linear:  A [r, K], B [N, r]             delta = (x A^T) B^T * scale
     conv2d:  A [r, C_in, kh, kw], B [N, r, 1, 1]   (kohya LoCon: A has the base kernel/stride/padding)
+    experts: A [E, r, K], B [E, N, r]       expert e: delta_e = (x A_e^T) B_e^T * scale, on the tokens routed
+             to e (a fused expert parameter such as Mixtral's gate_up_proj [E, N, K]; fdlora.layers.experts)
 
 with ``scale = alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA) times the user's weight.
 
@@ -26,7 +28,7 @@ import torch
 
 from ..errors import AdapterNameError, AdapterShapeError, FormatError, NonFiniteError
 
-LayerKind = Literal["linear", "conv2d"]
+LayerKind = Literal["linear", "conv2d", "experts"]
 MAX_SCALE = 1e4  # |alpha / r| above this is a corrupt alpha, not a style (real files stay under ~100)
 
 
@@ -73,15 +75,18 @@ class ModuleLora:
     finite: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.A.dim() not in (2, 4) or self.B.dim() not in (2, 4) or self.A.dim() != self.B.dim():
+        if self.A.dim() not in (2, 3, 4) or self.A.dim() != self.B.dim():
             raise AdapterShapeError(
                 f"LoRA A {tuple(self.A.shape)} / B {tuple(self.B.shape)}: expected A [r, K] and B [N, r] "
-                "(linear) or A [r, C_in, kh, kw] and B [N, r, 1, 1] (conv2d)."
+                "(linear), A [r, C_in, kh, kw] and B [N, r, 1, 1] (conv2d) or A [E, r, K] and B [E, N, r] (experts)."
             )
-        if self.B.shape[1] != self.A.shape[0]:
+        if self.A.dim() == 3 and self.A.shape[0] != self.B.shape[0]:
+            raise AdapterShapeError(f"expert LoRA A {tuple(self.A.shape)} / B {tuple(self.B.shape)}: A [E, r, K] and "
+                                    "B [E, N, r] must have the same number of experts E.")
+        if self.B.shape[-1 if self.A.dim() == 3 else 1] != self.rank:
             raise AdapterShapeError(
-                f"LoRA rank mismatch: A has {self.A.shape[0]} rows but B has {self.B.shape[1]} columns; "
-                "A must be [r, K] and B [N, r]."
+                f"LoRA rank mismatch: A {tuple(self.A.shape)} has rank {self.rank} but B is {tuple(self.B.shape)}; "
+                "A must be [r, K] and B [N, r] (experts: A [E, r, K], B [E, N, r])."
             )
         if self.A.dim() == 4 and tuple(self.B.shape[2:]) != (1, 1):
             raise AdapterShapeError(f"conv LoRA B must be [N, r, 1, 1], got {tuple(self.B.shape)}.")
@@ -105,19 +110,19 @@ class ModuleLora:
 
     @property
     def rank(self) -> int:
-        return int(self.A.shape[0])
+        return int(self.A.shape[1 if self.A.dim() == 3 else 0])
 
     @property
     def kind(self) -> LayerKind:
-        return "linear" if self.A.dim() == 2 else "conv2d"
+        return {2: "linear", 3: "experts"}.get(self.A.dim(), "conv2d")
 
     @property
     def in_features(self) -> int:
-        return int(self.A.shape[1])
+        return int(self.A.shape[-1 if self.A.dim() == 3 else 1])
 
     @property
     def out_features(self) -> int:
-        return int(self.B.shape[0])
+        return int(self.B.shape[1 if self.B.dim() == 3 else 0])
 
     def scaling(self, use_rslora: bool = False) -> float:
         return self.alpha / (math.sqrt(self.rank) if use_rslora else self.rank)

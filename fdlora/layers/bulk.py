@@ -35,6 +35,9 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
     base = staged.flat.data_ptr() - staged.start  # host address -> device address
     for bank, slot, m in writes:  # ~1000 modules per SDXL load: plain reads only (no nn.Module lookups)
         A, B = m.A, m.B
+        if type(bank) is not AdapterBank:  # another layout (fdlora.layers.experts): its own write
+            rest.append((bank, slot, m.replace(staged.view(A), staged.view(B), staged.view(m.bias))))
+            continue
         r = A.shape[0]
         a0, a_step, b0, b_step, n, b_row, k0, k_step, dtype, bank_dev = bank.addresses()
         if (kernel is None or bank_dev != dev or m.bias is not None or bank._buffers["bias"] is not None

@@ -19,6 +19,7 @@ from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, F
 from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from ..hub.formats import lycoris
+from . import moe
 from .bank import AdapterBank, padded_rank
 from .bulk import write_staged
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
@@ -72,13 +73,18 @@ class FdLoraHandle:
         self.state.table.resize(L0 + len(new), self.state.slots.capacity)
         made = []
         for i, path in enumerate(new):
-            base = self.model.get_submodule(path)
-            cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
-            made.append(cls(base, self.state, L0 + i, path, self.max_rank, self.dtype))
+            layer = moe.make(self.model, path, self.state, L0 + i, self.max_rank, self.dtype)  # routers, experts
+            if layer is None:
+                base = self.model.get_submodule(path)
+                cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
+                layer = cls(base, self.state, L0 + i, path, self.max_rank, self.dtype)
+            made.append(layer)
         for layer in made:
-            self._swap(layer.path, layer)
+            if not moe.put(self.model, layer):
+                self._swap(layer.path, layer)
             self._originals[layer.path] = layer.base
             self.layers[layer.path] = layer
+        moe.enter(self.model, self.state, [layer.path for layer in made])
         for layer in self.layers.values():
             layer.rebind()
         return made
@@ -91,7 +97,9 @@ class FdLoraHandle:
         """Put every original module back (bit-exact base model) and drop all adapters."""
         self._alive()
         for path, original in self._originals.items():
-            self._swap(path, original)
+            if not moe.take(self.model, self.layers[path]):
+                self._swap(path, original)
+        moe.leave(self.model)
         for layer in self.layers.values():
             layer.release_merged()
         self._originals.clear()
@@ -144,15 +152,16 @@ class FdLoraHandle:
             if inner is not None:  # a path read off the wrapped model (`X.base`): never wrap inside a fused layer
                 raise TargetError(f"{what} targets {path!r}, inside fd-lora's layer at {inner!r}; name the module "
                                   f"{inner!r} (its path in the model as it was before fd-lora wrapped it).")
-            try:
-                base = self.model.get_submodule(path)
-            except AttributeError:
-                base = None
-            spec = None if base is None else spec_of(base)
-            if spec is None:
-                raise TargetError(f"{what} targets {path!r}, which is "
-                                  + ("not a module of this model." if base is None else f"a {type(base).__name__}."))
-            check_fits(spec, m, path, what)
+            if not moe.check(self.model, path, m, what):  # routers and fused expert parameters: fdlora.layers.moe
+                try:
+                    base = self.model.get_submodule(path)
+                except AttributeError:
+                    base = None
+                spec = None if base is None else spec_of(base)
+                if spec is None:
+                    raise TargetError(f"{what} targets {path!r}, which is " + (
+                        "not a module of this model." if base is None else f"a {type(base).__name__}."))
+                check_fits(spec, m, path, what)
         else:
             layer.check(m, what)
         cap = env.max_rank_limit()
@@ -209,7 +218,9 @@ class FdLoraHandle:
 
     def _unwrap(self, path: str) -> None:
         self.state.epoch += 1
-        self._swap(path, self._originals.pop(path))
+        original = self._originals.pop(path)
+        if not moe.take(self.model, self.layers[path]):
+            self._swap(path, original)
         self.layers.pop(path).release_merged()
 
     def _clear_slot(self, slot: int) -> None:

@@ -14,12 +14,14 @@ multiply and one copy per device, whatever the number of layers or of loaded ada
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
+from collections.abc import Iterator
 
 import torch
 
-from ..errors import CapacityError, DuplicateAdapterError, UnknownAdapterError
+from ..errors import CapacityError, DuplicateAdapterError, FdLoraError, UnknownAdapterError
 
 
 def to_device(src: torch.Tensor, device: torch.device | str, dst: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,6 +249,41 @@ class ModelState:
             src = next(iter(self._row_slot.values()))
             t = self._row_slot[device] = src.to(device)
         return t
+
+    def token_weights(self, rows: int, device: torch.device) -> torch.Tensor | None:
+        """[rows, S] fp32 slot weights of each of `rows` batch-major token rows in the per-row (one-hot of its slot)
+        and per-sample (its sample's weights) modes, None in the other modes (every row alike). What follows the
+        tokens through a MoE layer's routing (fdlora.layers.experts, fdlora.layers.routed)."""
+        if self.mode is Mode.ROWS:
+            rs = self.row_slot(device)
+            if rs.shape[0] != rows:
+                raise FdLoraError(f"{rs.shape[0]} per-row adapters given for {rows} token rows.")
+            return (rs.long()[:, None] == torch.arange(self.slots.capacity, device=device)).float()
+        if self.mode is Mode.SAMPLES:
+            gw = self.group_weight(rows, rows, device)
+            if gw is None or rows % gw.shape[0]:
+                given = sorted({b for (b, _) in self._group_weight})
+                raise FdLoraError(f"per-sample adapters were given for batch sizes {given}, but a MoE layer got {rows} "
+                                  "token rows; give one entry per sample of the batch.")
+            return gw.float().repeat_interleave(rows // gw.shape[0], dim=0)
+        return None
+
+    @contextlib.contextmanager
+    def gathered(self, weights: torch.Tensor | None) -> Iterator[None]:
+        """Within the block, layers see inputs whose rows are the tokens with slot weights `weights` [n, S] (a
+        routed expert's token group: fdlora.layers.routed), as per-sample weights with one sample per row. None
+        (blend / off) changes nothing."""
+        if weights is None:
+            yield
+            return
+        kept = (self.mode, self._group_weight, self._rows_host, self._rows_dev, self.groups)
+        self.mode = Mode.SAMPLES
+        self._group_weight = {(weights.shape[0], weights.device): weights}
+        self._rows_host, self._rows_dev, self.groups = {}, {}, {}
+        try:
+            yield
+        finally:
+            self.mode, self._group_weight, self._rows_host, self._rows_dev, self.groups = kept
 
     def sample_rows(self, batch: int, device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """The per-sample weights of `batch` samples as per-row slots, when every sample has at most one

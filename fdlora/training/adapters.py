@@ -105,6 +105,11 @@ def add_trainable_adapter(model: nn.Module, name: str, config: object, *, dtype:
         saved = [p for p, _ in model.named_modules()
                  if p and not p.startswith(facts.inside)
                  and any(p == s or p.endswith("." + s) for s in facts.saved_names)]
+    if facts.params:  # (PEFT's ParamWrapper targets: "all-linear" on Mixtral-like models includes them)
+        raise UnsupportedFeatureError(
+            f"trainable adapter {name!r} puts LoRA on parameters ({sorted(facts.params)[:3]}: MoE routers / fused "
+            "experts), which fd-lora serves for inference but does not train; list target_modules (e.g. the "
+            "attention projections) and no target_parameters, or train with PEFT and serve with fdlora.from_peft.")
     if not facts.targets:
         raise _no_targets(model, cfg)
     st = state_of(model) or TrainState()

@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import FdLoraError
+from ..errors import FdLoraError, UnsupportedFeatureError
 from .adapters import add_trainable_adapter, lora_parameters, saved_modules, set_active
 
 PREFIX = "base_model.model."
 
 
 def trainable_from_peft(peft_model) -> nn.Module:
+    wrapped = [p for p, m in peft_model.named_modules() if type(m).__name__ == "ParamWrapper"]
+    if wrapped:  # checked before PEFT's unload below changes anything
+        raise UnsupportedFeatureError(f"{wrapped[0]}: LoRA on parameters (MoE routers / fused experts, PEFT's "
+                                      "ParamWrapper) is served by fdlora.from_peft(model) for inference but cannot be "
+                                      "kept trainable; train it with PEFT.")
     configs = dict(peft_model.peft_config)
     active = list(peft_model.active_adapters) if hasattr(peft_model, "active_adapters") else ["default"]
     values, saved, originals = {n: {} for n in configs}, {n: {} for n in configs}, {}

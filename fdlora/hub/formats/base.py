@@ -42,7 +42,8 @@ UNSUPPORTED_FIELDS = {  # (use_dora is served: fdlora.layers.dora)
     "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
     "alora_invocation_tokens": "aLoRA (activated LoRA)", "arrow_config": "Arrow routing",
     "kasa_config": "KaSA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
-    "target_parameters": "LoRA on raw parameters (target_parameters)", "layer_replication": "layer replication",
+    "target_parameters": "LoRA on parameters such as MoE experts, which only the model's own load can place: "
+                         "fdlora.load_fd_lora(model, source)", "layer_replication": "layer replication",
     "trainable_token_indices": "trainable tokens",
 }
 

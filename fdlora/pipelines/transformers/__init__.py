@@ -2,6 +2,7 @@
 
     read.py / live.py   PEFT folder, Hub repo or state dict / a live PeftModel -> PeftLoad (checked, nothing changed)
     loraconfig.py       what a LoraConfig decides for one model, answered once as data (read.py asks it)
+    params.py           PEFT's LoRA on parameters (ParamWrapper: MoE routers, fused experts): paths, layout, keys
     attach.py           PeftLoads into the model: fused layers, banks, modules_to_save copies (all or nothing)
     api.py              load_fd_lora, from_peft (read -> attach -> enable), save_peft, merge_and_unload, unload
     model.py            FdLoraModel: adapter_names in forward / generate, PEFT's methods, the class switch

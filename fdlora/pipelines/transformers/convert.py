@@ -16,7 +16,9 @@ from torch import nn
 
 from ...errors import FormatError, TargetError, UnsupportedFeatureError
 from ...hub.adapter import LoraAdapter, ModuleLora, Provenance
+from ...layers import experts
 from ...layers.fused import _FusedLora, spec_of
+from ...layers.router import is_router
 from .loraconfig import ConfigFacts
 from .saved_modules import SavedModules
 
@@ -64,9 +66,10 @@ def to_load(model: nn.Module, cf: ConfigFacts, config: object, parts: dict[str, 
         if "A.weight" not in w or "B.weight" not in w:
             raise FormatError(f"{what}: {path} has {sorted(w)} but a LoRA needs both lora_A.weight and lora_B.weight.")
         r, alpha = cf.rank_alpha[path]
-        if w["A.weight"].shape[0] != r:
+        rank = w["A.weight"].shape[1 if w["A.weight"].dim() == 3 else 0]  # (experts: A [E, r, K])
+        if rank != r:
             raise FormatError(
-                f"{what}: {path} has rank {w['A.weight'].shape[0]} in the weights but {r} in its LoraConfig "
+                f"{what}: {path} has rank {rank} in the weights but {r} in its LoraConfig "
                 "(r / rank_pattern); the adapter_config.json does not belong to these weights."
             )
         if bool(getattr(config, "use_dora", False)) != ("magnitude" in w):
@@ -87,10 +90,11 @@ def to_load(model: nn.Module, cf: ConfigFacts, config: object, parts: dict[str, 
 
 
 def _has_module(model: nn.Module, path: str) -> bool:
+    """A module at `path`, or a fused expert parameter ("<experts>.<param>", fdlora.layers.experts)."""
     try:
         model.get_submodule(path)
     except AttributeError:
-        return False
+        return experts.param_target(model, path) is not None
     return True
 
 
@@ -154,9 +158,11 @@ def _base(module: nn.Module) -> nn.Module:
 def check_wrappable(model: nn.Module, paths: list[str], what: str) -> None:
     """Raise naming every targeted module that fd-lora has no fused layer for."""
     bad = [f"{p} ({type(_base(model.get_submodule(p))).__name__})" for p in paths
-           if spec_of(model.get_submodule(p)) is None]
+           if experts.param_target(model, p) is None and spec_of(model.get_submodule(p)) is None
+           and not is_router(_base(model.get_submodule(p)))]
     if bad:
         raise UnsupportedFeatureError(
-            f"{what} puts LoRA on {bad[:6]}; fd-lora serves LoRA on Linear, transformers Conv1D, Conv2d and "
-            "Linear-like (e.g. bitsandbytes) modules only. Serve this adapter with PEFT, or merge it with PEFT."
+            f"{what} puts LoRA on {bad[:6]}; fd-lora serves LoRA on Linear, transformers Conv1D, Conv2d, "
+            "Linear-like (e.g. bitsandbytes) modules, MoE routers and fused expert parameters only. Serve this "
+            "adapter with PEFT, or merge it with PEFT."
         )

@@ -26,6 +26,7 @@ from ...errors import FdLoraError, FormatError, UnsupportedFeatureError
 from ...hub.adapter import LoraAdapter, ModuleLora, Provenance
 from ...layers import registry_of_models
 from ...layers.fused import check_fits, spec_of
+from . import params
 from .convert import PeftLoad
 
 
@@ -65,16 +66,17 @@ def adapter_from_peft(model: nn.Module, adapter_name: str = "default") -> LoraAd
     from peft.tuners.lora import LoraLayer
 
     modules: dict[str, ModuleLora] = {}
-    for path, layer in peft_root(model).named_modules():
-        if not isinstance(layer, LoraLayer) or adapter_name not in layer.lora_A:
-            continue
-        A = layer.lora_A[adapter_name].weight.detach()
-        B_mod = layer.lora_B[adapter_name]
-        B = B_mod.weight.detach()
-        r = A.shape[0]
-        bias = B_mod.bias.detach() if getattr(B_mod, "bias", None) is not None else None
-        modules[path] = ModuleLora(A, B, alpha=float(layer.scaling[adapter_name]) * r, bias=bias,
-                                   magnitude=_magnitude(layer, adapter_name))
+    for outer, module in peft_root(model).named_modules():
+        if not isinstance(module, LoraLayer) or outer.endswith(params.BASE_LAYER):
+            continue  # (an inner ParamWrapper is read with its outermost one)
+        for path, layer in params.wrappers(outer, module):
+            if adapter_name not in layer.lora_A:
+                continue
+            B_mod = layer.lora_B[adapter_name]
+            bias = B_mod.bias.detach() if getattr(B_mod, "bias", None) is not None else None
+            r = int(layer.r[adapter_name])
+            modules[path] = params.module_lora(path, layer, adapter_name, float(layer.scaling[adapter_name]) * r,
+                                               bias, _magnitude(layer, adapter_name), f"adapter {adapter_name!r}")
     if not modules:
         raise FormatError(f"the PEFT model holds no LoRA adapter named {adapter_name!r}.")
     return LoraAdapter(modules, name=adapter_name, provenance=Provenance(source="<peft model>", format="peft-live"))
@@ -106,23 +108,24 @@ def _read_layer(path: str, layer: nn.Module, adapters: dict[str, _Live]) -> None
         raise UnsupportedFeatureError(f"{path}: LoRA on embeddings (lora_embedding_A/B) is not implemented by "
                                       "fd-lora; merge that adapter with PEFT instead.")
     base = layer.get_base_layer()
-    spec = spec_of(base)
+    spec = spec_of(base) if not params.is_param_wrapper(layer) else None  # (ParamWrapper: .params checks)
     for name in layer.lora_A:
         what = f"adapter {name!r}"
         variant = getattr(layer, "lora_variant", {}).get(name)
         if variant is not None and not type(variant).__name__.startswith("Dora"):  # DoRA: fdlora.layers.dora
             raise UnsupportedFeatureError(f"{path}: {what} is a {type(variant).__name__} LoRA variant, which "
                                           "fd-lora does not implement; serve it with PEFT.")
-        if spec is None:
+        if spec is None and not params.is_param_wrapper(layer):
             raise UnsupportedFeatureError(f"{path}: {what} puts LoRA on a {type(base).__name__} "
-                                          f"({type(layer).__name__}); fd-lora serves Linear, Conv1D and Conv2d.")
+                                          f"({type(layer).__name__}); fd-lora serves Linear, Conv1D, Conv2d, MoE "
+                                          "routers and fused expert parameters.")
         b_mod = layer.lora_B[name]
         r, alpha = int(layer.r[name]), float(layer.lora_alpha[name])
         rs = bool(layer.use_rslora.get(name, False))
         bias = b_mod.bias.detach() if getattr(layer, "lora_bias", {}).get(name) and b_mod.bias is not None else None
-        m = ModuleLora(layer.lora_A[name].weight.detach(), b_mod.weight.detach(), alpha, bias,
-                       magnitude=_magnitude(layer, name))
-        check_fits(spec, m, path, what)
+        m = params.module_lora(path, layer, name, alpha, bias, _magnitude(layer, name), what)
+        if spec is not None:
+            check_fits(spec, m, path, what)
         live = adapters.setdefault(name, _Live(rslora=rs))
         live.modules[path] = m
         live.ratios[path] = float(layer.scaling[name]) / (alpha / (math.sqrt(r) if rs else r))
@@ -142,7 +145,8 @@ def _read(root: nn.Module) -> tuple[dict[str, _Live], list[str], bool, dict[str,
         if any(path.startswith(p + ".") for p in originals):
             continue
         if isinstance(module, LoraLayer):
-            _read_layer(path, module, adapters)
+            for fd_path, layer in params.wrappers(path, module):  # nested ParamWrappers: one per parameter
+                _read_layer(fd_path, layer, adapters)
             originals[path] = module.get_base_layer()
         elif isinstance(module, ModulesToSaveWrapper):
             for name, copy in module.modules_to_save.items():

@@ -7,6 +7,8 @@ Every field that changes the math is honoured the way PEFT applies it when it in
     rank_pattern, alpha_pattern (PEFT's own `get_pattern_key`), use_rslora   (rank_alpha)
     fan_in_fan_out   transformers Conv1D keeps A [r, K], B [N, r]; only merging transposes
     lora_bias        lora_B.bias, scaled like the delta (the bank's bias)
+    target_parameters  fused MoE expert parameters and router weights (PEFT's ParamWrapper; .params),
+                     after PEFT's own transformers-5 config conversion ("all-linear" on Mixtral wraps them)
 
 Variants fd-lora does not compute (those in UNSUPPORTED) raise before anything loads; DoRA loads
 (fdlora.layers.dora).
@@ -19,18 +21,20 @@ comes back here with per-module questions.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from ...errors import FormatError, TargetError, UnsupportedFeatureError
+from ...layers import experts
 from ...layers.fused import _FusedLora
+from . import params
 from .saved_modules import SavedModules
 
 # LoraConfig fields fd-lora cannot serve: (field, is it in use?, what it is). getattr keeps older peft working.
 UNSUPPORTED: list[tuple[str, Callable[[object], bool], str]] = [
-    ("target_parameters", bool, "LoRA on raw nn.Parameters (target_parameters)"),
     ("trainable_token_indices", bool, "trainable tokens (trainable_token_indices)"),
     ("layer_replication", bool, "layer replication"),
     ("alora_invocation_tokens", bool, "activated LoRA (aLoRA)"),
@@ -111,8 +115,9 @@ def base_of(module: nn.Module) -> nn.Module:
 
 
 def wrapped_children(model: nn.Module) -> list[str]:
-    """Prefixes of the insides of fd-lora wrappers (fused banks, saved-module copies): never targets."""
-    return [p + "." for p, m in model.named_modules() if p and isinstance(m, (_FusedLora, SavedModules))]
+    """Prefixes of the insides of fd-lora wrappers (fused banks, saved-module copies, fused experts): never targets."""
+    return [p + "." for p, m in model.named_modules()
+            if p and isinstance(m, (_FusedLora, SavedModules, experts.FusedLoraExperts))]
 
 
 def _all_linear(model: nn.Module, config: object, inside: list[str]) -> set[str]:
@@ -165,12 +170,36 @@ class ConfigFacts:
     inside: tuple[str, ...]  # prefixes of fd-lora wrappers' insides: never targets, never saved
     with_bias: bool  # lora_bias: lora_B.bias is part of the adapter
     use_rslora: bool
+    params: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # module -> targeted parameters (.params)
 
 
 def facts(model: nn.Module, config: object, what: str) -> ConfigFacts:
     """Check `config` is a LoRA fd-lora computes, then resolve it against `model` (nothing changes)."""
     check_supported(config, what)
+    config = for_transformers(model, config)
     inside = wrapped_children(model)
-    targets = _targets(model, config, inside)
-    return ConfigFacts(targets, {p: rank_alpha(config, p) for p in targets}, modules_to_save_names(config),
-                       tuple(inside), bool(getattr(config, "lora_bias", False)), bool(config.use_rslora))
+    targets = [] if config.target_modules is None and config.target_parameters else _targets(model, config, inside)
+    ranks = {p: rank_alpha(config, p) for p in targets}
+    found = params.targeted_params(model, config)
+    for module, names in found.items():
+        for name in names:  # PEFT's key for a parameter's rank / alpha pattern is "<module>.<param>"
+            path = params.fd_path(model, module, name)
+            targets.append(path)
+            ranks[path] = rank_alpha(config, f"{module}.{name}")
+    return ConfigFacts(targets, ranks, modules_to_save_names(config), tuple(inside),
+                       bool(getattr(config, "lora_bias", False)), bool(config.use_rslora), found)
+
+
+def for_transformers(model: nn.Module, config: object) -> object:
+    """A copy of `config` as PEFT rewrites it before injecting into a transformers-5 model (for Mixtral-like MoE
+    models "all-linear" then also targets the router and the fused expert parameters: target_parameters)."""
+    if not hasattr(getattr(model, "config", None), "model_type"):
+        return config
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # an older peft / transformers: no conversion, as PEFT itself does then
+        return config
+    config = copy.deepcopy(config)
+    convert_peft_config_for_transformers(config, model=model, conversions=get_model_conversion_mapping(model))
+    return config

@@ -36,6 +36,7 @@ from ...errors import FdLoraError, FormatError, UnsupportedFeatureError
 from ...hub.adapter import LoraAdapter, Provenance
 from ...hub.resolve import fetch, resolve
 from ...hub.safefile import read_weights
+from . import params
 from .convert import PREFIX, PeftLoad, to_load
 from .loraconfig import facts, lora_config
 
@@ -106,4 +107,6 @@ def adapter_from_state(model: nn.Module, config: object, tensors: dict[str, torc
             parts.setdefault(dm["path"], {})["magnitude"] = t
         else:
             rest[key] = t
+    if cf.params:  # LoRA on parameters (ParamWrapper): PEFT's nested keys -> fd-lora paths and layout
+        parts = params.remap(model, parts, cf.params, what)
     return to_load(model, cf, config, parts, rest, name, provenance)

@@ -29,12 +29,14 @@ import torch
 from torch import nn
 
 from ...errors import FdLoraError, SaveError, UnsupportedFeatureError
-from ...layers import quantized, registry_of_models
+from ...layers import experts, quantized, registry_of_models, routed
 from ...layers.fused import _is_conv1d
+from ...layers.router import is_router
 from ..fuse import delta_weight
 from ..session import session_of
-from . import saved_modules
+from . import params, saved_modules
 from .convert import PREFIX
+from .loraconfig import for_transformers
 
 
 def _handle(model: nn.Module):
@@ -52,6 +54,9 @@ def _module_weights(h, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor,
         if not b.used[slot]:
             continue
         r = int(b.ranks[slot])
+        if layer.kind == "experts":  # A [E, r, K], B [E, N, r] (fdlora.layers.experts)
+            out[path] = (b.A[:, slot, :r], b.B[:, :, slot, :r], None, float(h.state.table.scaling[layer.index, slot]))
+            continue
         A = b.A[slot, :r]
         B = b.B[:, slot, :r]
         if A.dim() == 4:
@@ -61,16 +66,29 @@ def _module_weights(h, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor,
     return out
 
 
+def _peft_target(layer) -> tuple[str, bool]:
+    """(PEFT's name for what `layer` adapts, whether it is a target_parameters entry): fused expert parameters
+    ("<experts>.<param>") and routers ("<router>.weight") are parameter targets, other layers target_modules."""
+    if layer.kind == "experts":
+        return layer.path, True
+    if is_router(layer.base):
+        return f"{layer.path}.weight", True
+    return layer.path, False
+
+
 def _config_from_banks(model: nn.Module, h, weights, saved_paths: list[str]):
     """A LoraConfig that makes PEFT build exactly these modules with exactly these scales."""
     from peft import LoraConfig
 
-    ranks = {p: int(A.shape[0]) for p, (A, _, _, _) in weights.items()}
-    alphas = {p: s * ranks[p] for p, (_, _, _, s) in weights.items()}
+    keys = {p: _peft_target(h.layers[p]) for p in weights}  # (PEFT's name for it, is it a parameter target)
+    ranks = {keys[p][0]: int(A.shape[1 if A.dim() == 3 else 0]) for p, (A, _, _, _) in weights.items()}
+    alphas = {keys[p][0]: s * ranks[keys[p][0]] for p, (_, _, _, s) in weights.items()}
     r0 = Counter(ranks.values()).most_common(1)[0][0]
     a0 = Counter(alphas.values()).most_common(1)[0][0]
+    on_params = sorted(k for k, is_param in keys.values() if is_param)
     return LoraConfig(
-        r=r0, lora_alpha=a0, target_modules=sorted(weights),
+        r=r0, lora_alpha=a0, target_modules=sorted(k for k, is_param in keys.values() if not is_param),
+        target_parameters=on_params or None,
         rank_pattern={p: r for p, r in ranks.items() if r != r0},
         alpha_pattern={p: a for p, a in alphas.items() if a != a0},
         fan_in_fan_out=any(_is_conv1d(h.layers[p].base) for p in weights),
@@ -96,10 +114,12 @@ def write_peft(base: nn.Module, directory: str | os.PathLike, adapter_name: str 
     if config.task_type is None and config.auto_mapping is None:  # AutoPeftModel finds the base class through it
         config.auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
     with_bias = bool(getattr(config, "lora_bias", False))
+    found = params.targeted_params(base, for_transformers(base, config))  # ParamWrapper nesting (.params)
     tensors = {}
     for path, (A, B, bias, _) in weights.items():
-        tensors[f"{PREFIX}{path}.lora_A.weight"] = A
-        tensors[f"{PREFIX}{path}.lora_B.weight"] = B
+        key, A, B = params.to_peft(base, path, A, B, found)
+        tensors[f"{PREFIX}{key}.lora_A.weight"] = A
+        tensors[f"{PREFIX}{key}.lora_B.weight"] = B
         if with_bias:
             tensors[f"{PREFIX}{path}.lora_B.bias"] = bias if bias is not None else B.new_zeros(B.shape[0])
     for path, module in saved.items():
@@ -131,6 +151,9 @@ def _merge_plan(base: nn.Module, h, names: Sequence[str]):
         s = scale[layer.index]
         if not bool(s.any()):
             continue
+        if layer.kind == "experts":  # a fused expert parameter (fdlora.layers.experts)
+            deltas[path] = (experts.delta_weight(layer, s), None)
+            continue
         w = getattr(layer.base, "weight", None)
         if quantized.kind(layer.base) or not isinstance(w, torch.Tensor) or not w.is_floating_point():
             raise UnsupportedFeatureError(  # (torchao weights report a float dtype: fdlora.layers.quantized)
@@ -157,8 +180,10 @@ def _merge_plan(base: nn.Module, h, names: Sequence[str]):
 def _apply(model: nn.Module, deltas) -> None:
     with torch.no_grad():
         for path, (dw, db) in deltas.items():
-            m = model.get_submodule(path)
-            m.weight.copy_((m.weight.float() + dw.to(m.weight.device)).to(m.weight.dtype))
+            target = experts.param_target(model, path)  # a fused expert parameter, else a module's weight
+            m, name = (target[0], target[1]) if target is not None else (model.get_submodule(path), "weight")
+            w = getattr(m, name)
+            w.copy_((w.float() + dw.to(w.device)).to(w.dtype))
             if db is not None:
                 m.bias.copy_((m.bias.float() + db.to(m.bias.device)).to(m.bias.dtype))
 
@@ -170,7 +195,13 @@ def merge(base: nn.Module, adapter_names: Sequence[str] | None = None, *, copy: 
         adapter_names, str) else list(adapter_names)
     deltas, keep = _merge_plan(base, h, names)
     if copy:
-        memo = {id(layer): copy_module.deepcopy(layer.base) for layer in h.layers.values()}
+        memo = {id(layer): copy_module.deepcopy(layer.base) for layer in h.layers.values()
+                if not isinstance(layer, experts.ExpertLora)}
+        for m in base.modules():  # fd-lora's MoE wrappers: their original modules (the layers inside mapped above)
+            if isinstance(m, experts.FusedLoraExperts):
+                memo[id(m)] = copy_module.deepcopy(m.base)
+            elif isinstance(m, routed.RoutedExperts):
+                memo[id(m)] = copy_module.deepcopy(m.original, memo)
         memo.update({id(sw): copy_module.deepcopy(keep[p]) for p, sw in session_of(base).saved.items()})
         memo[id(h)] = None  # a registry that keeps the handle on the model must not copy it along
         out = copy_module.deepcopy(base, memo)
