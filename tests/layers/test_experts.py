@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (transformers and peft are skipped for before the rest imports)
 """fdlora.layers.experts / router / routed at unit level: the factor layout against PEFT's own ΔW, the grouped
 call structure (one lora_delta per expert's token group, rows gathered with the tokens), per-row modes against
 a float64 oracle, and the refusals.
@@ -12,9 +13,11 @@ import copy
 
 import pytest
 import torch
-import transformers
-from peft import LoraConfig, get_peft_model
 from torch import nn
+
+transformers = pytest.importorskip("transformers")  # the core-install job runs tests/layers without it
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model
 
 import fdlora
 from fdlora.errors import AdapterShapeError, FdLoraError
