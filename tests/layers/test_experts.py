@@ -1,4 +1,4 @@
-# ruff: noqa: E402  (transformers and peft are skipped for before the rest imports)
+# ruff: noqa: E402  (transformers and peft go through importorskip before the imports that need them)
 """fdlora.layers.experts / router / routed at unit level: the factor layout against PEFT's own ΔW, the grouped
 call structure (one lora_delta per expert's token group, rows gathered with the tokens), per-row modes against
 a float64 oracle, and the refusals.
