@@ -141,3 +141,25 @@ def test_flux_per_input_channel_dora_is_refused():
     assert not fd.get_list_adapters().get("transformer")
     x = F.SPECS["flux"].inputs(1)
     assert F.close(F.run(fd.transformer, x), F.run(base.transformer, x)) == 0
+
+
+@pytest.mark.parametrize("name,comp,path", [
+    ("lora_transformer_transformer_blocks_0_attn_to_q", "transformer", "transformer_blocks.0.attn.to_q"),
+    ("lora_te1_text_model_encoder_layers_0_self_attn_q_proj", "text_encoder",
+     "text_model.encoder.layers.0.self_attn.q_proj"),
+    ("diffusion_model.double_blocks.0.img_attn.proj", "transformer", "transformer_blocks.0.attn.to_out.0"),
+], ids=["mixture", "clip-l", "comfy"])
+def test_other_flux_kohya_layouts_keep_their_magnitudes(name, comp, path):
+    """The kohya "mixture" (lora_transformer_), CLIP-L (lora_te1_) and ComfyUI spellings take the same route."""
+    from fdlora.hub.formats import flux
+    from fdlora.hub.formats.base import Options, Raw
+
+    g = torch.Generator().manual_seed(3)
+    mag = torch.rand(32, 1, generator=g, dtype=torch.bfloat16) + 0.5
+    sd = {f"{name}.lora_down.weight": torch.randn(2, 32, generator=g),
+          f"{name}.lora_up.weight": torch.randn(32, 2, generator=g), f"{name}.alpha": torch.tensor(2.0),
+          f"{name}.dora_scale": mag}
+    out = flux.convert_kohya(Raw(sd, {}, None, "f"), Options())
+    m = out.components[comp][path]
+    assert torch.equal(m.magnitude, mag.flatten().float()) and m.dora_eps == torch.finfo(torch.bfloat16).eps
+    assert out.matched == len(sd) and not out.dropped and not out.unused
