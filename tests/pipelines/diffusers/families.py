@@ -123,6 +123,55 @@ def mochi_inputs(B: int):
             "timestep": torch.full((B,), 500, dtype=torch.long), "encoder_attention_mask": torch.ones(B, 8).bool()}
 
 
+def helios_inputs(B: int):
+    T, H, W = 2, 8, 8
+    return {"hidden_states": _r(B, 4, T, H, W, seed=1), "timestep": torch.full((B,), 500, dtype=torch.long),
+            "encoder_hidden_states": _r(B, 12, 16, seed=2), "indices_hidden_states": torch.ones(B, T),
+            "indices_latents_history_short": torch.ones(B, T - 1), "indices_latents_history_mid": torch.ones(B, T - 1),
+            "indices_latents_history_long": torch.ones(B, (T - 1) * 4),
+            "latents_history_short": _r(B, 4, T - 1, H, W, seed=3),
+            "latents_history_mid": _r(B, 4, T - 1, H, W, seed=4),
+            "latents_history_long": _r(B, 4, (T - 1) * 4, H, W, seed=5)}
+
+
+def ernie_inputs(B: int):
+    return {"hidden_states": _r(B, 16, 8, 8, seed=1), "timestep": torch.full((B,), 1.0),
+            "text_bth": _r(B, 8, 16, seed=2), "text_lens": torch.full((B,), 8)}
+
+
+def krea2_inputs(B: int):
+    S, h, w = 4, 2, 2
+    pos = torch.zeros(S + h * w, 3)
+    pos[S:, 1], pos[S:, 2] = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[:, -1] = False  # a padded text token: the key-padding mask path
+    return {"hidden_states": _r(B, h * w, 16, seed=1), "encoder_hidden_states": _r(B, S, 3, 16, seed=2),
+            "timestep": torch.full((B,), 0.5), "position_ids": pos, "encoder_attention_mask": mask}
+
+
+def ideogram4_inputs(B: int):
+    from diffusers.models.transformers.transformer_ideogram4 import (
+        IMAGE_POSITION_OFFSET,
+        LLM_TOKEN_INDICATOR,
+        OUTPUT_IMAGE_INDICATOR,
+    )
+
+    T, I = 4, 4  # text tokens, image tokens (a 2x2 grid)
+    x = torch.zeros(B, T + I, 16)
+    x[:, T:] = _r(B, I, 16, seed=1)
+    ctx = torch.zeros(B, T + I, 24)
+    ctx[:, :T] = _r(B, T, 24, seed=2)
+    pos = torch.zeros(B, T + I, 3, dtype=torch.long)
+    pos[:, :T] = torch.arange(T)[:, None]
+    pos[:, T:, 0] = IMAGE_POSITION_OFFSET
+    pos[:, T:, 1] = torch.tensor([0, 0, 1, 1]) + IMAGE_POSITION_OFFSET
+    pos[:, T:, 2] = torch.tensor([0, 1, 0, 1]) + IMAGE_POSITION_OFFSET
+    ind = torch.full((B, T + I), OUTPUT_IMAGE_INDICATOR, dtype=torch.long)
+    ind[:, :T] = LLM_TOKEN_INDICATOR
+    return {"hidden_states": x, "encoder_hidden_states": ctx, "timestep": torch.full((B,), 0.5), "position_ids": pos,
+            "segment_ids": torch.ones(B, T + I, dtype=torch.long), "indicator": ind}
+
+
 @dataclass
 class Spec:
     """One pipeline class of a family: its transformer(s) and the denoiser's inputs."""
@@ -133,7 +182,9 @@ class Spec:
     inputs: Callable[[int], dict]
     extra: dict = field(default_factory=dict)  # pipeline kwargs beyond the components (Wan 2.2's boundary_ratio)
     second: bool = False  # a transformer_2 too (Wan 2.2)
-    per_prompt: bool = True  # False: routed MoE experts (HiDream), where per-prompt adapters are refused
+    per_prompt: bool = True  # False: per-prompt adapters are refused (HiDream's routed MoE experts, ERNIE-Image's
+                             # sequence-first MLP)
+    unzero: bool = False  # randomise the zero-initialised parameters (a zero output layer hides every LoRA)
 
 
 FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -212,6 +263,25 @@ SPECS: dict[str, Spec] = {
                        pooled_projection_dim=16, in_channels=4, out_channels=None, qk_norm="rms_norm",
                        text_embed_dim=16, time_embed_dim=4, activation_fn="swiglu", max_sequence_length=16),
                   mochi_inputs),
+    "skyreelsv2": Spec("SkyReelsV2Pipeline", "SkyReelsV2Transformer3DModel", WAN, wan_inputs),
+    "helios": Spec("HeliosPipeline", "HeliosTransformer3DModel",
+                   dict({k: v for k, v in WAN.items() if k != "rope_max_seq_len"}, rope_dim=(4, 4, 4),
+                        has_multi_term_memory_patch=True, guidance_cross_attn=True, zero_history_timestep=True,
+                        is_amplify_history=False), helios_inputs),
+    "ernieimage": Spec("ErnieImagePipeline", "ErnieImageTransformer2DModel",
+                       dict(hidden_size=16, num_attention_heads=1, num_layers=1, ffn_hidden_size=16, in_channels=16,
+                            out_channels=16, patch_size=1, text_in_dim=16, rope_theta=256, rope_axes_dim=(8, 4, 4),
+                            eps=1e-6, qk_layernorm=True), ernie_inputs, per_prompt=False, unzero=True),
+    "krea2": Spec("Krea2Pipeline", "Krea2Transformer2DModel",
+                  dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=32, timestep_embed_dim=8, text_hidden_dim=16, num_text_layers=3,
+                       text_num_attention_heads=2, text_num_key_value_heads=1, text_intermediate_size=16,
+                       num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2),
+                       rope_theta=1000.0, norm_eps=1e-5), krea2_inputs),
+    "ideogram4": Spec("Ideogram4Pipeline", "Ideogram4Transformer2DModel",
+                      dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                           intermediate_size=32, adaln_dim=16, llm_features_dim=24, rope_theta=10_000,
+                           mrope_section=(2, 1, 1), norm_eps=1e-5), ideogram4_inputs),
 }
 
 
@@ -223,6 +293,8 @@ def build(key: str, seed: int = 0) -> Any:
     cls = getattr(diffusers, spec.pipeline)
     torch.manual_seed(seed)
     model = getattr(diffusers, spec.model)(**spec.kwargs).eval()
+    if spec.unzero:
+        _unzero(model)
     comps = {p: None for p in list(inspect.signature(cls.__init__).parameters)[1:]
              if inspect.signature(cls.__init__).parameters[p].default is inspect.Parameter.empty}
     comps["transformer"] = model
@@ -232,6 +304,16 @@ def build(key: str, seed: int = 0) -> Any:
     pipe = cls(**comps, **spec.extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _unzero(model: nn.Module) -> None:
+    """Give every all-zero parameter random values, as training would (ERNIE-Image zero-initialises its adaLN and
+    output layers: the tiny model's output is 0 whatever the LoRA)."""
+    g = _g(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 def targets(model: nn.Module) -> list[str]:

@@ -25,16 +25,11 @@ SKIPS = {
     "AnimaLoraLoaderMixin": "its text_conditioner component is not built tiny here yet",
     "BriaFibo2LoraLoaderMixin": "not built tiny here yet (large bespoke config)",
     "CosmosLoraLoaderMixin": "Cosmos transformers need their guardrail/text stack configs; not built tiny here yet",
-    "ErnieImageLoraLoaderMixin": "not built tiny here yet",
     "Flux3LoraLoaderMixin": "not built tiny here yet",
-    "HeliosLoraLoaderMixin": "Wan-derived: same converters as Wan (covered); its transformer not built tiny here yet",
-    "Ideogram4LoraLoaderMixin": "not built tiny here yet",
     "KandinskyLoraLoaderMixin": "Kandinsky 5 transformer not built tiny here yet",
-    "Krea2LoraLoaderMixin": "not built tiny here yet",
     "LTX2LoraLoaderMixin": "LTX-2's audio-video transformer and connectors not built tiny here yet",
     "MiniMaxH3LoraLoaderMixin": "not built tiny here yet",
     "RFD4ProteinaLoraLoaderMixin": "a protein model, not an image/video pipeline",
-    "SkyReelsV2LoraLoaderMixin": "Wan-derived: same converters as Wan (covered); its transformer not built tiny yet",
 }
 
 REL = 1e-5
@@ -114,6 +109,18 @@ def test_per_prompt_through_routed_experts_is_refused():
     c = family_case("hidream")
     with pytest.raises(FdLoraError, match="routed MoE experts"):
         c["fd"](prompt=["a", "b"], fd_lora_adapters=["a", "b"])
+
+
+def test_per_prompt_through_a_sequence_first_layer_is_refused():
+    """ERNIE-Image runs its MLP on [S, B, H]: contiguous rows are not one sample's, so per-prompt adapters there would
+    mix prompts silently; the layer refuses (blends are fine: test_blend_equals_diffusers[ernieimage])."""
+    from fdlora.errors import FdLoraError
+    from fdlora.layers import registry_of_models
+
+    c = family_case("ernieimage")
+    h = registry_of_models[c["fd"].transformer]
+    with pytest.raises(FdLoraError, match="not batch-first"), h.per_sample({2: ["a", "b"]}):
+        F.run(c["fd"].transformer, c["spec"].inputs(2))
 
 
 def test_every_mixin_is_covered_or_skipped():
