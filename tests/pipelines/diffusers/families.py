@@ -172,6 +172,48 @@ def ideogram4_inputs(B: int):
             "segment_ids": torch.ones(B, T + I, dtype=torch.long), "indicator": ind}
 
 
+def acestep_inputs(B: int):
+    S, E = 8, 10  # audio frames, encoder tokens
+    return {"hidden_states": _r(B, S, 8, seed=1), "timestep": torch.full((B,), 0.5),
+            "timestep_r": torch.full((B,), 0.3), "encoder_hidden_states": _r(B, E, 32, seed=2),
+            "context_latents": _r(B, S, 16, seed=3)}
+
+
+def cosmos_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 1, 16, 16, seed=1), "timestep": torch.full((B,), 500, dtype=torch.long),
+            "encoder_hidden_states": _r(B, 12, 16, seed=2), "attention_mask": torch.ones(B, 12), "fps": 30}
+
+
+def ltx2_inputs(B: int):
+    T, H, W, S = 2, 8, 8, 16
+    return {"hidden_states": _r(B, T * H * W, 4, seed=1), "audio_hidden_states": _r(B, 9, 4, seed=2),
+            "encoder_hidden_states": _r(B, S, 16, seed=3), "audio_encoder_hidden_states": _r(B, S, 16, seed=4),
+            "timestep": torch.full((B,), 500.0), "encoder_attention_mask": torch.ones(B, S, dtype=torch.bool),
+            "num_frames": T, "height": H, "width": W, "audio_num_frames": 9, "fps": 25.0}
+
+
+def fibo2_inputs(B: int):
+    return {"hidden_states": _r(B, 16, 8, 8, seed=1), "timestep": torch.full((B,), 0.5),
+            "encoder_hidden_states": _r(B, 2, 8, 16, seed=2)}  # [B, 1 + len(injection_layer_ids), text, cap_feat_dim]
+
+
+def kandinsky5_inputs(B: int):
+    S, h, w = 8, 8, 8
+    return {"hidden_states": _r(B, 1, h, w, 4, seed=1), "encoder_hidden_states": _r(B, S, 16, seed=2),
+            "timestep": torch.full((B,), 500.0), "pooled_projections": _r(B, 8, seed=3),
+            "visual_rope_pos": [torch.arange(1), torch.arange(h // 2), torch.arange(w // 2)],
+            "text_rope_pos": torch.arange(S)}
+
+
+def proteina_inputs(B: int):
+    L = 6  # residues (tokens)
+    return {"bb_ca": _r(B, L, 3, seed=1), "local_latents": _r(B, L, 4, seed=2), "bb_ca_time": torch.full((B,), 0.5),
+            "local_latents_time": torch.full((B,), 0.5), "padding_mask": torch.ones(B, L, dtype=torch.bool),
+            "token_type": torch.zeros(B, L, dtype=torch.long), "atom37_mask": torch.ones(B, L, 37, dtype=torch.bool),
+            "conditioning": {"is_in_context_conditioning": torch.zeros(B, L, dtype=torch.bool),
+                             "supports_local_latent": torch.ones(B, L, dtype=torch.bool)}}
+
+
 @dataclass
 class Spec:
     """One pipeline class of a family: its transformer(s) and the denoiser's inputs."""
@@ -180,7 +222,8 @@ class Spec:
     model: str
     kwargs: dict
     inputs: Callable[[int], dict]
-    extra: dict = field(default_factory=dict)  # pipeline kwargs beyond the components (Wan 2.2's boundary_ratio)
+    extra: dict = field(default_factory=dict)  # pipeline kwargs beyond the components (Wan 2.2's boundary_ratio);
+    # a callable is called (Cosmos 2.5's __init__ reads its VAE's config and would build a guardrail model for None)
     second: bool = False  # a transformer_2 too (Wan 2.2)
     per_prompt: bool = True  # False: per-prompt adapters are refused (HiDream's routed MoE experts, ERNIE-Image's
                              # sequence-first MLP)
@@ -282,6 +325,39 @@ SPECS: dict[str, Spec] = {
                       dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
                            intermediate_size=32, adaln_dim=16, llm_features_dim=24, rope_theta=10_000,
                            mrope_section=(2, 1, 1), norm_eps=1e-5), ideogram4_inputs),
+    "acestep": Spec("AceStepPipeline", "AceStepTransformer1DModel",
+                    dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, in_channels=24, audio_acoustic_hidden_dim=8, patch_size=2,
+                         rope_theta=10000.0, sliding_window=16), acestep_inputs),
+    "cosmos": Spec("Cosmos2_5_PredictBasePipeline", "CosmosTransformer3DModel",
+                   dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2,
+                        mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+                        rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=False, extra_pos_embed_type="learnable"),
+                   cosmos_inputs, extra={"safety_checker": nn.Identity, "vae": lambda: _wan_vae(16)}),
+    "ltx2": Spec("LTX2ConditionPipeline", "LTX2VideoTransformer3DModel",
+                 dict(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+                      attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+                      audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8,
+                      num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False),
+                 ltx2_inputs),
+    "briafibo2": Spec("BriaFibo2Pipeline", "BriaFibo2Transformer2DModel",
+                      dict(in_channels=16, patch_size=2, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2,
+                           cap_feat_dim=16, injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=4,
+                           max_num_gist_tokens=8, gist_step=4, gist_min_text_len=4, gist_max_text_len=16,
+                           axes_dims=(8, 4, 4), axes_lens=(64, 32, 32)), fibo2_inputs),
+    "kandinsky5": Spec("Kandinsky5T2IPipeline", "Kandinsky5Transformer3DModel",
+                       dict(in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4,
+                            patch_size=(1, 2, 2), model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2,
+                            axes_dims=(1, 1, 2), visual_cond=False, attention_type="regular"), kandinsky5_inputs),
+    "rfd4proteina": Spec("RFD4ProteinaPipeline", "RFD4ProteinaTransformer",  # (the features a tiny input can give)
+                         dict(nlayers=2, token_dim=16, nheads=2, dim_cond=8, pair_repr_dim=8, latent_dim=4,
+                              token_type_emb_dim=4, cath_emb_dim=4, t_emb_dim=8, seq_sep_dim=4, xt_pair_dist_dim=4,
+                              tri_mult_c=8, update_pair_repr_every_n=1,
+                              feats_seq=("xt_bb_ca", "xt_local_latents", "token_type"),
+                              feats_cond_seq=("time_emb_bb_ca", "time_emb_local_latents"),
+                              feats_pair_repr=("xt_bb_ca_pair_dists",),
+                              feats_pair_cond=("time_emb_bb_ca", "time_emb_local_latents")), proteina_inputs,
+                         extra={"vae": lambda: _with_config(latent_dim=4)}),  # (its __init__ compares latent_dim)
 }
 
 
@@ -301,9 +377,26 @@ def build(key: str, seed: int = 0) -> Any:
     if spec.second:
         torch.manual_seed(seed + 1)
         comps["transformer_2"] = getattr(diffusers, spec.model)(**spec.kwargs).eval()
-    pipe = cls(**comps, **spec.extra)
+    pipe = cls(**{**comps, **{k: v() if callable(v) else v for k, v in spec.extra.items()}})
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _wan_vae(z: int) -> nn.Module:
+    import diffusers
+
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKLWan(base_dim=3, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                      temperal_downsample=[False, True, True]).eval()
+
+
+def _with_config(**config) -> nn.Module:
+    """A stand-in component whose only use is its config (a pipeline __init__ that reads another component's)."""
+    from types import SimpleNamespace
+
+    m = nn.Module()
+    m.config = SimpleNamespace(**config)
+    return m
 
 
 def _unzero(model: nn.Module) -> None:
@@ -353,7 +446,8 @@ def save(pipe_cls: type, sd: dict, meta: dict | None = None) -> str:
 
 def run(model: nn.Module, inputs: dict, **extra) -> torch.Tensor:
     with torch.no_grad():
-        out = model(**inputs, **extra, return_dict=False)[0]
+        out = model(**inputs, **extra, return_dict=False)
+    out = out if isinstance(out, torch.Tensor) else out[0]  # (Kandinsky 5 returns the tensor itself, not a tuple)
     if isinstance(out, (list, tuple)):  # Z-Image returns one tensor per sample
         out = torch.stack([o.float() for o in out])
     return out

@@ -20,16 +20,10 @@ warnings.filterwarnings("ignore")
 SKIPS = {
     "StableDiffusionLoraLoaderMixin": "UNet family: covered by test_diffusers_equivalence.py (sd15) and kohya tests",
     "StableDiffusionXLLoraLoaderMixin": "UNet family: covered by test_diffusers_equivalence.py (sdxl) and kohya tests",
-    "AceStepLoraLoaderMixin": "audio pipeline; its transformer needs an audio condition encoder not built tiny here",
     "AmusedLoraLoaderMixin": "aMUSEd's UVit2DModel is a token (VQ) model with no LoRA files in the wild; not built",
     "AnimaLoraLoaderMixin": "its text_conditioner component is not built tiny here yet",
-    "BriaFibo2LoraLoaderMixin": "not built tiny here yet (large bespoke config)",
-    "CosmosLoraLoaderMixin": "Cosmos transformers need their guardrail/text stack configs; not built tiny here yet",
     "Flux3LoraLoaderMixin": "not built tiny here yet",
-    "KandinskyLoraLoaderMixin": "Kandinsky 5 transformer not built tiny here yet",
-    "LTX2LoraLoaderMixin": "LTX-2's audio-video transformer and connectors not built tiny here yet",
     "MiniMaxH3LoraLoaderMixin": "not built tiny here yet",
-    "RFD4ProteinaLoraLoaderMixin": "a protein model, not an image/video pipeline",
 }
 
 REL = 1e-5
