@@ -214,6 +214,27 @@ def proteina_inputs(B: int):
                              "supports_local_latent": torch.ones(B, L, dtype=torch.bool)}}
 
 
+def flux3_inputs(B: int):
+    return {k: v[0] if k.endswith("_ids") else v for k, v in flux2_inputs(B).items() if k != "guidance"}
+
+
+def minimax_h3_inputs(B: int):
+    T, A, V = 4, 6, 8  # text, audio, video tokens of one packed sequence
+    S = T + A + V
+    text, audio, video = torch.arange(T), torch.arange(T, T + A), torch.arange(T + A, S)
+    tags = torch.zeros(S, dtype=torch.long)  # 0 video, 1 text, 2 audio
+    tags[text], tags[audio] = 1, 2
+    t_idx = torch.zeros(S, dtype=torch.long)
+    t_idx[audio] = 1  # the audio rows on their own timestep
+    pos = torch.zeros(S, 3)
+    pos[:, 0] = torch.arange(S, dtype=torch.float32)
+    pos[video, 1], pos[video, 2] = torch.arange(V, dtype=torch.float32) % 4, torch.arange(V, dtype=torch.float32) % 2
+    return {"hidden_states": _r(B, V, 16, seed=1), "audio_hidden_states": _r(B, A, 6, seed=2),
+            "encoder_hidden_states": _r(B, T, 8, seed=3), "timestep": torch.tensor([0.7, 0.3]),
+            "timestep_indices": t_idx, "token_tags": tags, "position_ids": pos, "video_indices": video,
+            "audio_indices": audio, "text_indices": text}
+
+
 @dataclass
 class Spec:
     """One pipeline class of a family: its transformer(s) and the denoiser's inputs."""
@@ -227,6 +248,9 @@ class Spec:
     second: bool = False  # a transformer_2 too (Wan 2.2)
     per_prompt: bool = True  # False: per-prompt adapters are refused (HiDream's routed MoE experts, ERNIE-Image's
                              # sequence-first MLP)
+    blocks: str | None = None  # a modular pipeline: its blocks class in diffusers.modular_pipelines
+    saver: str | None = None  # the pipeline class whose save_lora_weights writes the file, when the family's mixin
+    # has none (Anima: its files are ComfyUI's or diffusers' layout, which Cosmos' save_lora_weights writes)
     unzero: bool = False  # randomise the zero-initialised parameters (a zero output layer hides every LoRA)
 
 
@@ -329,6 +353,11 @@ SPECS: dict[str, Spec] = {
                     dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, in_channels=24, audio_acoustic_hidden_dim=8, patch_size=2,
                          rope_theta=10000.0, sliding_window=16), acestep_inputs),
+    "anima": Spec("AnimaModularPipeline", "CosmosTransformer3DModel",
+                  dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2,
+                       mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+                       rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=False, extra_pos_embed_type="learnable"),
+                  cosmos_inputs, blocks="AnimaAutoBlocks", saver="Cosmos2_5_PredictBasePipeline"),
     "cosmos": Spec("Cosmos2_5_PredictBasePipeline", "CosmosTransformer3DModel",
                    dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2,
                         mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
@@ -358,6 +387,18 @@ SPECS: dict[str, Spec] = {
                               feats_pair_repr=("xt_bb_ca_pair_dists",),
                               feats_pair_cond=("time_emb_bb_ca", "time_emb_local_latents")), proteina_inputs,
                          extra={"vae": lambda: _with_config(latent_dim=4)}),  # (its __init__ compares latent_dim)
+    "flux3": Spec("Flux3ModularPipeline", "Flux3Transformer2DModel",
+                  dict(in_channels=4, cond_in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                       num_attention_heads=2, joint_attention_dim=16, timestep_channels=16,
+                       axes_dims_rope=(4, 4, 4, 4)), flux3_inputs, blocks="Flux3AutoBlocks"),
+    # MiniMax-H3: per_prompt False. Its adaln_proj layers take one row per *timestep* ([2, D]: video and audio), shared
+    # by every sample, not one per sample: per-sample adapters there mix silently when the batch is 2 (batch 1 is right,
+    # other sizes raise). Not fixed here: fd-lora cannot tell such rows from samples.
+    "minimaxh3": Spec("MiniMaxH3ModularPipeline", "MiniMaxH3Transformer3DModel",
+                      dict(num_attention_heads=2, attention_head_dim=16, hidden_size=24, num_layers=2,
+                           num_refiner_layers=2, ffn_dim=32, in_channels=4, audio_in_channels=6, patch_size=(1, 2, 2),
+                           text_dim=8, freq_dim=8, time_embed_hidden_dim=24, time_embed_dim=16, rope_freq_dim=2),
+                      minimax_h3_inputs, blocks="MiniMaxH3Blocks", per_prompt=False),
 }
 
 
@@ -371,6 +412,10 @@ def build(key: str, seed: int = 0) -> Any:
     model = getattr(diffusers, spec.model)(**spec.kwargs).eval()
     if spec.unzero:
         _unzero(model)
+    if spec.blocks:  # built from its blocks with no repository (every component None), then given the denoiser
+        pipe = getattr(diffusers.modular_pipelines, spec.blocks)().init_pipeline()
+        pipe.update_components(transformer=model)
+        return pipe
     comps = {p: None for p in list(inspect.signature(cls.__init__).parameters)[1:]
              if inspect.signature(cls.__init__).parameters[p].default is inspect.Parameter.empty}
     comps["transformer"] = model
