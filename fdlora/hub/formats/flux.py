@@ -30,7 +30,7 @@ import re
 
 import torch
 
-from ...errors import FormatError, UnsupportedFeatureError
+from ...errors import AdapterShapeError, FormatError, UnsupportedFeatureError
 from . import lycoris
 from .base import Converted, Options, Raw
 from .diffusers import convert_component
@@ -103,6 +103,9 @@ def convert_kohya(raw: Raw, opts: Options) -> Converted:
     for name, group in groups.items():
         _check_alpha(group.get(name + ".alpha"), name)
         lora = {k: v for k, v in group.items() if not k.endswith(".dora_scale")}
+        if len(lora) < len(group) and name + ".lora_down.weight" not in group:
+            out.unused.update(dict.fromkeys(group, "a dora_scale / alpha for a module that has no lora_down / lora_up"))
+            continue
         try:
             got = _convert_kohya_flux_lora_to_diffusers(dict(lora))
         except Exception as e:  # diffusers' converter raises assorted types on keys it does not expect
@@ -140,10 +143,13 @@ def _magnitudes(name: str, group: dict[str, torch.Tensor]) -> dict[tuple[str, st
     each row's norm is of that row of W + ΔW alone, and to_q's rows of W are the fused qkv's."""
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
 
-    down, up = group.get(name + ".lora_down.weight"), group.get(name + ".lora_up.weight")
-    if down is None or up is None:
-        raise FormatError(f"{name}: a dora_scale without its lora_down / lora_up weights; the file is corrupt.")
-    mag, eps = lycoris.dora_scale(name, group[name + ".dora_scale"], up.shape[0])  # (per-input-channel: refused)
+    down, up, t = group[name + ".lora_down.weight"], group[name + ".lora_up.weight"], group[name + ".dora_scale"]
+    N, K = up.shape[0], down.shape[1]
+    per_output, per_input = t.numel() == N and t.shape[0] == N, t.numel() == K and t.shape[-1] == K
+    if not (per_output or per_input):
+        raise AdapterShapeError(f"{name}.dora_scale {tuple(t.shape)} fits neither the module's {N} outputs nor its {K} "
+                                "inputs (lora_up / lora_down); the file is corrupt.")
+    mag, eps = lycoris.dora_scale(name, t, N)  # (per-input-channel [1, K]: refused, naming it)
     stand_in = {name + ".lora_down.weight": torch.ones(1, down.shape[1]), name + ".lora_up.weight": mag[:, None],
                 name + ".alpha": torch.tensor(1.0)}
     rows = _components(_convert_kohya_flux_lora_to_diffusers(stand_in), "").components

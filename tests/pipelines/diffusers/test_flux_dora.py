@@ -163,3 +163,22 @@ def test_other_flux_kohya_layouts_keep_their_magnitudes(name, comp, path):
     m = out.components[comp][path]
     assert torch.equal(m.magnitude, mag.flatten().float()) and m.dora_eps == torch.finfo(torch.bfloat16).eps
     assert out.matched == len(sd) and not out.dropped and not out.unused
+
+
+def test_flux_dora_scale_of_no_module_or_of_the_wrong_size_says_so():
+    """A dora_scale fitting neither the module's outputs nor its inputs is a corrupt file (AdapterShapeError, nothing
+    loaded); one with no lora_down / lora_up is reported unused, the rest of the file loads."""
+    from fdlora.errors import AdapterShapeError
+    from fdlora.hub.formats import flux
+    from fdlora.hub.formats.base import Options, Raw
+
+    a, b = "lora_unet_double_blocks_0_img_attn_proj", "lora_unet_double_blocks_0_txt_attn_proj"
+    sd = {f"{a}.dora_scale": torch.rand(32, 1), f"{b}.lora_down.weight": torch.randn(2, 16),
+          f"{b}.lora_up.weight": torch.randn(32, 2), f"{b}.dora_scale": torch.rand(32, 1) + 0.5}
+    out = flux.convert_kohya(Raw(dict(sd), {}, None, "f"), Options())
+    assert set(out.unused) == {f"{a}.dora_scale"} and "no lora_down" in out.unused[f"{a}.dora_scale"]
+    assert out.matched == 3 and out.components["transformer"]["transformer_blocks.0.attn.to_add_out"].magnitude \
+        is not None
+    sd[f"{b}.dora_scale"] = torch.rand(30, 1)
+    with pytest.raises(AdapterShapeError, match="fits neither the module's 32 outputs nor its 16 inputs"):
+        flux.convert_kohya(Raw(sd, {}, None, "f"), Options())
