@@ -215,8 +215,14 @@ class ModelState:
         t = self._group_weight.get((batch, device))
         if t is None:
             keys = {b for (b, _) in self._group_weight}
+            if batch not in keys and batch not in (1, rows) and any(rows == batch * k for k in keys):
+                raise FdLoraError(  # e.g. ERNIE-Image's MLP on [S, B, H]: contiguous rows are not one sample's
+                    f"per-sample adapters for batch sizes {sorted(keys)} reached a layer whose input is not "
+                    f"batch-first ({batch} x {rows // batch} rows: the batch is not its first dimension), so its rows "
+                    "do not group by sample. This model cannot take per-prompt adapters; use a blend (set_adapters) "
+                    "for the whole batch, or one prompt per adapter.")
             if batch not in keys and len(keys) == 1 and rows % next(iter(keys)) == 0:
-                batch = next(iter(keys))  # flattened [M, K] input whose rows group by sample
+                batch = next(iter(keys))  # flattened [M, K] (or packed [1, M, K]) input whose rows group by sample
             elif batch not in keys:
                 return None
             src = next(v for (b, _), v in self._group_weight.items() if b == batch)

@@ -176,7 +176,7 @@ def test_fan_in_fan_out_conv1d_matches_peft(tmp_path):
 DORA = {  # how a DoRA file fd-lora cannot load says so -> (error, what it must say); loading: tests/hub/test_lycoris.py
     "config": (FormatError, "use_dora=True but"), "keys": (None, ""),
     "kohya": (UnsupportedFeatureError, "per-input-channel"),
-    "kohya-flux": (UnsupportedFeatureError, "Flux LoRA is a DoRA")}
+    "kohya-flux": (UnsupportedFeatureError, "per-input-channel")}  # (Flux DoRA per output: test_flux_dora.py)
 KOHYA_NAMES = {"kohya": "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
                "kohya-flux": "lora_unet_double_blocks_0_img_attn_proj"}
 

@@ -181,6 +181,22 @@ def test_per_row_and_per_sample(net):
     assert torch.allclose(mixed, net(x), atol=1e-6)
 
 
+def test_per_sample_on_a_sequence_first_input_is_refused(net):
+    """Rows of [S, B, K] do not group by sample: per-sample adapters there raise (they took contiguous rows as one
+    sample's before); batch-first [B, S, K], flattened [B*S, K] and packed [1, B*S, K] inputs still work."""
+    fdlora.inject(net, QV, max_rank=8)
+    fdlora.add_adapter(net, lora(QV, seed=0, scale=0.1), "a")
+    layer = net.blocks[0]["q_proj"]
+    x = torch.randn(2, 3, 16)  # [B, S, K]
+    fdlora.set_adapters(net, "a")
+    full = layer(x)
+    with fdlora.per_sample(net, ["a", None]):
+        for got in (layer(x), layer(x.reshape(6, 16)).view(2, 3, -1), layer(x.reshape(1, 6, 16)).view(2, 3, -1)):
+            assert torch.allclose(got[0], full[0], atol=1e-6) and torch.allclose(got[1], layer.base(x)[1], atol=1e-6)
+        with pytest.raises(errors.FdLoraError, match="not batch-first"):
+            layer(x.transpose(0, 1).contiguous())  # [S, B, K]
+
+
 def test_multiplier_scales_every_adapter(net):
     fdlora.inject(net, ["q_proj"])
     fdlora.add_adapter(net, lora([p for p in QV if "q_proj" in p], scale=0.1), "a")

@@ -15,6 +15,12 @@ module at a time and reports every module it returns nothing for, and drops (wit
 it maps onto the same target (``lora_transformer_`` files: a block's ff / proj_mlp / proj_out all
 land on the bare block name there, and one would silently overwrite the other); T5, ``position_embedding``,
 ``diff``/``diff_b`` and ``text_projection`` keys are dropped (as diffusers does) with that reason.
+
+DoRA (LyCORIS ``dora_wd`` through sd-scripts: ``<module>.dora_scale`` [N, 1] next to lora_down / lora_up / alpha):
+diffusers' FluxLoraLoaderMixin drops the magnitudes with a warning and loads the plain LoRA, which is not the
+adapter that was trained. fd-lora keeps them (`_magnitudes`): the output is PEFT's DoRA on W + ΔW plus LyCORIS's
+eps in the norm (fdlora.layers.dora), split row-exactly onto to_q / to_k / to_v where the file fuses them. The
+per-input-channel DoRA of old LyCORIS versions (dora_scale [1, K]) cannot be split and is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import re
 
 import torch
 
-from ...errors import FormatError, UnsupportedFeatureError
+from ...errors import AdapterShapeError, FormatError, UnsupportedFeatureError
+from . import lycoris
 from .base import Converted, Options, Raw
 from .diffusers import convert_component
 
@@ -83,9 +90,6 @@ def convert_kohya(raw: Raw, opts: Options) -> Converted:
     out = Converted()
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in raw.tensors.items():
-        if k.endswith(".dora_scale"):
-            raise UnsupportedFeatureError(f"{k}: this Flux LoRA is a DoRA (dora_scale); fd-lora does not implement "
-                                          "DoRA yet. Use a plain LoRA.")
         why = next((w for pat, w in DROPS if pat.search(k)), None)
         if why:
             out.dropped[k] = why
@@ -95,16 +99,23 @@ def convert_kohya(raw: Raw, opts: Options) -> Converted:
             out.unused[k] = "not a kohya key (lora_down / lora_up / alpha)"
     results: dict[str, dict[str, torch.Tensor]] = {}  # module name -> its converted keys
     owner: dict[str, str] = {}  # converted key -> the module name it came from
+    mags: dict[str, dict[tuple[str, str], tuple[torch.Tensor, float]]] = {}  # module name -> its DoRA magnitudes
     for name, group in groups.items():
         _check_alpha(group.get(name + ".alpha"), name)
+        lora = {k: v for k, v in group.items() if not k.endswith(".dora_scale")}
+        if len(lora) < len(group) and name + ".lora_down.weight" not in group:
+            out.unused.update(dict.fromkeys(group, "a dora_scale / alpha for a module that has no lora_down / lora_up"))
+            continue
         try:
-            got = _convert_kohya_flux_lora_to_diffusers(dict(group))
+            got = _convert_kohya_flux_lora_to_diffusers(dict(lora))
         except Exception as e:  # diffusers' converter raises assorted types on keys it does not expect
             out.dropped.update(dict.fromkeys(group, f"{name}: diffusers' Flux converter rejects it ({e})"))
             continue
         if not got:
             out.dropped.update(dict.fromkeys(group, f"{name}: diffusers' Flux converter has no mapping for it"))
             continue
+        if len(lora) < len(group):  # a DoRA module (dora_scale): diffusers drops the magnitudes, fd-lora keeps them
+            mags[name] = _magnitudes(name, group)
         clash = sorted({owner[k] for k in got if k in owner})
         if clash:  # two modules mapped onto one: neither can be applied faithfully
             for other in [name, *clash]:
@@ -117,8 +128,32 @@ def convert_kohya(raw: Raw, opts: Options) -> Converted:
         owner.update(dict.fromkeys(got, name))
     converted = {k: v for got in results.values() for k, v in got.items()}
     out.merge(_components(converted, "alphas folded into the weights by diffusers' converter (scale 1)"))
+    for (comp, path), (mag, eps) in ((k, v) for n in results for k, v in mags.get(n, {}).items()):
+        m = out.components[comp][path]
+        out.components[comp][path] = m.replace(m.A, m.B, m.bias, magnitude=mag, dora_eps=eps)
     out.matched = sum(len(groups[n]) for n in results)  # count input keys, not the (split) converted ones
     return out
+
+
+def _magnitudes(name: str, group: dict[str, torch.Tensor]) -> dict[tuple[str, str], tuple[torch.Tensor, float]]:
+    """A module's ``dora_scale`` [N] -> {(component, path): (its rows of the magnitude, eps)} for the modules diffusers'
+    converter makes of it. The magnitude travels through that converter as the lora_up of a rank-1 stand-in (alpha
+    1: nothing rescaled), so it is split (fused qkv / linear1 onto to_q / to_k / to_v / proj_mlp) and reordered
+    (final_layer's scale / shift swap) exactly as the module's rows are. Exact because DoRA here is per output row:
+    each row's norm is of that row of W + ΔW alone, and to_q's rows of W are the fused qkv's."""
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    down, up, t = group[name + ".lora_down.weight"], group[name + ".lora_up.weight"], group[name + ".dora_scale"]
+    N, K = up.shape[0], down.shape[1]
+    per_output, per_input = t.numel() == N and t.shape[0] == N, t.numel() == K and t.shape[-1] == K
+    if not (per_output or per_input):
+        raise AdapterShapeError(f"{name}.dora_scale {tuple(t.shape)} fits neither the module's {N} outputs nor its {K} "
+                                "inputs (lora_up / lora_down); the file is corrupt.")
+    mag, eps = lycoris.dora_scale(name, t, N)  # (per-input-channel [1, K]: refused, naming it)
+    stand_in = {name + ".lora_down.weight": torch.ones(1, down.shape[1]), name + ".lora_up.weight": mag[:, None],
+                name + ".alpha": torch.tensor(1.0)}
+    rows = _components(_convert_kohya_flux_lora_to_diffusers(stand_in), "").components
+    return {(comp, path): (m.B[:, 0].contiguous(), eps) for comp, mods in rows.items() for path, m in mods.items()}
 
 
 def convert_xlabs(raw: Raw, opts: Options) -> Converted:

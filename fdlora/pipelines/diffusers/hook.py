@@ -1,7 +1,9 @@
-"""Attach `load_fd_lora` to diffusers' DiffusionPipeline once both are imported, in either order.
+"""Attach `load_fd_lora` to diffusers' DiffusionPipeline and ModularPipeline once both are imported, in either order.
 
 If diffusers' pipeline module is already imported, attach now; otherwise a meta-path hook attaches
 right after it is imported, so `import fdlora` stays fast and never imports diffusers itself.
+Modular pipelines (Flux3ModularPipeline, AnimaModularPipeline, ...) carry their family's LoRA loader mixin
+like the classic ones, and fd-lora's pipeline methods work on them unchanged.
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ import importlib.abc
 import importlib.util
 import sys
 
-TARGET = "diffusers.pipelines.pipeline_utils"
+TARGETS = {"diffusers.pipelines.pipeline_utils": "DiffusionPipeline",
+           "diffusers.modular_pipelines.modular_pipeline": "ModularPipeline"}
 
 
 def _attach(module) -> None:
     from .pipeline import load_fd_lora
 
-    if not hasattr(module.DiffusionPipeline, "load_fd_lora"):
-        module.DiffusionPipeline.load_fd_lora = load_fd_lora  # the one additive method
+    cls = getattr(module, TARGETS[module.__name__], None)
+    if cls is not None and not hasattr(cls, "load_fd_lora"):
+        cls.load_fd_lora = load_fd_lora  # the one additive method
 
 
 class _Loader(importlib.abc.Loader):
@@ -34,7 +38,7 @@ class _Loader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name not in TARGETS:
             return None
         sys.meta_path.remove(self)
         try:
@@ -47,8 +51,9 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    if TARGET in sys.modules:
-        _attach(sys.modules[TARGET])
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+    for name in TARGETS:
+        if name in sys.modules:
+            _attach(sys.modules[name])
+    if not all(n in sys.modules for n in TARGETS) and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 

@@ -123,6 +123,118 @@ def mochi_inputs(B: int):
             "timestep": torch.full((B,), 500, dtype=torch.long), "encoder_attention_mask": torch.ones(B, 8).bool()}
 
 
+def helios_inputs(B: int):
+    T, H, W = 2, 8, 8
+    return {"hidden_states": _r(B, 4, T, H, W, seed=1), "timestep": torch.full((B,), 500, dtype=torch.long),
+            "encoder_hidden_states": _r(B, 12, 16, seed=2), "indices_hidden_states": torch.ones(B, T),
+            "indices_latents_history_short": torch.ones(B, T - 1), "indices_latents_history_mid": torch.ones(B, T - 1),
+            "indices_latents_history_long": torch.ones(B, (T - 1) * 4),
+            "latents_history_short": _r(B, 4, T - 1, H, W, seed=3),
+            "latents_history_mid": _r(B, 4, T - 1, H, W, seed=4),
+            "latents_history_long": _r(B, 4, (T - 1) * 4, H, W, seed=5)}
+
+
+def ernie_inputs(B: int):
+    return {"hidden_states": _r(B, 16, 8, 8, seed=1), "timestep": torch.full((B,), 1.0),
+            "text_bth": _r(B, 8, 16, seed=2), "text_lens": torch.full((B,), 8)}
+
+
+def krea2_inputs(B: int):
+    S, h, w = 4, 2, 2
+    pos = torch.zeros(S + h * w, 3)
+    pos[S:, 1], pos[S:, 2] = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[:, -1] = False  # a padded text token: the key-padding mask path
+    return {"hidden_states": _r(B, h * w, 16, seed=1), "encoder_hidden_states": _r(B, S, 3, 16, seed=2),
+            "timestep": torch.full((B,), 0.5), "position_ids": pos, "encoder_attention_mask": mask}
+
+
+def ideogram4_inputs(B: int):
+    from diffusers.models.transformers.transformer_ideogram4 import (
+        IMAGE_POSITION_OFFSET,
+        LLM_TOKEN_INDICATOR,
+        OUTPUT_IMAGE_INDICATOR,
+    )
+
+    T, I = 4, 4  # text tokens, image tokens (a 2x2 grid)
+    x = torch.zeros(B, T + I, 16)
+    x[:, T:] = _r(B, I, 16, seed=1)
+    ctx = torch.zeros(B, T + I, 24)
+    ctx[:, :T] = _r(B, T, 24, seed=2)
+    pos = torch.zeros(B, T + I, 3, dtype=torch.long)
+    pos[:, :T] = torch.arange(T)[:, None]
+    pos[:, T:, 0] = IMAGE_POSITION_OFFSET
+    pos[:, T:, 1] = torch.tensor([0, 0, 1, 1]) + IMAGE_POSITION_OFFSET
+    pos[:, T:, 2] = torch.tensor([0, 1, 0, 1]) + IMAGE_POSITION_OFFSET
+    ind = torch.full((B, T + I), OUTPUT_IMAGE_INDICATOR, dtype=torch.long)
+    ind[:, :T] = LLM_TOKEN_INDICATOR
+    return {"hidden_states": x, "encoder_hidden_states": ctx, "timestep": torch.full((B,), 0.5), "position_ids": pos,
+            "segment_ids": torch.ones(B, T + I, dtype=torch.long), "indicator": ind}
+
+
+def acestep_inputs(B: int):
+    S, E = 8, 10  # audio frames, encoder tokens
+    return {"hidden_states": _r(B, S, 8, seed=1), "timestep": torch.full((B,), 0.5),
+            "timestep_r": torch.full((B,), 0.3), "encoder_hidden_states": _r(B, E, 32, seed=2),
+            "context_latents": _r(B, S, 16, seed=3)}
+
+
+def cosmos_inputs(B: int):
+    return {"hidden_states": _r(B, 4, 1, 16, 16, seed=1), "timestep": torch.full((B,), 500, dtype=torch.long),
+            "encoder_hidden_states": _r(B, 12, 16, seed=2), "attention_mask": torch.ones(B, 12), "fps": 30}
+
+
+def ltx2_inputs(B: int):
+    T, H, W, S = 2, 8, 8, 16
+    return {"hidden_states": _r(B, T * H * W, 4, seed=1), "audio_hidden_states": _r(B, 9, 4, seed=2),
+            "encoder_hidden_states": _r(B, S, 16, seed=3), "audio_encoder_hidden_states": _r(B, S, 16, seed=4),
+            "timestep": torch.full((B,), 500.0), "encoder_attention_mask": torch.ones(B, S, dtype=torch.bool),
+            "num_frames": T, "height": H, "width": W, "audio_num_frames": 9, "fps": 25.0}
+
+
+def fibo2_inputs(B: int):
+    return {"hidden_states": _r(B, 16, 8, 8, seed=1), "timestep": torch.full((B,), 0.5),
+            "encoder_hidden_states": _r(B, 2, 8, 16, seed=2)}  # [B, 1 + len(injection_layer_ids), text, cap_feat_dim]
+
+
+def kandinsky5_inputs(B: int):
+    S, h, w = 8, 8, 8
+    return {"hidden_states": _r(B, 1, h, w, 4, seed=1), "encoder_hidden_states": _r(B, S, 16, seed=2),
+            "timestep": torch.full((B,), 500.0), "pooled_projections": _r(B, 8, seed=3),
+            "visual_rope_pos": [torch.arange(1), torch.arange(h // 2), torch.arange(w // 2)],
+            "text_rope_pos": torch.arange(S)}
+
+
+def proteina_inputs(B: int):
+    L = 6  # residues (tokens)
+    return {"bb_ca": _r(B, L, 3, seed=1), "local_latents": _r(B, L, 4, seed=2), "bb_ca_time": torch.full((B,), 0.5),
+            "local_latents_time": torch.full((B,), 0.5), "padding_mask": torch.ones(B, L, dtype=torch.bool),
+            "token_type": torch.zeros(B, L, dtype=torch.long), "atom37_mask": torch.ones(B, L, 37, dtype=torch.bool),
+            "conditioning": {"is_in_context_conditioning": torch.zeros(B, L, dtype=torch.bool),
+                             "supports_local_latent": torch.ones(B, L, dtype=torch.bool)}}
+
+
+def flux3_inputs(B: int):
+    return {k: v[0] if k.endswith("_ids") else v for k, v in flux2_inputs(B).items() if k != "guidance"}
+
+
+def minimax_h3_inputs(B: int):
+    T, A, V = 4, 6, 8  # text, audio, video tokens of one packed sequence
+    S = T + A + V
+    text, audio, video = torch.arange(T), torch.arange(T, T + A), torch.arange(T + A, S)
+    tags = torch.zeros(S, dtype=torch.long)  # 0 video, 1 text, 2 audio
+    tags[text], tags[audio] = 1, 2
+    t_idx = torch.zeros(S, dtype=torch.long)
+    t_idx[audio] = 1  # the audio rows on their own timestep
+    pos = torch.zeros(S, 3)
+    pos[:, 0] = torch.arange(S, dtype=torch.float32)
+    pos[video, 1], pos[video, 2] = torch.arange(V, dtype=torch.float32) % 4, torch.arange(V, dtype=torch.float32) % 2
+    return {"hidden_states": _r(B, V, 16, seed=1), "audio_hidden_states": _r(B, A, 6, seed=2),
+            "encoder_hidden_states": _r(B, T, 8, seed=3), "timestep": torch.tensor([0.7, 0.3]),
+            "timestep_indices": t_idx, "token_tags": tags, "position_ids": pos, "video_indices": video,
+            "audio_indices": audio, "text_indices": text}
+
+
 @dataclass
 class Spec:
     """One pipeline class of a family: its transformer(s) and the denoiser's inputs."""
@@ -131,9 +243,15 @@ class Spec:
     model: str
     kwargs: dict
     inputs: Callable[[int], dict]
-    extra: dict = field(default_factory=dict)  # pipeline kwargs beyond the components (Wan 2.2's boundary_ratio)
+    extra: dict = field(default_factory=dict)  # pipeline kwargs beyond the components (Wan 2.2's boundary_ratio);
+    # a callable is called (Cosmos 2.5's __init__ reads its VAE's config and would build a guardrail model for None)
     second: bool = False  # a transformer_2 too (Wan 2.2)
-    per_prompt: bool = True  # False: routed MoE experts (HiDream), where per-prompt adapters are refused
+    per_prompt: bool = True  # False: per-prompt adapters are refused (HiDream's routed MoE experts, ERNIE-Image's
+                             # sequence-first MLP)
+    blocks: str | None = None  # a modular pipeline: its blocks class in diffusers.modular_pipelines
+    saver: str | None = None  # the pipeline class whose save_lora_weights writes the file, when the family's mixin
+    # has none (Anima: its files are ComfyUI's or diffusers' layout, which Cosmos' save_lora_weights writes)
+    unzero: bool = False  # randomise the zero-initialised parameters (a zero output layer hides every LoRA)
 
 
 FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -212,6 +330,75 @@ SPECS: dict[str, Spec] = {
                        pooled_projection_dim=16, in_channels=4, out_channels=None, qk_norm="rms_norm",
                        text_embed_dim=16, time_embed_dim=4, activation_fn="swiglu", max_sequence_length=16),
                   mochi_inputs),
+    "skyreelsv2": Spec("SkyReelsV2Pipeline", "SkyReelsV2Transformer3DModel", WAN, wan_inputs),
+    "helios": Spec("HeliosPipeline", "HeliosTransformer3DModel",
+                   dict({k: v for k, v in WAN.items() if k != "rope_max_seq_len"}, rope_dim=(4, 4, 4),
+                        has_multi_term_memory_patch=True, guidance_cross_attn=True, zero_history_timestep=True,
+                        is_amplify_history=False), helios_inputs),
+    "ernieimage": Spec("ErnieImagePipeline", "ErnieImageTransformer2DModel",
+                       dict(hidden_size=16, num_attention_heads=1, num_layers=1, ffn_hidden_size=16, in_channels=16,
+                            out_channels=16, patch_size=1, text_in_dim=16, rope_theta=256, rope_axes_dim=(8, 4, 4),
+                            eps=1e-6, qk_layernorm=True), ernie_inputs, per_prompt=False, unzero=True),
+    "krea2": Spec("Krea2Pipeline", "Krea2Transformer2DModel",
+                  dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=32, timestep_embed_dim=8, text_hidden_dim=16, num_text_layers=3,
+                       text_num_attention_heads=2, text_num_key_value_heads=1, text_intermediate_size=16,
+                       num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2),
+                       rope_theta=1000.0, norm_eps=1e-5), krea2_inputs),
+    "ideogram4": Spec("Ideogram4Pipeline", "Ideogram4Transformer2DModel",
+                      dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                           intermediate_size=32, adaln_dim=16, llm_features_dim=24, rope_theta=10_000,
+                           mrope_section=(2, 1, 1), norm_eps=1e-5), ideogram4_inputs),
+    "acestep": Spec("AceStepPipeline", "AceStepTransformer1DModel",
+                    dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, in_channels=24, audio_acoustic_hidden_dim=8, patch_size=2,
+                         rope_theta=10000.0, sliding_window=16), acestep_inputs),
+    "anima": Spec("AnimaModularPipeline", "CosmosTransformer3DModel",
+                  dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2,
+                       mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+                       rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=False, extra_pos_embed_type="learnable"),
+                  cosmos_inputs, blocks="AnimaAutoBlocks", saver="Cosmos2_5_PredictBasePipeline"),
+    "cosmos": Spec("Cosmos2_5_PredictBasePipeline", "CosmosTransformer3DModel",
+                   dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2,
+                        mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+                        rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=False, extra_pos_embed_type="learnable"),
+                   cosmos_inputs, extra={"safety_checker": nn.Identity, "vae": lambda: _wan_vae(16)}),
+    "ltx2": Spec("LTX2ConditionPipeline", "LTX2VideoTransformer3DModel",
+                 dict(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+                      attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+                      audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8,
+                      num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False),
+                 ltx2_inputs),
+    "briafibo2": Spec("BriaFibo2Pipeline", "BriaFibo2Transformer2DModel",
+                      dict(in_channels=16, patch_size=2, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2,
+                           cap_feat_dim=16, injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=4,
+                           max_num_gist_tokens=8, gist_step=4, gist_min_text_len=4, gist_max_text_len=16,
+                           axes_dims=(8, 4, 4), axes_lens=(64, 32, 32)), fibo2_inputs),
+    "kandinsky5": Spec("Kandinsky5T2IPipeline", "Kandinsky5Transformer3DModel",
+                       dict(in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4,
+                            patch_size=(1, 2, 2), model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2,
+                            axes_dims=(1, 1, 2), visual_cond=False, attention_type="regular"), kandinsky5_inputs),
+    "rfd4proteina": Spec("RFD4ProteinaPipeline", "RFD4ProteinaTransformer",  # (the features a tiny input can give)
+                         dict(nlayers=2, token_dim=16, nheads=2, dim_cond=8, pair_repr_dim=8, latent_dim=4,
+                              token_type_emb_dim=4, cath_emb_dim=4, t_emb_dim=8, seq_sep_dim=4, xt_pair_dist_dim=4,
+                              tri_mult_c=8, update_pair_repr_every_n=1,
+                              feats_seq=("xt_bb_ca", "xt_local_latents", "token_type"),
+                              feats_cond_seq=("time_emb_bb_ca", "time_emb_local_latents"),
+                              feats_pair_repr=("xt_bb_ca_pair_dists",),
+                              feats_pair_cond=("time_emb_bb_ca", "time_emb_local_latents")), proteina_inputs,
+                         extra={"vae": lambda: _with_config(latent_dim=4)}),  # (its __init__ compares latent_dim)
+    "flux3": Spec("Flux3ModularPipeline", "Flux3Transformer2DModel",
+                  dict(in_channels=4, cond_in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                       num_attention_heads=2, joint_attention_dim=16, timestep_channels=16,
+                       axes_dims_rope=(4, 4, 4, 4)), flux3_inputs, blocks="Flux3AutoBlocks"),
+    # MiniMax-H3: per_prompt False. Its adaln_proj layers take one row per *timestep* ([2, D]: video and audio), shared
+    # by every sample, not one per sample: per-sample adapters there mix silently when the batch is 2 (batch 1 is right,
+    # other sizes raise). Not fixed here: fd-lora cannot tell such rows from samples.
+    "minimaxh3": Spec("MiniMaxH3ModularPipeline", "MiniMaxH3Transformer3DModel",
+                      dict(num_attention_heads=2, attention_head_dim=16, hidden_size=24, num_layers=2,
+                           num_refiner_layers=2, ffn_dim=32, in_channels=4, audio_in_channels=6, patch_size=(1, 2, 2),
+                           text_dim=8, freq_dim=8, time_embed_hidden_dim=24, time_embed_dim=16, rope_freq_dim=2),
+                      minimax_h3_inputs, blocks="MiniMaxH3Blocks", per_prompt=False),
 }
 
 
@@ -223,15 +410,48 @@ def build(key: str, seed: int = 0) -> Any:
     cls = getattr(diffusers, spec.pipeline)
     torch.manual_seed(seed)
     model = getattr(diffusers, spec.model)(**spec.kwargs).eval()
+    if spec.unzero:
+        _unzero(model)
+    if spec.blocks:  # built from its blocks with no repository (every component None), then given the denoiser
+        pipe = getattr(diffusers.modular_pipelines, spec.blocks)().init_pipeline()
+        pipe.update_components(transformer=model)
+        return pipe
     comps = {p: None for p in list(inspect.signature(cls.__init__).parameters)[1:]
              if inspect.signature(cls.__init__).parameters[p].default is inspect.Parameter.empty}
     comps["transformer"] = model
     if spec.second:
         torch.manual_seed(seed + 1)
         comps["transformer_2"] = getattr(diffusers, spec.model)(**spec.kwargs).eval()
-    pipe = cls(**comps, **spec.extra)
+    pipe = cls(**{**comps, **{k: v() if callable(v) else v for k, v in spec.extra.items()}})
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _wan_vae(z: int) -> nn.Module:
+    import diffusers
+
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKLWan(base_dim=3, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                      temperal_downsample=[False, True, True]).eval()
+
+
+def _with_config(**config) -> nn.Module:
+    """A stand-in component whose only use is its config (a pipeline __init__ that reads another component's)."""
+    from types import SimpleNamespace
+
+    m = nn.Module()
+    m.config = SimpleNamespace(**config)
+    return m
+
+
+def _unzero(model: nn.Module) -> None:
+    """Give every all-zero parameter random values, as training would (ERNIE-Image zero-initialises its adaLN and
+    output layers: the tiny model's output is 0 whatever the LoRA)."""
+    g = _g(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 def targets(model: nn.Module) -> list[str]:
@@ -271,7 +491,8 @@ def save(pipe_cls: type, sd: dict, meta: dict | None = None) -> str:
 
 def run(model: nn.Module, inputs: dict, **extra) -> torch.Tensor:
     with torch.no_grad():
-        out = model(**inputs, **extra, return_dict=False)[0]
+        out = model(**inputs, **extra, return_dict=False)
+    out = out if isinstance(out, torch.Tensor) else out[0]  # (Kandinsky 5 returns the tensor itself, not a tuple)
     if isinstance(out, (list, tuple)):  # Z-Image returns one tensor per sample
         out = torch.stack([o.float() for o in out])
     return out

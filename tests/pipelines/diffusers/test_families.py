@@ -20,21 +20,8 @@ warnings.filterwarnings("ignore")
 SKIPS = {
     "StableDiffusionLoraLoaderMixin": "UNet family: covered by test_diffusers_equivalence.py (sd15) and kohya tests",
     "StableDiffusionXLLoraLoaderMixin": "UNet family: covered by test_diffusers_equivalence.py (sdxl) and kohya tests",
-    "AceStepLoraLoaderMixin": "audio pipeline; its transformer needs an audio condition encoder not built tiny here",
-    "AmusedLoraLoaderMixin": "aMUSEd's UVit2DModel is a token (VQ) model with no LoRA files in the wild; not built",
-    "AnimaLoraLoaderMixin": "its text_conditioner component is not built tiny here yet",
-    "BriaFibo2LoraLoaderMixin": "not built tiny here yet (large bespoke config)",
-    "CosmosLoraLoaderMixin": "Cosmos transformers need their guardrail/text stack configs; not built tiny here yet",
-    "ErnieImageLoraLoaderMixin": "not built tiny here yet",
-    "Flux3LoraLoaderMixin": "not built tiny here yet",
-    "HeliosLoraLoaderMixin": "Wan-derived: same converters as Wan (covered); its transformer not built tiny here yet",
-    "Ideogram4LoraLoaderMixin": "not built tiny here yet",
-    "KandinskyLoraLoaderMixin": "Kandinsky 5 transformer not built tiny here yet",
-    "Krea2LoraLoaderMixin": "not built tiny here yet",
-    "LTX2LoraLoaderMixin": "LTX-2's audio-video transformer and connectors not built tiny here yet",
-    "MiniMaxH3LoraLoaderMixin": "not built tiny here yet",
-    "RFD4ProteinaLoraLoaderMixin": "a protein model, not an image/video pipeline",
-    "SkyReelsV2LoraLoaderMixin": "Wan-derived: same converters as Wan (covered); its transformer not built tiny yet",
+    "AmusedLoraLoaderMixin": "diffusers cannot load with it: no pipeline class uses it (AmusedPipeline has no LoRA "
+                             "mixin) and it has no load_lora_weights (LoraBaseMixin's raises NotImplementedError)",
 }
 
 REL = 1e-5
@@ -44,6 +31,8 @@ _CACHE: dict[str, dict] = {}
 def family_case(key: str) -> dict:
     """Built once per module: base pipe, two LoRA folders (save_lora_weights), a diffusers-loaded pipe and an
     fd-lora-loaded one."""
+    import diffusers
+
     if key in _CACHE:
         return _CACHE[key]
     spec = F.SPECS[key]
@@ -51,7 +40,8 @@ def family_case(key: str) -> dict:
     cls = type(base)
     loras = {n: F.peft_lora(base.transformer, seed=i + 1, rank=4 + 4 * i, alpha=8.0 + 4 * i)
              for i, n in enumerate(("a", "b"))}
-    dirs = {n: F.save(cls, sd, meta) for n, (sd, meta) in loras.items()}
+    saver = getattr(diffusers, spec.saver) if spec.saver else cls
+    dirs = {n: F.save(saver, sd, meta) for n, (sd, meta) in loras.items()}
     ref = copy.deepcopy(base)
     for n, d in dirs.items():
         ref.load_lora_weights(d, adapter_name=n)
@@ -114,6 +104,18 @@ def test_per_prompt_through_routed_experts_is_refused():
     c = family_case("hidream")
     with pytest.raises(FdLoraError, match="routed MoE experts"):
         c["fd"](prompt=["a", "b"], fd_lora_adapters=["a", "b"])
+
+
+def test_per_prompt_through_a_sequence_first_layer_is_refused():
+    """ERNIE-Image runs its MLP on [S, B, H]: contiguous rows are not one sample's, so per-prompt adapters there would
+    mix prompts silently; the layer refuses (blends are fine: test_blend_equals_diffusers[ernieimage])."""
+    from fdlora.errors import FdLoraError
+    from fdlora.layers import registry_of_models
+
+    c = family_case("ernieimage")
+    h = registry_of_models[c["fd"].transformer]
+    with pytest.raises(FdLoraError, match="not batch-first"), h.per_sample({2: ["a", "b"]}):
+        F.run(c["fd"].transformer, c["spec"].inputs(2))
 
 
 def test_every_mixin_is_covered_or_skipped():
