@@ -1,4 +1,4 @@
-"""Attach `load_fd_lora` to diffusers' DiffusionPipeline once both are imported, in either order.
+"""Attach `load_fd_lora` and `prefetch_fd_lora` to DiffusionPipeline once both are imported, in either order.
 
 If diffusers' pipeline module is already imported, attach now; otherwise a meta-path hook attaches
 right after it is imported, so `import fdlora` stays fast and never imports diffusers itself.
@@ -14,10 +14,12 @@ TARGET = "diffusers.pipelines.pipeline_utils"
 
 
 def _attach(module) -> None:
-    from .pipeline import load_fd_lora
+    from .pipeline import load_fd_lora, prefetch_fd_lora
 
     if not hasattr(module.DiffusionPipeline, "load_fd_lora"):
-        module.DiffusionPipeline.load_fd_lora = load_fd_lora  # the one additive method
+        module.DiffusionPipeline.load_fd_lora = load_fd_lora  # the additive entry points: load, load in background
+    if not hasattr(module.DiffusionPipeline, "prefetch_fd_lora"):
+        module.DiffusionPipeline.prefetch_fd_lora = prefetch_fd_lora
 
 
 class _Loader(importlib.abc.Loader):
