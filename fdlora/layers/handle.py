@@ -20,6 +20,7 @@ from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from ..hub.formats import lycoris
 from .bank import AdapterBank, padded_rank
+from .bank import arena as bank_arena
 from .bulk import write_staged
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from .registry import registry_of_models
@@ -71,10 +72,11 @@ class FdLoraHandle:
         self.state.epoch += 1
         self.state.table.resize(L0 + len(new), self.state.slots.capacity)
         made = []
-        for i, path in enumerate(new):
-            base = self.model.get_submodule(path)
-            cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
-            made.append(cls(base, self.state, L0 + i, path, self.max_rank, self.dtype))
+        with bank_arena():  # the new banks as views of a few zeroed buffers: ~4 allocations per layer saved
+            for i, path in enumerate(new):
+                base = self.model.get_submodule(path)
+                cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
+                made.append(cls(base, self.state, L0 + i, path, self.max_rank, self.dtype))
         for layer in made:
             self._swap(layer.path, layer)
             self._originals[layer.path] = layer.base
