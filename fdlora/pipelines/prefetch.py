@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DuplicateAdapterError, UnknownAdapterError
+from ..errors import DuplicateAdapterError, FdLoraError, UnknownAdapterError
 from .scope import lock_of
 
 MAX_READERS = 2  # prefetches reading / converting at once: each holds its adapter's bytes, and the GIL in turns
@@ -150,6 +150,10 @@ def prefetch(obj: Any, source: Any, adapter_name: str | None = None, **kwargs: A
     from .diffusers.model import is_diffusers_model
     from .diffusers.pipeline import FdLoraPipelineMixin, enable_fd_lora
 
+    if kwargs.pop("activate", False):
+        raise FdLoraError("a prefetch never activates its adapter (calls running meanwhile keep theirs); call "
+                          "set_adapters (or pass fd_lora_adapters=...) once the prefetch's .result() returned.")
+
     if isinstance(obj, FdLoraPipelineMixin) or hasattr(obj, "components") and hasattr(obj, "load_fd_lora"):
         pipe = enable_fd_lora(obj)
         return _start(pipe, pipe, adapter_name, source, *_pipeline_steps(pipe, source, kwargs))
@@ -203,7 +207,6 @@ def _pipeline_steps(pipe: Any, source: Any, kwargs: dict[str, Any]):
     attach_kw = {k: kwargs.pop(k) for k in ("max_slots", "max_rank", "validate", "targets", "load_into_transformer_2")
                  if k in kwargs}
     strict = kwargs.pop("strict", False)
-    kwargs.pop("activate", None)  # a prefetch never activates (see the module docstring)
     t2 = attach_kw.get("load_into_transformer_2", False)
 
     def read(name):
@@ -227,8 +230,6 @@ def _transformers_steps(model: Any, source: Any, kwargs: dict[str, Any]):
     from .transformers.model import enable
     from .transformers.quantized import check_quantized
     from .transformers.read import read as read_peft
-
-    kwargs.pop("activate", None)
 
     def read(name):
         check_quantized(model)
