@@ -25,8 +25,8 @@ from ...errors import DuplicateAdapterError, FdLoraError, PartialLoadWarning, Ta
 from ...hub.adapter import LoraAdapter
 from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, quantized, registry_of_models
+from .. import background as prefetching
 from .. import fuse as fusing
-from .. import prefetch as prefetching
 from ..scope import pipe_lock
 from . import fused_qkv, schedule
 from .family import family_of
@@ -127,9 +127,7 @@ class FdLoraPipelineMixin:
     def prefetch_fd_lora(self, source: Any, adapter_name: str | None = None, **kwargs: Any):
         """Load an adapter in the background while this pipeline keeps serving; returns a `Prefetch` (a future) at
         once. Same keywords as `load_fd_lora`; the adapter is not activated. See fdlora.pipelines.prefetch."""
-        from ..prefetch import prefetch
-
-        return prefetch(self, source, adapter_name, **kwargs)
+        return prefetching.pipeline_job(self, source, adapter_name, kwargs)
 
     def _fd_attach(self, adapters: dict[str, Any], report: Any, adapter_name: str | None, *, strict: bool = False,
                    max_slots: int | None = None, max_rank: int | None = None, validate: bool = True,

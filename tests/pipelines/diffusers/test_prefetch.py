@@ -17,6 +17,7 @@ import torch
 import fdlora
 from fdlora import errors
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
+from fdlora.pipelines import background
 from fdlora.pipelines import prefetch as prefetching
 from fdlora.pipelines.scope import lock_of
 from fdlora.pipelines.transformers import adapter_from_peft
@@ -289,7 +290,7 @@ def test_prefetch_on_cuda_stages_on_a_side_stream_and_equals_load(sd15):
     loaded.load_fd_lora(sd15.dirs["locon_b"], "new")
     job = fetched.prefetch_fd_lora(sd15.dirs["locon_b"], adapter_name="new")
     job.result(WAIT)
-    assert job.seconds.get("reading", 0) > 0 and prefetching._streams  # the side stream was used
+    assert job.seconds.get("reading", 0) > 0 and background._streams  # the side stream was used
     for pipe in (loaded, fetched):
         pipe.set_adapters(["style_a", "new"], [0.5, 1.0])
     a, b = snapshot(loaded), snapshot(fetched)
