@@ -12,7 +12,8 @@ Rows (written to benchmarks/results/<gpu>/prefetch.json):
           disk (RAM cache off) in the background; ratio (target <= 1.05). Each step holds the pipeline's lock as
           a generation does, so every prefetch publishes between two steps.
   cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
-          and the first step after it; the same with `fdlora.pipelines.warmup.warmup` between load and first step;
+          and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the bank
+          writer) and between load and first step (the layers' kernels);
           diffusers' first `load_lora_weights` and its first step.
   warm    in the fd-lora process after its first load: a later load from disk, a re-load from the RAM cache,
           `delete_adapters`.
@@ -111,11 +112,12 @@ def child(a: argparse.Namespace) -> None:
                                         sync)
         else:
             import fdlora  # noqa: F401  (attaches load_fd_lora; its import is not part of the load)
+            from fdlora.pipelines.warmup import warmup
 
+            if a.child == "fd-warmup":  # the bank writer of the first load, before it
+                out["warmup_before_load_s"] = timed(lambda: warmup(pipe), sync)
             out["first_load_s"] = timed(lambda: pipe.load_fd_lora(a.dir, "a"), sync)
             if a.child == "fd-warmup":
-                from fdlora.pipelines.warmup import warmup
-
                 tokens = (8, 64, 256) if a.smoke else (77, 1024, 4096)  # text, 32^2 and 64^2 latents (per sample)
                 out["warmup_s"] = timed(lambda: warmup(pipe, tokens=tokens), sync)
         out["first_step_s"] = timed(step, sync)

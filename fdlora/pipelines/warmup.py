@@ -11,7 +11,9 @@ On CPU nothing is compiled (the torch backend): warmup returns at once, and its 
 Triton keeps compiled kernels on disk (TRITON_CACHE_DIR): running `warmup` once while building a serving
 image, with that folder inside the image, turns a cold start's compiles into loads.
 
-    fdlora.pipelines.warmup.warmup(pipe)                        # after the first load_fd_lora
+    fdlora.pipelines.warmup.warmup(pipe)                        # before the first load: its bank writer
+    pipe.load_fd_lora("user/style", "style")
+    fdlora.pipelines.warmup.warmup(pipe)                        # after it: every layer shape
     fdlora.pipelines.warmup.warmup(pipe, tokens=(154, 2048, 8192))   # SDXL 1024^2 with CFG: text, 32^2, 64^2
 """
 
@@ -54,8 +56,7 @@ def warmup(obj: Any, *, tokens: Sequence[int] = TOKENS, batch: int = 2) -> Warmu
     handles = _handles(obj)
     layers = [layer for h in handles for layer in h.layers.values()]
     if not layers:
-        raise FdLoraError(f"{type(obj).__name__} has no fd-lora layers to warm up; load an adapter first "
-                          "(pipe.load_fd_lora / fdlora.load_fd_lora / fdlora.inject), then call warmup.")
+        return _before_first_load(obj)
     devices = {layer.bank.A.device for layer in layers}
     cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
     report = WarmupReport(", ".join(sorted(map(str, devices))), layers=len(layers))
@@ -72,6 +73,29 @@ def warmup(obj: Any, *, tokens: Sequence[int] = TOKENS, batch: int = 2) -> Warmu
     for d in cuda:
         torch.cuda.synchronize(d)
     report.seconds = time.perf_counter() - t0
+    logger.info("%s", report)
+    return report
+
+
+def _before_first_load(obj: Any) -> WarmupReport:
+    """No fd-lora layers yet: build the bank writer the first load uses, for the dtypes of the model's weights."""
+    modules = [m for m in (obj.components.values() if hasattr(obj, "components") else [obj])
+               if isinstance(m, torch.nn.Module)]
+    if not modules:
+        raise FdLoraError(f"{type(obj).__name__} is neither a pipeline nor a model; pass the pipe or model to serve.")
+    params = [(p.device, p.dtype) for m in modules for p in m.parameters() if p.is_floating_point()]
+    cuda = sorted({(d, t) for d, t in params if d.type == "cuda"}, key=str)
+    report = WarmupReport(", ".join(sorted({str(d) for d, _ in params})) or "no parameters")
+    if not cuda:
+        report.notes.append("nothing to build: on CPU the torch backend compiles no kernels")
+    else:
+        t0 = time.perf_counter()
+        for device, dtype in cuda:
+            _warm_scatter(device, dtype)
+            torch.cuda.synchronize(device)
+        report.seconds = time.perf_counter() - t0
+        report.notes.append("no fd-lora layers yet: built the bank writer of the first load; call warmup again "
+                            "after it for the layers' kernels")
     logger.info("%s", report)
     return report
 
