@@ -244,7 +244,7 @@ def _stage(adapters: dict[str, Any], devices: Mapping[str, torch.device | None],
         side = _side_stream(devices[c])
         with torch.cuda.stream(side):
             s = stage(adapters[c], devices[c], check_finite=check_finite)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # (its waiter sleeps instead of spinning a core)
             ev.record(side)
         if s is not None:
             staged[c] = s
