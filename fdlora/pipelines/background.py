@@ -119,11 +119,13 @@ def pending(obj: Any) -> dict[str, Prefetch]:
         return {n: j for n, j in _pending.get(getattr(obj, "_orig_mod", obj), {}).items() if not j.done()}
 
 
-def unknown_error(obj: Any, unknown: list[str], loaded: set[str] | list[str]) -> UnknownAdapterError:
-    """The UnknownAdapterError for names that are not loaded, saying which of them are still being prefetched."""
+def unknown_error(obj: Any, unknown: list[str], loaded: set[str] | list[str],
+                  lead: str = "adapter(s) {} are not loaded") -> UnknownAdapterError:
+    """The UnknownAdapterError for names that are not loaded (`lead` formatted with them), saying which of them are
+    still being prefetched."""
     jobs = pending(obj)
     busy = [n for n in unknown if n in jobs]
-    msg = f"adapter(s) {unknown} are not loaded (loaded: {sorted(loaded)})."
+    msg = f"{lead.format(unknown)} (loaded: {sorted(loaded)})."
     if busy:
         msg += (f" {busy} {'are' if len(busy) > 1 else 'is'} still being prefetched (pipe.prefetch_fd_lora): wait "
                 "for the prefetch's .result() first, outside any generation (publication needs the pipeline's lock).")

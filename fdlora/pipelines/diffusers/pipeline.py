@@ -509,7 +509,8 @@ class FdLoraPipelineMixin:
         loaded = set(self._fd_all_names())
         named = {n for s in specs if s is not None for n in ([s] if isinstance(s, str) else s)} - {"__base__"}
         if named - loaded:
-            raise prefetching.unknown_error(self, sorted(named - loaded), loaded)
+            raise prefetching.unknown_error(self, sorted(named - loaded), loaded,
+                                            "fd_lora_adapters names {}, which are not loaded")
         n = int(kwargs.get("num_images_per_prompt") or kwargs.get("num_videos_per_prompt") or 1)  # video: per video
         for comp, h in self.fd_lora_handles().items():
             routed = next((p for p in h.layers if ROUTED.search(p)), None)
