@@ -228,6 +228,17 @@ def test_delete_or_cancel_during_prefetch(sd15):
     assert pipe.get_list_adapters()["unet"] == ["locon_b"]
 
 
+def test_unload_cancels_pending_prefetches(sd15):
+    """unload_lora_weights while a prefetch reads: the prefetch is cancelled, nothing comes back afterwards."""
+    pipe = gated(copy.deepcopy(sd15.fd), gate := threading.Event())
+    job = pipe.prefetch_fd_lora(sd15.dirs["locon_b"], adapter_name="late")
+    pipe.unload_lora_weights()
+    gate.set()
+    with pytest.raises(CancelledError):
+        job.result(WAIT)
+    assert type(pipe) is type(sd15.base) and not any(n.endswith(".base") for n, _ in pipe.unet.named_modules())
+
+
 def test_prefetches_into_a_full_pool_evict_like_loads(sd15):
     """Two slots, style_a active: every prefetch evicts the least recently used *inactive* adapter (into RAM),
     never the active one; several in flight at once all land; each one then serves exactly what a pipe with
