@@ -13,8 +13,9 @@ nothing here reallocates except `resize`, which callers must not use on a compil
 
 Banks made inside `arena()` (FdLoraHandle.wrap makes its layers there) are views into a few large
 zeroed buffers instead of four allocations each: wrapping the 722 layers of an SDXL UNet made ~2900
-allocations, most of a cold first load's host time (on CPU, 9.7 s for 2888 tensors against 0.6 s
-for the same bytes at once on a busy 2-core box; on CUDA one allocator call and one memset each).
+allocations, the largest part of a cold first load's host time in profiles (CPU, fresh processes on a
+shared 2-core box, SDXL structure at 1/8 width: 1.4-6.8 s in 2893 torch.zeros against 0.7-1.2 s in 34;
+on CUDA each was an allocator call and a memset launch).
 """
 
 from __future__ import annotations
