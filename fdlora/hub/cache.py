@@ -148,6 +148,11 @@ class Staged:
     flat: torch.Tensor  # uint8, on the device
     start: int
 
+    def covers(self, adapter: LoraAdapter) -> bool:
+        """Every tensor of `adapter` lies in the host bytes this copy was made from (so `view` finds them)."""
+        span = span_of(adapter)
+        return span is not None and self.start <= span[1] and span[2] <= self.start + self.flat.numel()
+
     def view(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """The device copy of host tensor `t` (a view into `flat`)."""
         if t is None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
 from .adapter import LoraAdapter
-from .cache import keep_span, pack_adapters, packed_pinned, stage
+from .cache import Staged, keep_span, pack_adapters, packed_pinned, stage
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -75,9 +75,12 @@ class AdapterPool:
         with self._lock:
             return self.make_room(self.check(name, adapter, validate=validate), evict_active=evict_active)
 
-    def check(self, name: str, adapter: LoraAdapter, *, validate: bool = True) -> tuple[Any, LoraAdapter]:
+    def check(self, name: str, adapter: LoraAdapter, *, validate: bool = True,
+              staged: Staged | None = None) -> tuple[Any, LoraAdapter]:
         """Check everything about loading `adapter` (shapes, targets, ranks, finite values with `validate`)
-        and copy it to the device; changes nothing in the model or the pool."""
+        and copy it to the device; changes nothing in the model or the pool. `staged`: a device copy made
+        beforehand (a prefetch stages on a side stream, fdlora.pipelines.prefetch); used if it still covers
+        the adapter's tensors, else the adapter is staged again here."""
         with self._lock:
             if name in self._host:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
@@ -85,7 +88,7 @@ class AdapterPool:
             host = self.align(adapter)
             if self.pin and not packed_pinned(host):  # stage() needs one pinned buffer
                 host = pack_adapters({"": host})[""]
-            return self._plan(name, host, validate), host
+            return self._plan(name, host, validate, staged), host
 
     def make_room(self, checked: tuple[Any, LoraAdapter], *, evict_active: bool = False) -> tuple[Any, LoraAdapter]:
         """Free a slot for a checked load if none is (evicting the least recently used inactive adapter; an
@@ -188,11 +191,15 @@ class AdapterPool:
             "max_slots (handle.grow(max_slots=N))."
         )
 
-    def _plan(self, name: str, host: LoraAdapter, check_finite: bool):
+    def _plan(self, name: str, host: LoraAdapter, check_finite: bool, staged: Staged | None = None):
         """handle.plan for `host`, taking no slot yet (commit does). On CUDA the packed host copy goes to the
         device in one transfer (NaN-checked there) and `commit` fills the banks from it in one launch
         (fdlora.layers.bulk)."""
-        staged = stage(host, self.device, check_finite=check_finite) if self.device.type == "cuda" else None
+        if staged is not None and not (staged.flat.device == self.device and staged.covers(host)
+                                       and (not check_finite or all(m.finite for m in host.modules.values()))):
+            staged = None  # (another device, tensors made since: fused qkv; or staged without the finite check)
+        if staged is None and self.device.type == "cuda":
+            staged = stage(host, self.device, check_finite=check_finite)
         plan = self.handle.plan(host, name, validate=check_finite and staged is None, slot=False)
         return dataclasses.replace(plan, staged=staged)
 

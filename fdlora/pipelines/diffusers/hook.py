@@ -1,4 +1,5 @@
-"""Attach `load_fd_lora` to diffusers' DiffusionPipeline and ModularPipeline once both are imported, in either order.
+"""Attach `load_fd_lora` and `prefetch_fd_lora` to diffusers' DiffusionPipeline and ModularPipeline once both are
+imported, in either order.
 
 If diffusers' pipeline module is already imported, attach now; otherwise a meta-path hook attaches
 right after it is imported, so `import fdlora` stays fast and never imports diffusers itself.
@@ -17,11 +18,15 @@ TARGETS = {"diffusers.pipelines.pipeline_utils": "DiffusionPipeline",
 
 
 def _attach(module) -> None:
-    from .pipeline import load_fd_lora
+    from .pipeline import load_fd_lora, prefetch_fd_lora
 
     cls = getattr(module, TARGETS[module.__name__], None)
-    if cls is not None and not hasattr(cls, "load_fd_lora"):
-        cls.load_fd_lora = load_fd_lora  # the one additive method
+    if cls is None:
+        return
+    if not hasattr(cls, "load_fd_lora"):
+        cls.load_fd_lora = load_fd_lora  # the additive entry points: load, load in the background
+    if not hasattr(cls, "prefetch_fd_lora"):
+        cls.prefetch_fd_lora = prefetch_fd_lora
 
 
 class _Loader(importlib.abc.Loader):

@@ -26,6 +26,7 @@ from ...hub.adapter import LoraAdapter
 from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, quantized, registry_of_models
 from ...layers.captured import capture_steps, release_steps, steps_of
+from .. import background as prefetching
 from .. import fuse as fusing
 from ..scope import pipe_lock
 from . import fused_qkv, schedule
@@ -120,74 +121,95 @@ class FdLoraPipelineMixin:
         """
         with pipe_lock(self):
             adapters, report = self._fd_read(source, strict=strict, **hub_kwargs)
-            modules = self._fd_modules()
-            if load_into_transformer_2:
-                if "transformer_2" not in modules:
-                    raise FdLoraError(f"load_into_transformer_2=True, but this {type(self).__name__} has no "
-                                      "transformer_2 (Wan 2.1 pipelines have one transformer; Wan 2.2 has two).")
-                adapters = {("transformer_2" if c == "transformer" else c): a for c, a in adapters.items()}
-            report = self._fd_note_ignored(adapters, report)
-            absent = [c for c in adapters if c not in modules]
-            if absent:
-                msg = (f"the adapter has weights for {absent}, which this {type(self).__name__} does not have "
-                       f"(components: {sorted(modules)}).")
-                if strict:
-                    raise FdLoraError(msg + " Load it into a matching pipeline, or pass strict=False to skip them.")
-                logger.warning("fd-lora: skipping %s", msg)
-                warnings.warn(f"fd-lora: skipping {len(absent)} component(s): {msg}", PartialLoadWarning, stacklevel=2)
-                adapters = {c: a for c, a in adapters.items() if c not in absent}
-            if not adapters:
-                raise FdLoraError("nothing to load: the adapter has no weights for this pipeline's components.")
-            adapters = {c: fused_qkv.retarget(modules[c], a) for c, a in adapters.items()}  # fuse_qkv_projections
-            handles = self.fd_lora_handles()
-            name = adapter_name or f"default_{len(self._fd_all_names())}"
-            if name in self._fd_all_names():
-                raise DuplicateAdapterError(f"an adapter named {name!r} is already loaded; delete_adapters() it "
-                                            "first or pick another adapter_name.")
-            plans = []
-            before = {c: dict(h.state.active) for c, h in handles.items()}  # an eviction below may deactivate
-            for comp, adapter in adapters.items():
-                model = modules[comp]
-                self._fd_refuse_peft(comp, model)  # (the pool fits CLIP paths with or without `text_model.`)
-                h = handles.get(comp)
-                fresh = h is None
-                need = max(padded_rank(m.rank) for m in adapter.modules.values())
+            return self._fd_attach(adapters, report, adapter_name, strict=strict, max_slots=max_slots,
+                                   max_rank=max_rank, validate=validate, targets=targets,
+                                   load_into_transformer_2=load_into_transformer_2)
+
+    def prefetch_fd_lora(self, source: Any, adapter_name: str | None = None, **kwargs: Any):
+        """Load an adapter in the background while this pipeline keeps serving; returns a `Prefetch` (a future) at
+        once. Same keywords as `load_fd_lora`; the adapter is not activated. See fdlora.pipelines.prefetch."""
+        return prefetching.pipeline_job(self, source, adapter_name, kwargs)
+
+    def _fd_attach(self, adapters: dict[str, Any], report: Any, adapter_name: str | None, *, strict: bool = False,
+                   max_slots: int | None = None, max_rank: int | None = None, validate: bool = True,
+                   targets: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
+                   load_into_transformer_2: bool = False, activate: bool = True,
+                   staged: Mapping[str, Any] | None = None):
+        """The attach step of `load_fd_lora` (the caller holds the pipe lock): check every component, make room,
+        write. With `activate=False` (a prefetch, fdlora.pipelines.prefetch) the active set stays as it is, so
+        room is made by evicting inactive adapters only. `staged`: per component, the adapter's device copy
+        made off the lock (fdlora.hub.cache.stage), used when it still covers the adapter's tensors."""
+        staged = staged or {}
+        modules = self._fd_modules()
+        if load_into_transformer_2:
+            if "transformer_2" not in modules:
+                raise FdLoraError(f"load_into_transformer_2=True, but this {type(self).__name__} has no "
+                                  "transformer_2 (Wan 2.1 pipelines have one transformer; Wan 2.2 has two).")
+            adapters = {("transformer_2" if c == "transformer" else c): a for c, a in adapters.items()}
+        report = self._fd_note_ignored(adapters, report)
+        absent = [c for c in adapters if c not in modules]
+        if absent:
+            msg = (f"the adapter has weights for {absent}, which this {type(self).__name__} does not have "
+                   f"(components: {sorted(modules)}).")
+            if strict:
+                raise FdLoraError(msg + " Load it into a matching pipeline, or pass strict=False to skip them.")
+            logger.warning("fd-lora: skipping %s", msg)
+            warnings.warn(f"fd-lora: skipping {len(absent)} component(s): {msg}", PartialLoadWarning, stacklevel=2)
+            adapters = {c: a for c, a in adapters.items() if c not in absent}
+        if not adapters:
+            raise FdLoraError("nothing to load: the adapter has no weights for this pipeline's components.")
+        adapters = {c: fused_qkv.retarget(modules[c], a) for c, a in adapters.items()}  # fuse_qkv_projections
+        handles = self.fd_lora_handles()
+        name = adapter_name or f"default_{len(self._fd_all_names())}"
+        if name in self._fd_all_names():
+            raise DuplicateAdapterError(f"an adapter named {name!r} is already loaded; delete_adapters() it "
+                                        "first or pick another adapter_name.")
+        plans = []
+        before = {c: dict(h.state.active) for c, h in handles.items()}  # an eviction below may deactivate
+        for comp, adapter in adapters.items():
+            model = modules[comp]
+            self._fd_refuse_peft(comp, model)  # (the pool fits CLIP paths with or without `text_model.`)
+            h = handles.get(comp)
+            fresh = h is None
+            need = max(padded_rank(m.rank) for m in adapter.modules.values())
+            if fresh:
+                h = FdLoraHandle(model, max_slots=max_slots or DEFAULT_SLOTS,
+                                 max_rank=max(max_rank or DEFAULT_RANK, need))
+                if _is_compiled(self.components[comp]):
+                    h.freeze()
+            elif need > h.max_rank and not h.state.static:
+                logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
+                h.grow(max_rank=need)
+            pool = AdapterPool.of(h)
+            plans.append((comp, h, pool, fresh, pool.check(name, adapter, validate=validate,
+                                                           staged=staged.get(comp))))
+        try:  # every component checked: now full pools make room (evicting their least recently used)
+            plans = [(comp, h, pool, fresh, pool.make_room(plan, evict_active=activate))
+                     for comp, h, pool, fresh, plan in plans]
+        except BaseException:  # Ctrl-C too: no half-made room
+            self._fd_reactivate(before)
+            raise
+        extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
+        done: list[tuple[FdLoraHandle, AdapterPool, bool]] = []
+        try:
+            for comp, h, pool, fresh, plan in plans:
                 if fresh:
-                    h = FdLoraHandle(model, max_slots=max_slots or DEFAULT_SLOTS,
-                                     max_rank=max(max_rank or DEFAULT_RANK, need))
-                    if _is_compiled(self.components[comp]):
-                        h.freeze()
-                elif need > h.max_rank and not h.state.static:
-                    logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
-                    h.grow(max_rank=need)
-                pool = AdapterPool.of(h)
-                plans.append((comp, h, pool, fresh, pool.check(name, adapter, validate=validate)))
-            try:  # every component checked: now full pools make room (evicting their least recently used)
-                plans = [(comp, h, pool, fresh, pool.make_room(plan, evict_active=True))
-                         for comp, h, pool, fresh, plan in plans]
-            except BaseException:  # Ctrl-C too: no half-made room
-                self._fd_reactivate(before)
-                raise
-            extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
-            done: list[tuple[FdLoraHandle, AdapterPool, bool]] = []
-            try:
-                for comp, h, pool, fresh, plan in plans:
-                    if fresh:
-                        self._fd_wrap_table(h, extra.get(comp) or [])
-                        registry_of_models[h.model] = h
-                        install_scale_hook(h.model)
-                    done.append((h, pool, fresh))
-                    pool.commit(plan, activate=False)
-            except BaseException:  # Ctrl-C too: the name is free again, every component as before
-                for h, pool, fresh in done:
-                    if fresh:
-                        h.restore()
-                    elif name in pool.known():
-                        pool.delete(name)
-                self._fd_reactivate(before)
-                raise
+                    self._fd_wrap_table(h, extra.get(comp) or [])
+                    registry_of_models[h.model] = h
+                    install_scale_hook(h.model)
+                done.append((h, pool, fresh))
+                pool.commit(plan, activate=False)
+        except BaseException:  # Ctrl-C too: the name is free again, every component as before
+            for h, pool, fresh in done:
+                if fresh:
+                    h.restore()
+                elif name in pool.known():
+                    pool.delete(name)
+            self._fd_reactivate(before)
+            raise
+        if activate:
             self.set_adapters([name])
-            return self._fd_note_quantized([comp for comp, *_ in plans], report)
+        return self._fd_note_quantized([comp for comp, *_ in plans], report)
 
     def _fd_reactivate(self, active: Mapping[str, Mapping[str, Any]]) -> None:
         """Put back each component's active set (after a call that changed it: a failed load whose room-making
@@ -302,7 +324,7 @@ class FdLoraPipelineMixin:
             loaded = set(self._fd_all_names())
             unknown = [n for n in names if n not in loaded]
             if unknown:
-                raise UnknownAdapterError(f"adapter(s) {unknown} are not loaded (loaded: {sorted(loaded)}).")
+                raise prefetching.unknown_error(self, unknown, loaded)
             for comp, h in handles.items():
                 pool, ns, ws = AdapterPool.of(h), [], []
                 known = set(pool.names())
@@ -327,6 +349,7 @@ class FdLoraPipelineMixin:
     def delete_adapters(self, adapter_names: str | Sequence[str]) -> None:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         with pipe_lock(self):
+            names = prefetching.cancel_pending(self, names)  # a name still being prefetched: cancelled
             loaded = set(self._fd_all_names())
             unknown = [n for n in names if n not in loaded]
             if unknown:
@@ -351,6 +374,7 @@ class FdLoraPipelineMixin:
     def unload_lora_weights(self, *args: Any, **kwargs: Any) -> None:
         """Remove fd-lora from every component: original modules back (bit-exact unless fused first)."""
         with pipe_lock(self):
+            prefetching.cancel_all(self)
             for m in self._fd_denoisers():
                 release_steps(m)  # captured graphs hold the fused layers' launches
             for h in self.fd_lora_handles().values():
@@ -506,8 +530,8 @@ class FdLoraPipelineMixin:
         loaded = set(self._fd_all_names())
         named = {n for s in specs if s is not None for n in ([s] if isinstance(s, str) else s)} - {"__base__"}
         if named - loaded:
-            raise UnknownAdapterError(f"fd_lora_adapters names {sorted(named - loaded)}, which are not loaded "
-                                      f"(loaded: {sorted(loaded)}).")
+            raise prefetching.unknown_error(self, sorted(named - loaded), loaded,
+                                            "fd_lora_adapters names {}, which are not loaded")
         n = int(kwargs.get("num_images_per_prompt") or kwargs.get("num_videos_per_prompt") or 1)  # video: per video
         for comp, h in self.fd_lora_handles().items():
             routed = next((p for p in h.layers if ROUTED.search(p)), None)
@@ -548,3 +572,8 @@ def enable_fd_lora(pipe: Any) -> Any:
 def load_fd_lora(self, source: Any, adapter_name: str | None = None, **kwargs: Any):
     """Load a LoRA into this pipeline with fd-lora (see FdLoraPipelineMixin.load_fd_lora)."""
     return enable_fd_lora(self).load_fd_lora(source, adapter_name, **kwargs)
+
+
+def prefetch_fd_lora(self, source: Any, adapter_name: str | None = None, **kwargs: Any):
+    """Load a LoRA into this pipeline in the background (see FdLoraPipelineMixin.prefetch_fd_lora)."""
+    return enable_fd_lora(self).prefetch_fd_lora(source, adapter_name, **kwargs)

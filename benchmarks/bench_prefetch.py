@@ -1,0 +1,236 @@
+"""Adapters that arrive while serving, and cold starts: step time during a background load, first loads.
+
+Model: the full-size SDXL UNet (fdlora.pipelines.fullsize: real config, random fp16 weights built on the GPU)
+in a UNet-only SDXL pipeline. Adapter: rank 32 on every attention, feed-forward and proj_in/proj_out linear
+(~225 MB in fp16), a diffusers-layout file on local disk, read once first so it sits in the OS page cache.
+
+Verified first: an adapter loaded by `prefetch_fd_lora` has bank contents equal, bit for bit, to the same file
+loaded by `load_fd_lora`.
+
+Rows (written to benchmarks/results/<gpu>/prefetch.json):
+  steps   median UNet step (batch 2, 1024^2 latents) idle, and while `prefetch_fd_lora` loads the adapter from
+          disk (RAM cache off) in the background; ratio (target <= 1.05). Each step holds the pipeline's lock as
+          a generation does, so every prefetch publishes between two steps.
+  cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
+          and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the bank
+          writer) and between load and first step (the layers' kernels);
+          diffusers' first `load_lora_weights` and its first step.
+  warm    in the fd-lora process after its first load: a later load from disk, a re-load from the RAM cache,
+          `delete_adapters`.
+
+    python benchmarks/bench_prefetch.py                                  # GPU
+    python benchmarks/bench_prefetch.py --smoke --out /tmp/prefetch.json # CPU, toy widths, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's fdlora, also in the cold-start subprocesses
+WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
+def args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, help="default: benchmarks/results/<gpu>/prefetch.json")
+    ap.add_argument("--smoke", action="store_true", help="toy widths on CPU: checks the script, timings meaningless")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20, help="idle steps timed, and at least as many during prefetches")
+    ap.add_argument("--child", choices=["fd", "fd-warmup", "diffusers"], help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def setup(smoke: bool):
+    """(pipe, unet, step inputs, device, sync): the UNet-only SDXL pipeline."""
+    import torch
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    from fdlora.pipelines import fullsize
+
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.float16
+    unet = fullsize.sdxl_unet(device, dtype, tiny=smoke).requires_grad_(False)
+    pipe = StableDiffusionXLPipeline(vae=None, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                     tokenizer_2=None, unet=unet, scheduler=EulerDiscreteScheduler())
+    tokens = fullsize.SDXL_TOKENS_TINY if smoke else fullsize.SDXL_TOKENS
+    inputs = fullsize.sdxl_inputs(unet, batch=2, tokens=tokens)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return pipe, unet, inputs, device, sync
+
+
+def write_adapter(unet, rank: int, folder: str) -> int:
+    """The diffusers-layout LoRA file (metadata header as save_lora_weights writes it); returns its bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fdlora.layers import match_targets
+    from fdlora.pipelines import fullsize
+
+    g = torch.Generator().manual_seed(1)
+    sd = {}
+    dtype = next(unet.parameters()).dtype
+    for p in match_targets(unet, fullsize.SDXL_TARGETS):
+        lin = unet.get_submodule(p)
+        A = torch.randn(rank, lin.in_features, generator=g) / lin.in_features ** 0.5
+        sd[f"unet.{p}.lora_A.weight"] = A.to(dtype)
+        sd[f"unet.{p}.lora_B.weight"] = (torch.randn(lin.out_features, rank, generator=g) * 0.02).to(dtype)
+    meta = {"unet.r": rank, "unet.lora_alpha": rank, "unet.target_modules": list(fullsize.SDXL_TARGETS)}
+    path = os.path.join(folder, WEIGHTS)
+    save_file(sd, path, {"format": "pt", "lora_adapter_metadata": json.dumps(meta)})
+    Path(path).read_bytes()  # into the OS page cache, as in the issue
+    return os.path.getsize(path)
+
+
+def timed(fn, sync) -> float:
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def child(a: argparse.Namespace) -> None:
+    """One fresh process: its first load (and first steps), printed as one JSON line."""
+    import torch
+
+    pipe, unet, inputs, device, sync = setup(a.smoke)
+    step = lambda: unet(**inputs)  # noqa: E731
+    out = {}
+    with torch.inference_mode():
+        if a.child == "diffusers":
+            out["first_load_s"] = timed(lambda: pipe.load_lora_weights(a.dir, weight_name=WEIGHTS, adapter_name="a"),
+                                        sync)
+        else:
+            import fdlora  # noqa: F401  (attaches load_fd_lora; its import is not part of the load)
+            from fdlora.pipelines.warmup import warmup
+
+            if a.child == "fd-warmup":  # the bank writer of the first load, before it
+                out["warmup_before_load_s"] = timed(lambda: warmup(pipe), sync)
+            out["first_load_s"] = timed(lambda: pipe.load_fd_lora(a.dir, "a"), sync)
+            if a.child == "fd-warmup":
+                tokens = (8, 64, 256) if a.smoke else (77, 1024, 4096)  # text, 32^2 and 64^2 latents (per sample)
+                out["warmup_s"] = timed(lambda: warmup(pipe, tokens=tokens), sync)
+        out["first_step_s"] = timed(step, sync)
+        out["step_s"] = statistics.median(timed(step, sync) for _ in range(1 if a.smoke else 3))
+        if a.child == "fd":
+            out["later_load_s"] = timed(lambda: pipe.load_fd_lora(a.dir, "b", cache=None), sync)
+            out["reload_from_ram_s"] = timed(lambda: pipe.load_fd_lora(a.dir, "c"), sync)  # the first load cached it
+            out["delete_s"] = timed(lambda: pipe.delete_adapters("b"), sync)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def fresh(kind: str, folder: str, smoke: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind, "--dir", folder] + (["--smoke"] if smoke else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"the {kind} cold-start process failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def verify(pipe, folder: str) -> None:
+    """A prefetched adapter's banks equal load_fd_lora's, bit for bit."""
+    import torch
+
+    pipe.load_fd_lora(folder, "loaded")
+    pipe.prefetch_fd_lora(folder, adapter_name="fetched", cache=None).result()
+    h = pipe.fd_lora_handles()["unet"]
+    a, b = h.state.slots.by_name["loaded"], h.state.slots.by_name["fetched"]
+    for path, layer in h.layers.items():
+        bank = layer.bank
+        if not (torch.equal(bank.A[a], bank.A[b]) and torch.equal(bank.B[:, a], bank.B[:, b])
+                and torch.equal(h.state.table.scaling[layer.index, a], h.state.table.scaling[layer.index, b])):
+            raise AssertionError(f"{path}: the prefetched adapter differs from the loaded one")
+    pipe.delete_adapters(["loaded", "fetched"])
+
+
+def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
+    """Idle step times, then step times while prefetches of the adapter (from disk) run, until n such steps."""
+    import torch
+
+    from fdlora.pipelines.scope import lock_of
+
+    lock = lock_of(pipe)
+
+    def step():
+        with lock:  # what a generation holds: a prefetch publishes only between steps
+            unet(**inputs)
+
+    with torch.inference_mode():
+        for _ in range(1 if n < 3 else 3):
+            timed(step, sync)
+        idle = [timed(step, sync) for _ in range(n)]
+        during, loads, rounds = [], [], 0
+        while len(during) < n and rounds < 50:
+            job = pipe.prefetch_fd_lora(folder, adapter_name=f"bg{rounds}", cache=None)
+            t = time.perf_counter()
+            while not job.done():
+                during.append(timed(step, sync))
+            job.result()
+            loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()}})
+            pipe.delete_adapters(f"bg{rounds}")
+            rounds += 1
+    med_idle, med_during = statistics.median(idle), statistics.median(during)
+    return {"idle_ms": med_idle * 1e3, "during_prefetch_ms": med_during * 1e3, "ratio": med_during / med_idle,
+            "during_prefetch_max_ms": max(during) * 1e3, "steps_idle": len(idle), "steps_during": len(during),
+            "prefetches": len(loads), "prefetch_seconds": loads[:5]}
+
+
+def environment(device: str) -> dict:
+    import diffusers
+    import torch
+
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = None
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke: timings meaningless)",
+            "torch": torch.__version__, "triton": triton_v, "diffusers": diffusers.__version__, "git_sha": sha or None}
+
+
+def main(argv=None) -> int:
+    a = args(argv)
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    if a.child:
+        child(a)
+        return 0
+    import fdlora  # noqa: F401
+
+    pipe, unet, inputs, device, sync = setup(a.smoke)
+    folder = tempfile.mkdtemp(prefix="fdlora-bench-prefetch-")
+    nbytes = write_adapter(unet, 4 if a.smoke and a.rank == 32 else a.rank, folder)
+    verify(pipe, folder)
+    pipe.load_fd_lora(folder, "serving")  # the adapter the steps run with
+    steps = serving(pipe, unet, inputs, folder, sync, 2 if a.smoke else a.steps)
+    del pipe, unet
+    cold = {kind: fresh(kind, folder, a.smoke) for kind in ("fd", "fd-warmup", "diffusers")}
+    env = environment(device)
+    result = {**env, "adapter_mb": nbytes / 1e6, "rank": a.rank, "verified": "prefetch banks == load_fd_lora banks",
+              "steps": steps, "cold": cold,
+              "targets": {"steps_ratio_max": 1.05, "cold_first_load_s_max": 0.5}}
+    out = a.out or ROOT / "benchmarks" / "results" / env["device"].lower().replace(" ", "-") / "prefetch.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"steps: idle {steps['idle_ms']:.1f} ms, during prefetch {steps['during_prefetch_ms']:.1f} ms "
+          f"(x{steps['ratio']:.3f}, {steps['steps_during']} steps, {steps['prefetches']} prefetches)")
+    for kind, row in cold.items():
+        print(f"cold {kind}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in row.items()))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

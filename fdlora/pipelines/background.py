@@ -1,0 +1,270 @@
+"""The machinery of background loads (fdlora.pipelines.prefetch says what they do and promise).
+
+A `Prefetch` is the future a caller gets; `start` runs a job's read step on a daemon thread (at most
+`MAX_READERS` at once), then its publish step under the target's lock (fdlora.pipelines.scope.lock_of), unless it
+was cancelled by then. Pending jobs are registered per pipeline or model, so that calls naming an adapter still
+being prefetched say so (`unknown_error`) and deletes cancel it (`cancel_pending`). `pipeline_job` is the
+pipeline's job: load_fd_lora's read step plus a side-stream device copy, then its attach step without
+activation. Imports nothing of diffusers (the pipeline mixin imports this module).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError
+from typing import Any
+
+import torch
+
+from ..errors import DuplicateAdapterError, FdLoraError, UnknownAdapterError
+from .scope import lock_of
+
+MAX_READERS = 2  # prefetches reading / converting at once: each holds its adapter's bytes, and the GIL in turns
+_readers = threading.BoundedSemaphore(MAX_READERS)
+_pending: weakref.WeakKeyDictionary[Any, dict[str, Prefetch]] = weakref.WeakKeyDictionary()
+_registry = threading.Lock()
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+_count = iter(range(1 << 62))
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class Prefetch:
+    """A background load (a future): `done()`, `result(timeout)`, `exception(timeout)`, `cancel()`; `stage` says
+    where it is ("queued"; "reading": resolve, read, convert and on CUDA the side-stream copy; "waiting for the
+    pipeline"; "publishing"; then "done", "failed" or "cancelled") and `seconds` how long each stage took."""
+
+    def __init__(self, name: str, source: Any) -> None:
+        self.name = name
+        self.source = source if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__") else "<in memory>"
+        self.stage = "queued"
+        self.seconds: dict[str, float] = {}
+        self._done = threading.Event()
+        self._state = threading.Lock()
+        self._cancelled = self._publishing = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Prefetch], Any]] = []
+        self._t = time.perf_counter()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> bool:
+        """Stop before publication: True if the adapter will never be published (now or already cancelled),
+        False if it is published, being published, or failed."""
+        with self._state:
+            if self._cancelled:
+                return True
+            if self._publishing or self._done.is_set():
+                return False
+            self._cancelled = True
+            return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The load report (as `load_fd_lora` returns it), once published; raises the load's error, or
+        CancelledError, or TimeoutError after `timeout` seconds."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the prefetch of {self.name!r} is not done after {timeout} s (stage: {self.stage}).")
+        if self._cancelled:
+            raise CancelledError(f"the prefetch of {self.name!r} was cancelled; nothing was loaded.")
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Prefetch], Any]) -> None:
+        with self._state:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _step(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[self.stage] = self.seconds.get(self.stage, 0.0) + now - self._t
+        self.stage, self._t = stage, now
+        if self._cancelled:
+            raise _Cancelled
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        with self._state:
+            self._result, self._error = result, error
+            self.seconds[self.stage] = self.seconds.get(self.stage, 0.0) + time.perf_counter() - self._t
+            self.stage = "cancelled" if self._cancelled else "failed" if error is not None else "done"
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def __repr__(self) -> str:
+        return f"Prefetch({self.name!r}, source={self.source!r}, stage={self.stage!r})"
+
+
+# --- registry of pending jobs ------------------------------------------------------------------------------------
+def pending(obj: Any) -> dict[str, Prefetch]:
+    """Prefetches of `obj` (a pipeline or a model) not finished yet, by adapter name."""
+    with _registry:
+        return {n: j for n, j in _pending.get(getattr(obj, "_orig_mod", obj), {}).items() if not j.done()}
+
+
+def unknown_error(obj: Any, unknown: list[str], loaded: set[str] | list[str],
+                  lead: str = "adapter(s) {} are not loaded") -> UnknownAdapterError:
+    """The UnknownAdapterError for names that are not loaded (`lead` formatted with them), saying which of them are
+    still being prefetched."""
+    jobs = pending(obj)
+    busy = [n for n in unknown if n in jobs]
+    msg = f"{lead.format(unknown)} (loaded: {sorted(loaded)})."
+    if busy:
+        msg += (f" {busy} {'are' if len(busy) > 1 else 'is'} still being prefetched (pipe.prefetch_fd_lora): wait "
+                "for the prefetch's .result() first, outside any generation (publication needs the pipeline's lock).")
+    return UnknownAdapterError(msg)
+
+
+def cancel_pending(obj: Any, names: list[str]) -> list[str]:
+    """Cancel the prefetches of `names` that are not published yet; returns the names left to delete as loaded
+    adapters (those not being prefetched, or published already)."""
+    jobs = pending(obj)
+    return [n for n in names if not (n in jobs and jobs[n].cancel())]
+
+
+def cancel_all(obj: Any) -> None:
+    for job in pending(obj).values():
+        job.cancel()
+
+
+# --- jobs -------------------------------------------------------------------------------------------------------
+def pipeline_job(pipe: Any, source: Any, name: str | None, kwargs: dict[str, Any], key: Any = None) -> Prefetch:
+    """`pipe.prefetch_fd_lora(source, name, **kwargs)`, registered under `key` (default: the pipe; the model for a
+    one-model holder, fdlora.pipelines.diffusers.model)."""
+    check_kwargs(kwargs)
+    return start(pipe if key is None else key, pipe, name, source, *_pipeline_steps(pipe, source, kwargs))
+
+
+def check_kwargs(kwargs: dict[str, Any]) -> None:
+    if kwargs.pop("activate", False):
+        raise FdLoraError("a prefetch never activates its adapter (calls running meanwhile keep theirs); call "
+                          "set_adapters (or pass fd_lora_adapters=...) once the prefetch's .result() returned.")
+
+
+def _pipeline_steps(pipe: Any, source: Any, kwargs: dict[str, Any]):
+    """(read, publish) for a pipeline (or a one-model holder): load_fd_lora's read step, a side-stream copy,
+    then its attach step without activation."""
+    attach_kw = {k: kwargs.pop(k) for k in ("max_slots", "max_rank", "validate", "targets", "load_into_transformer_2")
+                 if k in kwargs}
+    strict = kwargs.pop("strict", False)
+    t2 = attach_kw.get("load_into_transformer_2", False)
+
+    def read(name):
+        adapters, report = pipe._fd_read(source, strict=strict, **kwargs)
+        modules = pipe._fd_modules()
+        devices = {c: _device_of(modules.get("transformer_2" if t2 and c == "transformer" else c)) for c in adapters}
+        adapters, staged = _stage(adapters, devices, attach_kw.get("validate", True))
+        return (adapters, report), staged
+
+    def publish(payload, staged, name):
+        adapters, report = payload
+        if t2:
+            staged = {("transformer_2" if c == "transformer" else c): s for c, s in staged.items()}
+        return pipe._fd_attach(adapters, report, name, strict=strict, activate=False, staged=staged, **attach_kw)
+
+    return read, publish
+
+
+def start(key: Any, target: Any, name: str | None, source: Any, read, publish) -> Prefetch:
+    name = name if name is not None else f"prefetch_{next(_count)}"
+    job = Prefetch(name, source)
+    with _registry:
+        jobs = _pending.setdefault(key, {})
+        old = jobs.get(name)
+        if old is not None and not old.done():
+            job._finish(error=DuplicateAdapterError(f"an adapter named {name!r} is already being prefetched; wait "
+                                                    "for that prefetch's .result() or cancel() it first."))
+            return job
+        jobs[name] = job
+    threading.Thread(target=_run, args=(job, key, lock_of(target), read, publish), daemon=True,
+                     name=f"fdlora-prefetch-{name}").start()
+    return job
+
+
+def _run(job: Prefetch, key: Any, lock, read, publish) -> None:
+    staged: Mapping[str, Any] = {}
+    try:
+        with _readers:
+            job._step("reading")
+            payload, staged = read(job.name)
+        job._step("waiting for the pipeline")
+        with lock:
+            with job._state:
+                if job._cancelled:
+                    raise _Cancelled
+                job._publishing = True
+            job._step("publishing")
+            result = publish(payload, staged, job.name)
+        for s in staged.values():  # the write launched on this thread's stream reads the staging buffer, which
+            s.flat.record_stream(torch.cuda.current_stream(s.flat.device))  # the side stream's pool must not reuse yet
+        job._finish(result)
+    except _Cancelled:
+        job._finish()
+    except BaseException as e:  # the load's own error, for .result(); nothing was published
+        job._finish(error=e)
+    finally:
+        with _registry:
+            jobs = _pending.get(key, {})
+            if jobs.get(job.name) is job:
+                del jobs[job.name]
+
+
+# --- the side-stream copy -------------------------------------------------------------------------------------
+def _stage(adapters: dict[str, Any], devices: Mapping[str, torch.device | None],
+           check_finite: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(adapters packed in page-locked memory, their device copies) for components on CUDA: one H2D transfer
+    each on a side stream (NaN-checked on the device with `check_finite`), waited for on this thread only."""
+    from ..hub.adapter import LoraAdapter
+    from ..hub.cache import pack_adapters, packed_pinned, stage
+
+    cuda = {c for c, d in devices.items()
+            if d is not None and d.type == "cuda" and isinstance(adapters[c], LoraAdapter)}
+    if not cuda:
+        return adapters, {}
+    adapters = dict(adapters)
+    staged, events = {}, []
+    for c in sorted(cuda):
+        if not packed_pinned(adapters[c]):
+            adapters[c] = pack_adapters({"": adapters[c]})[""]
+        side = _side_stream(devices[c])
+        with torch.cuda.stream(side):
+            s = stage(adapters[c], devices[c], check_finite=check_finite)
+            ev = torch.cuda.Event(blocking=True)  # (its waiter sleeps instead of spinning a core)
+            ev.record(side)
+        if s is not None:
+            staged[c] = s
+            events.append(ev)
+    for ev in events:
+        ev.synchronize()  # (releases the GIL; the serving thread's stream never waits on this)
+    return adapters, staged
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    device = torch.device(device)
+    with _registry:
+        s = _streams.get(device)
+        if s is None:
+            s = _streams[device] = torch.cuda.Stream(device)
+    return s
+
+
+def _device_of(model: Any) -> torch.device | None:
+    p = next(model.parameters(), None) if model is not None else None
+    return None if p is None else p.device
