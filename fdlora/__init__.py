@@ -43,7 +43,9 @@ _PIPELINES = {"from_diffusers": (".pipelines.diffusers", "diffusers"),
               "save_peft": (".pipelines.transformers", "transformers"),
               "add_trainable_adapter": (".training", "transformers"),
               "lora_parameters": (".training", "transformers"),
-              "trainable_parameters": (".training", "transformers")}
+              "trainable_parameters": (".training", "transformers"),
+              "prefetch": (".pipelines.prefetch", None),
+              "warmup": (".pipelines.warmup", None)}
 
 
 def __getattr__(name: str):
@@ -104,6 +106,7 @@ __all__ = [
     "per_row",
     "per_sample",
     "plan",
+    "prefetch",
     "release_steps",
     "restore",
     "save_peft",
@@ -112,4 +115,5 @@ __all__ = [
     "set_merge_cache",
     "trainable_parameters",
     "use_backend",
+    "warmup",
 ]
