@@ -111,10 +111,10 @@ OPS = ("lora_delta", "lora_delta_rows", "lora_linear", "lora_conv_delta")  # eve
 
 
 def counting(op, name, owner, calls):
-    """`op`, recording (name, the fused layer it serves, args) of each call; a layer is known by its bank's A."""
+    """`op`, recording (name, the fused layer it serves, args) of each call; a layer is known by its bank's A (the
+    address of its first element: an op gets A or a leading slice of it)."""
     def counted(*args):
-        layer = [owner[a.untyped_storage().data_ptr()] for a in args
-                 if torch.is_tensor(a) and a.untyped_storage().data_ptr() in owner]
+        layer = [owner[a.data_ptr()] for a in args if torch.is_tensor(a) and a.data_ptr() in owner]
         calls.append((name, layer[0] if layer else None, args))
         return op(*args)
     return counted
@@ -136,7 +136,7 @@ def test_mixed_batch_is_one_op_per_layer(monkeypatch):
     fdlora.load_fd_lora(model, b.dirs["two"], "two")
     fdlora.load_fd_lora(model, folder, "three")
     layers = fdlora.handle(model).layers
-    owner = {layer.bank.A.untyped_storage().data_ptr(): path for path, layer in layers.items()}
+    owner = {layer.bank.A.data_ptr(): path for path, layer in layers.items()}  # banks share arena storage
     calls = []
     for ops in {id(layer._ops): layer._ops for layer in layers.values()}.values():
         for name in OPS:
