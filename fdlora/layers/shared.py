@@ -1,0 +1,168 @@
+"""One shrink for the layers that read the same input: q/k/v, gate/up, Flux single blocks' q/k/v/proj_mlp.
+
+    h   = x [A_1; A_2; ...; A_n]^T       once per input: one lora_shrink over the members' stacked banks
+    y_i += (h_i * w_i) B_i^T              per member, when the model calls it: lora_expand_add on its columns
+
+Why this form. The members are separate modules that the model's own code calls one after another
+with the same `x` object (diffusers' attention processors, Llama's attention and MLP); their outputs
+exist one at a time, so the expand stays per member and what is shared is the shrink, the part that
+re-reads x. Separate deltas read x n times (and, split into shrink + expand at few rows, launch 2n
+kernels); the group reads it once and launches n + 1, at the price of writing and re-reading h
+(M x n*S*R fp32, a few % of x at ranks <= 64). The idea is SGLang's qkv_lora_b / gate_up_lora_b (one
+stacked A, one B per output slice) without fusing the base projections, which fd-lora never rewrites.
+
+When. FusedLoraLinear's per-call delta path (base output + lora_delta / lora_delta_rows) asks the layer's
+group first: the torch and cuda backends, bases other than a plain nn.Linear (quantized, offloaded,
+subclasses), per-sample blends at few rows per sample, per-row prefill. The merged-weight cache needs no
+shrink at all; the Triton backend's lora_linear (one op choosing merged / shrink-in-the-GEMM / cuBLAS +
+delta per shape) and eager decode's kept-ready launches (one launch per layer, host-bound) keep their paths.
+Never when compiling, frozen, capturing a CUDA graph, under autograd, or for inference-mode tensors (they have
+no version counter, so an in-place change of x between two members could not be seen).
+
+Staleness. h is kept with (x's weak reference, data_ptr, _version, shape, stream) and the stacked bank's key
+(every member's A address and bank version, the live extent, the backend); any difference recomputes it, so a
+stale h is never served. It is dropped once every member has used it. Groups come from RULES (data: parent
+module class -> member paths) when the handle wraps or unwraps layers (`regroup`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .state import Mode
+
+ENABLED = True  # tests and benchmarks turn it off to compare with the ungrouped path
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Members (paths relative to a module of class `parent`) that read one input tensor by construction; `unless`
+    names a boolean attribute of the parent that, when true, means they do not (cross-attention's k/v)."""
+
+    parent: str
+    members: tuple[str, ...]
+    unless: str | None = None
+
+
+_LLM = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "Olmo", "Olmo2",
+        "Cohere", "StableLm", "Starcoder2")
+_LLM_MLP = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "Olmo", "Olmo2", "Cohere")
+
+RULES: tuple[Rule, ...] = (
+    # diffusers Attention: self-attention projects one x to q, k, v; cross-attention projects the text to k, v
+    Rule("Attention", ("to_q", "to_k", "to_v"), unless="is_cross_attention"),
+    Rule("Attention", ("to_k", "to_v")),
+    Rule("Attention", ("add_q_proj", "add_k_proj", "add_v_proj")),  # SD3 / joint attention: the context stream
+    Rule("FluxAttention", ("to_q", "to_k", "to_v")),
+    Rule("FluxAttention", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    Rule("FluxSingleTransformerBlock", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")),
+    *(Rule(f"{f}Attention", ("q_proj", "k_proj", "v_proj")) for f in _LLM),
+    *(Rule(f"{f}MLP", ("gate_proj", "up_proj")) for f in _LLM_MLP),
+)
+
+
+def regroup(model: nn.Module, layers: dict, rules: tuple[Rule, ...] = RULES) -> list[ShrinkGroup]:
+    """Group the wrapped linear layers of `model` by `rules` (first matching rule wins, two members at least) and
+    attach each group to its members (`layer.shrink_group`); layers in no group get None."""
+    from .fused import FusedLoraLinear
+
+    for layer in layers.values():
+        layer.__dict__["shrink_group"] = None
+    by_parent: dict[str, list[Rule]] = {}
+    for rule in rules:
+        by_parent.setdefault(rule.parent, []).append(rule)
+    groups, taken = [], set()
+    for path, module in model.named_modules():
+        for rule in by_parent.get(type(module).__name__, ()):
+            if rule.unless is not None and getattr(module, rule.unless, False):
+                continue
+            paths = [f"{path}.{m}" if path else m for m in rule.members]
+            members = [layers[p] for p in paths if p in layers and p not in taken]
+            members = [m for m in members if type(m) is FusedLoraLinear]
+            if len(members) >= 2 and len({m.in_features for m in members}) == 1:
+                groups.append(ShrinkGroup(members))
+                taken.update(m.path for m in members)
+    return groups
+
+
+class ShrinkGroup:
+    """Layers that read one input: their stacked A, and the h of the input being served."""
+
+    def __init__(self, members: list) -> None:
+        self.members = members
+        self.position = {id(m): i for i, m in enumerate(members)}
+        self._stack: tuple | None = None  # (key, A [n*S, R, K], S, R)
+        self._h: tuple | None = None  # (key, h [M, n*S*R] fp32, ids of the members served)
+        self.shrinks = 0  # shrinks run and expands served (tests and benchmarks read them)
+        self.expands = 0
+        for m in members:
+            m.__dict__["shrink_group"] = self
+
+    def __repr__(self) -> str:
+        return f"ShrinkGroup({', '.join(m.path for m in self.members)})"
+
+    def _stacked(self, layer) -> tuple | None:
+        """(key, A_stack [n*S, R, K], S, R) of the members' banks, refreshed when any bank changed; None when the
+        members cannot share a shrink now (different backends, devices, dtypes or bank shapes)."""
+        sel, banks = layer.selection, [m.bank for m in self.members]
+        A0 = banks[0].A
+        if any(m.selection.backend is not sel.backend for m in self.members) or any(
+                b.A.device != A0.device or b.A.dtype != A0.dtype or b.A.shape[0] != A0.shape[0] for b in banks):
+            return None
+        # eager only (see delta), so the stack covers the live part of the banks, as FusedLoraLinear._bank does on
+        # the torch backend: slots up to the last one used in any member, rank up to the widest live one
+        ext = [b.extent() for b in banks]
+        S, R = max(e[0] for e in ext), max(e[1] for e in ext)
+        most = sel.backend.capability.max_slots
+        if S == 0 or any(R > b.rank_capacity for b in banks) or (most is not None and len(banks) * S > most):
+            return None
+        key = (sel.name, S, R, *((b.A.data_ptr(), b.version) for b in banks))
+        if self._stack is None or self._stack[0] != key:
+            A = torch.cat([b.A[:S, :R] for b in banks]).contiguous()  # [n*S, R, K]
+            self._stack = (key, A, S, R)
+        return self._stack
+
+    def delta(self, layer, x: torch.Tensor, y2: torch.Tensor) -> bool:
+        """y2 += this member's LoRA delta through the group's shared h (computing h if this x has none yet); False
+        (nothing done) when this call may not take the group path: the layer's regular path then runs."""
+        st = layer.state
+        if (not ENABLED or st.static or torch.compiler.is_compiling() or x.is_inference()
+                or (torch.is_grad_enabled() and (x.requires_grad or layer.bank.A.requires_grad))
+                or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
+            return False
+        stack = self._stacked(layer)
+        if stack is None:
+            return False
+        skey, A, S, R = stack
+        M, N = y2.shape
+        if st.mode is Mode.ROWS:
+            row_slot = st.row_slot(x.device)
+            if row_slot.shape[0] != M:
+                return False  # the regular path raises the clear error
+            scale = layer.scale_unit
+            gw = (row_slot.long()[:, None] == torch.arange(S, device=x.device)).float()  # [M, S]: G = M
+        else:
+            scale, gw = layer._weights(x, M)
+            row_slot = None
+        ops = layer._ops
+        stream = torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0
+        xkey = (x.data_ptr(), x._version, x.shape, x.stride(), stream, skey)
+        got = self._h
+        if got is None or got[0] != xkey or got[1]() is not x:
+            x2 = x.reshape(M, A.shape[2]).to(A.dtype)
+            got = self._h = (xkey, weakref.ref(x), ops.lora_shrink(x2, A), set())
+            self.shrinks += 1
+        i, cols = self.position[id(layer)], S * R
+        bank = layer.bank
+        ops.lora_expand_add(y2, got[2][:, i * cols:(i + 1) * cols], bank.B[:, :S, :R], scale[:S], gw[:, :S])
+        self.expands += 1
+        if bank._buffers["bias"] is not None:
+            layer._add_bias(y2, scale, gw, row_slot)
+        got[3].add(id(layer))
+        if len(got[3]) == len(self.members):
+            self._h = None  # every member served: give the memory back
+        return True
