@@ -19,6 +19,11 @@ delta per shape) and eager decode's kept-ready launches (one launch per layer, h
 Never when compiling, frozen, capturing a CUDA graph, under autograd, or for inference-mode tensors (they have
 no version counter, so an in-place change of x between two members could not be seen).
 
+Shared A. kohya Flux files carry one lora_down for q, k, v (and single blocks' linear1 for q, k, v, proj_mlp); the
+converter hands every member that one A. The stack keeps a slot's A once when all members hold the same one
+(checked when the banks change, not per call), so such a group's h has rank r, not n*r (`_stack`). The banks still
+hold one copy each (a slot cannot alias across banks): what the group saves is the compute and the h traffic.
+
 Staleness. h is kept with (x's weak reference, data_ptr, _version, shape, stream) and the stacked bank's key
 (every member's A address and bank version, the live extent, the backend); any difference recomputes it, so a
 stale h is never served. It is dropped once every member has used it. Groups come from RULES (data: parent
@@ -106,8 +111,9 @@ class ShrinkGroup:
         return f"ShrinkGroup({', '.join(m.path for m in self.members)})"
 
     def _stacked(self, layer) -> tuple | None:
-        """(key, A_stack [n*S, R, K], S, R) of the members' banks, refreshed when any bank changed; None when the
-        members cannot share a shrink now (different backends, devices, dtypes or bank shapes)."""
+        """(key, A_stack [U, R, K], S, R, columns) of the members' banks, refreshed when any bank changed; None when
+        the members cannot share a shrink now (different backends, devices, dtypes or bank shapes). `columns[i]` is
+        where member i's [M, S*R] block of h starts, or an index of its columns when they are not one range."""
         sel, banks = layer.selection, [m.bank for m in self.members]
         A0 = banks[0].A
         if any(m.selection.backend is not sel.backend for m in self.members) or any(
@@ -122,8 +128,7 @@ class ShrinkGroup:
             return None
         key = (sel.name, S, R, *((b.A.data_ptr(), b.version) for b in banks))
         if self._stack is None or self._stack[0] != key:
-            A = torch.cat([b.A[:S, :R] for b in banks]).contiguous()  # [n*S, R, K]
-            self._stack = (key, A, S, R)
+            self._stack = (key, *_stack(banks, S, R))
         return self._stack
 
     def delta(self, layer, x: torch.Tensor, y2: torch.Tensor) -> bool:
@@ -137,7 +142,7 @@ class ShrinkGroup:
         stack = self._stacked(layer)
         if stack is None:
             return False
-        skey, A, S, R = stack
+        skey, A, S, R, columns = stack
         M, N = y2.shape
         if st.mode is Mode.ROWS:
             row_slot = st.row_slot(x.device)
@@ -156,9 +161,9 @@ class ShrinkGroup:
             x2 = x.reshape(M, A.shape[2]).to(A.dtype)
             got = self._h = (xkey, weakref.ref(x), ops.lora_shrink(x2, A), set())
             self.shrinks += 1
-        i, cols = self.position[id(layer)], S * R
-        bank = layer.bank
-        ops.lora_expand_add(y2, got[2][:, i * cols:(i + 1) * cols], bank.B[:, :S, :R], scale[:S], gw[:, :S])
+        at, bank = columns[self.position[id(layer)]], layer.bank
+        h = got[2][:, at:at + S * R] if isinstance(at, int) else got[2].index_select(1, at)
+        ops.lora_expand_add(y2, h, bank.B[:, :S, :R], scale[:S], gw[:, :S])
         self.expands += 1
         if bank._buffers["bias"] is not None:
             layer._add_bias(y2, scale, gw, row_slot)
@@ -166,3 +171,32 @@ class ShrinkGroup:
         if len(got[3]) == len(self.members):
             self._h = None  # every member served: give the memory back
         return True
+
+
+def _stack(banks: list, S: int, R: int) -> tuple[torch.Tensor, int, int, list]:
+    """The stacked A of `banks` (slots :S, rank :R) with each slot's A once when every member holds the same one:
+    kohya Flux files carry one lora_down for q, k and v (img_attn qkv, single blocks' linear1, which diffusers'
+    converter gives to_q / to_k / to_v / proj_mlp alike), so their h is computed once, not once per member.
+    Member 0's slots come first (its h is h[:, :S*R]); a member whose slots are all shared reads the same columns,
+    one with none shared its own range after them, one with some shared an index of its columns (a gather)."""
+    n = len(banks)
+    A = [b.A[:S, :R] for b in banks]
+    shared = [all(torch.equal(A[0][s], a[s]) for a in A[1:]) for s in range(S)]
+    blocks, columns = [A[0]], [0]
+    start = S * R
+    for i in range(1, n):
+        own = [s for s in range(S) if not shared[s]]
+        if not own:
+            columns.append(0)
+            continue
+        blocks.append(A[i][own])
+        if len(own) == S:
+            columns.append(start)
+        else:
+            at, idx = iter(range(start // R, start // R + len(own))), []
+            for s in range(S):
+                c = next(at) if not shared[s] else s
+                idx.extend(range(c * R, (c + 1) * R))
+            columns.append(torch.tensor(idx, device=A[0].device))
+        start += len(own) * R
+    return torch.cat(blocks).contiguous(), S, R, columns
