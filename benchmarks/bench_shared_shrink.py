@@ -54,10 +54,11 @@ SHAPES = [
     Shape("llama8b-gate-up-prefill2048", 2048, 4096, (14336, 14336), None),
 ]
 SMOKE = [Shape("smoke-qkv", 24, 64, (64, 32, 32), 0.75), Shape("smoke-gate-up", 8, 64, (96, 96), None)]
-MODES = {"blend-r16": ("blend", 4, 16, 1), "rows-4xr16": ("rows", 4, 16, 4)}  # mode, slots S, rank R, live slots
+# mode, slots S, rank R, live slots; "sharedA": one A for every member (kohya Flux qkv), stacked once
+MODES = {"blend-r16": ("blend", 4, 16, 1), "blend-r16-sharedA": ("blend", 4, 16, 1), "rows-4xr16": ("rows", 4, 16, 4)}
 
 
-def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen):
+def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen, shared_a: bool = False):
     x = torch.randn(s.M, s.K, generator=gen).to(device, dtype)
     As = [torch.zeros(S, R, s.K) for _ in s.Ns]
     Bs = [torch.zeros(n, S, R) for n in s.Ns]
@@ -72,6 +73,9 @@ def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen):
     row_slot = torch.randint(-1, live, (s.M,), generator=gen, dtype=torch.int32).to(device)
     ys = [torch.randn(s.M, n, generator=gen).to(device, dtype) for n in s.Ns]
     A_stack = torch.cat(As).contiguous()  # what ShrinkGroup._stacked holds
+    if shared_a:
+        As = [As[0]] * len(As)
+        A_stack = As[0].contiguous()
     return x, As, Bs, ranks, scale, gw, row_slot, ys, A_stack
 
 
@@ -86,11 +90,13 @@ def grouped_fn(ops, mode, x, Bs, scale, gw, row_slot, A_stack):
     S, R = Bs[0].shape[1:]
     w = (row_slot.long()[:, None] == torch.arange(S, device=x.device)).float() if mode == "rows" else gw
     cols = S * R
+    one = A_stack.shape[0] == S  # a shared A: every member reads the same columns
 
     def f(ys):
         h = ops.lora_shrink(x, A_stack)
         for i, (y, B) in enumerate(zip(ys, Bs)):
-            ops.lora_expand_add(y, h[:, i * cols:(i + 1) * cols], B, scale, w)
+            c = 0 if one else i * cols
+            ops.lora_expand_add(y, h[:, c:c + cols], B, scale, w)
     return f
 
 
@@ -107,7 +113,8 @@ def wall_us(fn, reps: int) -> float:
 def run_case(s: Shape, mode_name: str, ops, dtype, device, timer) -> dict:
     mode, S, R, live = MODES[mode_name]
     gen = torch.Generator().manual_seed(0)
-    x, As, Bs, ranks, scale, gw, row_slot, ys0, A_stack = build(s, mode, S, R, live, dtype, device, gen)
+    x, As, Bs, ranks, scale, gw, row_slot, ys0, A_stack = build(s, mode, S, R, live, dtype, device, gen,
+                                                             mode_name.endswith("sharedA"))
     sep = separate_fn(ops, mode, x, As, Bs, ranks, scale, gw, row_slot)
     grp = grouped_fn(ops, mode, x, Bs, scale, gw, row_slot, A_stack)
     # verify first: both against a float64 oracle, bound from eager torch's own error in this dtype
@@ -178,6 +185,8 @@ def main() -> None:
     for s in shapes:
         for mode_name in MODES:
             if mode_name.startswith("rows") and not s.name.startswith(("llama", "smoke")):
+                continue
+            if mode_name.endswith("sharedA") and not s.name.startswith(("flux", "smoke-qkv")):
                 continue
             rows.append(run_case(s, mode_name, ops, dtype, device, timer))
             out.parent.mkdir(parents=True, exist_ok=True)
