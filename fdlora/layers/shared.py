@@ -110,25 +110,28 @@ class ShrinkGroup:
     def __repr__(self) -> str:
         return f"ShrinkGroup({', '.join(m.path for m in self.members)})"
 
-    def _stacked(self, layer) -> tuple | None:
-        """(key, A_stack [U, R, K], S, R, columns) of the members' banks, refreshed when any bank changed; None when
-        the members cannot share a shrink now (different backends, devices, dtypes or bank shapes). `columns[i]` is
-        where member i's [M, S*R] block of h starts, or an index of its columns when they are not one range."""
+    def _stacked(self, layer, lo: int, hi: int | None) -> tuple | None:
+        """(key, A_stack [U, R, K], lo, hi, R, columns) of the members' banks over slots lo:hi (hi None: up to the
+        last one used), refreshed when any bank changed; None when the members cannot share a shrink now (different
+        backends, devices, dtypes or bank shapes). `columns[i]` is where member i's [M, (hi-lo)*R] block of h
+        starts, or an index of its columns when they are not one range."""
         sel, banks = layer.selection, [m.bank for m in self.members]
         A0 = banks[0].A
         if any(m.selection.backend is not sel.backend for m in self.members) or any(
                 b.A.device != A0.device or b.A.dtype != A0.dtype or b.A.shape[0] != A0.shape[0] for b in banks):
             return None
         # eager only (see delta), so the stack covers the live part of the banks, as FusedLoraLinear._bank does on
-        # the torch backend: slots up to the last one used in any member, rank up to the widest live one
+        # the torch backend: slots up to the last one used in any member (in blend mode, only the active ones'
+        # range: a loaded but inactive adapter costs the group no shrink), rank up to the widest live one
         ext = [b.extent() for b in banks]
-        S, R = max(e[0] for e in ext), max(e[1] for e in ext)
+        end, R = max(e[0] for e in ext), max(e[1] for e in ext)
+        hi = end if hi is None else min(hi, end)
         most = sel.backend.capability.max_slots
-        if S == 0 or any(R > b.rank_capacity for b in banks) or (most is not None and len(banks) * S > most):
+        if hi <= lo or any(R > b.rank_capacity for b in banks) or (most is not None and len(banks) * (hi - lo) > most):
             return None
-        key = (sel.name, S, R, *((b.A.data_ptr(), b.version) for b in banks))
+        key = (sel.name, lo, hi, R, *((b.A.data_ptr(), b.version) for b in banks))
         if self._stack is None or self._stack[0] != key:
-            self._stack = (key, *_stack(banks, S, R))
+            self._stack = (key, *_stack(banks, lo, hi, R))
         return self._stack
 
     def delta(self, layer, x: torch.Tensor, y2: torch.Tensor) -> bool:
@@ -139,17 +142,22 @@ class ShrinkGroup:
                 or (torch.is_grad_enabled() and (x.requires_grad or layer.bank.A.requires_grad))
                 or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
             return False
-        stack = self._stacked(layer)
+        lo, hi = 0, None
+        if st.mode is Mode.BLEND:  # the active adapters' slots (not empty: the layer skips blend calls without)
+            live = [st.slots.by_name[n] for n in st.active]
+            lo, hi = min(live), max(live) + 1
+        stack = self._stacked(layer, lo, hi)
         if stack is None:
             return False
-        skey, A, S, R, columns = stack
+        skey, A, lo, hi, R, columns = stack
+        S = hi - lo
         M, N = y2.shape
         if st.mode is Mode.ROWS:
             row_slot = st.row_slot(x.device)
             if row_slot.shape[0] != M:
                 return False  # the regular path raises the clear error
             scale = layer.scale_unit
-            gw = (row_slot.long()[:, None] == torch.arange(S, device=x.device)).float()  # [M, S]: G = M
+            gw = (row_slot.long()[:, None] == torch.arange(hi, device=x.device)).float()  # [M, S]: G = M (lo is 0)
         else:
             scale, gw = layer._weights(x, M)
             row_slot = None
@@ -163,7 +171,7 @@ class ShrinkGroup:
             self.shrinks += 1
         at, bank = columns[self.position[id(layer)]], layer.bank
         h = got[2][:, at:at + S * R] if isinstance(at, int) else got[2].index_select(1, at)
-        ops.lora_expand_add(y2, h, bank.B[:, :S, :R], scale[:S], gw[:, :S])
+        ops.lora_expand_add(y2, h, bank.B[:, lo:hi, :R], scale[lo:hi], gw[:, lo:hi])
         self.expands += 1
         if bank._buffers["bias"] is not None:
             layer._add_bias(y2, scale, gw, row_slot)
@@ -173,14 +181,15 @@ class ShrinkGroup:
         return True
 
 
-def _stack(banks: list, S: int, R: int) -> tuple[torch.Tensor, int, int, list]:
-    """The stacked A of `banks` (slots :S, rank :R) with each slot's A once when every member holds the same one:
+def _stack(banks: list, lo: int, hi: int, R: int) -> tuple[torch.Tensor, int, int, int, list]:
+    """The stacked A of `banks` (slots lo:hi, rank :R) with each slot's A once when every member holds the same one:
     kohya Flux files carry one lora_down for q, k and v (img_attn qkv, single blocks' linear1, which diffusers'
     converter gives to_q / to_k / to_v / proj_mlp alike), so their h is computed once, not once per member.
     Member 0's slots come first (its h is h[:, :S*R]); a member whose slots are all shared reads the same columns,
     one with none shared its own range after them, one with some shared an index of its columns (a gather)."""
     n = len(banks)
-    A = [b.A[:S, :R] for b in banks]
+    S = hi - lo
+    A = [b.A[lo:hi, :R] for b in banks]
     shared = [all(torch.equal(A[0][s], a[s]) for a in A[1:]) for s in range(S)]
     blocks, columns = [A[0]], [0]
     start = S * R
@@ -199,4 +208,4 @@ def _stack(banks: list, S: int, R: int) -> tuple[torch.Tensor, int, int, list]:
                 idx.extend(range(c * R, (c + 1) * R))
             columns.append(torch.tensor(idx, device=A[0].device))
         start += len(own) * R
-    return torch.cat(blocks).contiguous(), S, R, columns
+    return torch.cat(blocks).contiguous(), lo, hi, R, columns

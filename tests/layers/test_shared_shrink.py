@@ -159,7 +159,7 @@ def qkv_model(dtype=torch.float32, linear=nn.Linear, K=24, N=(32, 16, 16), slots
         mods = {p: ModuleLora(torch.randn(4 + 4 * s, K, generator=g) / K ** 0.5,
                               torch.randn(n, 4 + 4 * s, generator=g), alpha=8.0) for p, n in zip("qkv", N)}
         fdlora.add_adapter(net, LoraAdapter(mods), f"s{s}")
-    fdlora.set_adapters(net, [f"s{s}" for s in range(slots)], [1.0, -0.5][:slots])
+    fdlora.set_adapters(net, [f"s{s}" for s in range(slots)], [1.0, -0.5, 0.25][:slots])
     layers = fdlora.handle(net).layers
     group = ShrinkGroup([layers[p] for p in "qkv"])
     return net, group
@@ -224,6 +224,19 @@ def test_any_member_order_and_repeats_share_one_shrink():
     assert group.shrinks == 1 and group.expands == 4 and group._h is None
 
 
+def test_blend_shrinks_only_the_active_slots(monkeypatch):
+    """Three adapters loaded, the last one active: the stack holds that slot of each member only."""
+    net, group = qkv_model(slots=3)
+    fdlora.set_adapters(net, ["s2"], [0.8])
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4))
+    grouped = run(net, lambda: [net.q(x), net.k(x), net.v(x)], True, monkeypatch)
+    _, A, lo, hi, R, _ = group._stack
+    assert (lo, hi) == (2, 3) and A.shape[:2] == (3, R) and R == 16
+    plain = run(net, lambda: [net.q(x), net.k(x), net.v(x)], False, monkeypatch)
+    for a, b in zip(grouped, plain):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 def test_autograd_and_inference_mode_take_the_regular_path():
     net, group = qkv_model()
     x = torch.randn(6, 24, requires_grad=True)
@@ -231,6 +244,47 @@ def test_autograd_and_inference_mode_take_the_regular_path():
     with torch.inference_mode():
         net.k(torch.randn(6, 24))
     assert group.shrinks == 0 and x.grad is not None
+
+
+class Summed(QKV):
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], -1)
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "not-frozen"])
+def test_compiled_group_members_trace_without_breaks_or_recompiles(frozen):
+    """Compiled calls never take the group (a traced graph must not depend on a host-side cache): fullgraph traces
+    through the hook, switching adapters does not recompile, and outputs equal the eager grouped ones."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = Summed(24, (32, 16, 16))
+    h = fdlora.inject(net, ["q", "k", "v"], max_slots=2, max_rank=16)
+    g = torch.Generator().manual_seed(1)
+    for s in range(2):
+        h.add_adapter(LoraAdapter({p: ModuleLora(torch.randn(4, 24, generator=g) / 5, torch.randn(n, 4, generator=g))
+                                   for p, n in zip("qkv", (32, 16, 16))}), f"s{s}")
+    group = ShrinkGroup([h.layers[p] for p in "qkv"])
+    if frozen:
+        h.freeze()
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+    x = torch.randn(5, 24)
+    old = torch._dynamo.config.error_on_recompile
+    try:
+        with torch.no_grad():
+            compiled(x)
+            torch._dynamo.config.error_on_recompile = True
+            for names, w in ((["s0"], [1.0]), (["s0", "s1"], [0.5, -1.0])):
+                h.set_adapters(names, w)
+                got = compiled(x)
+                before = group.shrinks
+                want = net(x)  # eager: the group path (unless frozen)
+                assert group.shrinks == before + (0 if frozen else 1)
+                assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    finally:
+        torch._dynamo.config.error_on_recompile = old
+    assert group.expands == (0 if frozen else 6)
 
 
 # --- Flux: q/k/v/proj_mlp of single blocks, q/k/v and the context projections of double blocks --------------------
@@ -410,7 +464,8 @@ def test_kohya_fused_qkv_shrinks_its_one_A_once(monkeypatch, tmp_path):
         want, base = ref(**inputs).sample, flux(**inputs).sample
     grouped = run(fd, lambda: fd(**inputs).sample, True, monkeypatch)
     for grp in groups.values():
-        _, A, S, R, columns = grp._stack
+        _, A, lo, hi, R, columns = grp._stack
+        S = hi - lo
         assert A.shape[0] == S and columns == [0] * len(grp.members)  # one A, every member reads the same h
         assert grp.shrinks == 1 and h_width(grp) == S * R
     plain = run(fd, lambda: fd(**inputs).sample, False, monkeypatch)
@@ -435,7 +490,8 @@ def test_some_slots_shared_gathers_each_members_columns(monkeypatch):
             b.mark(0, b.host_ranks[0])
     x = torch.randn(6, 24, generator=torch.Generator().manual_seed(9))
     grouped = run(net, lambda: [net.q(x), net.k(x), net.v(x)], True, monkeypatch)
-    _, A, S, R, columns = group._stack
+    _, A, lo, hi, R, columns = group._stack
+    S = hi - lo
     assert A.shape[0] == S + 2 and columns[0] == 0 and all(isinstance(c, torch.Tensor) for c in columns[1:])
     plain = run(net, lambda: [net.q(x), net.k(x), net.v(x)], False, monkeypatch)
     for a, b in zip(grouped, plain):
