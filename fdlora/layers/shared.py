@@ -12,21 +12,24 @@ kernels); the group reads it once and launches n + 1, at the price of writing an
 stacked A, one B per output slice) without fusing the base projections, which fd-lora never rewrites.
 
 When. FusedLoraLinear's per-call delta path (base output + lora_delta / lora_delta_rows) asks the layer's
-group first: the torch and cuda backends, bases other than a plain nn.Linear (quantized, offloaded,
-subclasses), per-sample blends at few rows per sample, per-row prefill. The merged-weight cache needs no
-shrink at all; the Triton backend's lora_linear (one op choosing merged / shrink-in-the-GEMM / cuBLAS +
-delta per shape) and eager decode's kept-ready launches (one launch per layer, host-bound) keep their paths.
-Never when compiling, frozen, capturing a CUDA graph, under autograd, or for inference-mode tensors (they have
-no version counter, so an in-place change of x between two members could not be seen).
+group first: the torch and cuda backends, bases other than a plain nn.Linear (quantized, subclasses), per-sample
+blends at few rows per sample, per-row prefill. The merged-weight cache needs no shrink at all; the Triton backend's
+lora_linear (one op choosing merged / shrink-in-the-GEMM / cuBLAS + delta per shape) and eager decode's kept-ready
+launches (one launch per layer, host-bound) keep their paths. In blend mode the stack covers the active adapters'
+slot range only; otherwise the slots up to the last one loaded.
+Never when compiling, frozen, capturing a CUDA graph, under autograd, under offload hooks (banks move every call),
+or for inference-mode tensors (they have no version counter, so an in-place change of x between two members could
+not be seen).
 
 Shared A. kohya Flux files carry one lora_down for q, k, v (and single blocks' linear1 for q, k, v, proj_mlp); the
 converter hands every member that one A. The stack keeps a slot's A once when all members hold the same one
 (checked when the banks change, not per call), so such a group's h has rank r, not n*r (`_stack`). The banks still
 hold one copy each (a slot cannot alias across banks): what the group saves is the compute and the h traffic.
 
-Staleness. h is kept with (x's weak reference, data_ptr, _version, shape, stream) and the stacked bank's key
-(every member's A address and bank version, the live extent, the backend); any difference recomputes it, so a
-stale h is never served. It is dropped once every member has used it. Groups come from RULES (data: parent
+Staleness. h is kept with (x's weak reference, data_ptr, _version, shape, stride, stream) and the stack's key
+(backend, slot range, every member's bank version and A address: every bank write goes through AdapterBank.mark,
+which bumps the version; a move or resize changes the address); any difference recomputes it, so a stale h is
+never served. It is dropped once every member has used it. Groups come from RULES (data: parent
 module class -> member paths) when the handle wraps or unwraps layers (`regroup`).
 """
 
@@ -114,24 +117,30 @@ class ShrinkGroup:
         """(key, A_stack [U, R, K], lo, hi, R, columns) of the members' banks over slots lo:hi (hi None: up to the
         last one used), refreshed when any bank changed; None when the members cannot share a shrink now (different
         backends, devices, dtypes or bank shapes). `columns[i]` is where member i's [M, (hi-lo)*R] block of h
-        starts, or an index of its columns when they are not one range."""
-        sel, banks = layer.selection, [m.bank for m in self.members]
-        A0 = banks[0].A
-        if any(m.selection.backend is not sel.backend for m in self.members) or any(
-                b.A.device != A0.device or b.A.dtype != A0.dtype or b.A.shape[0] != A0.shape[0] for b in banks):
+        starts, or an index of its columns when they are not one range. The per-call cost is the key: bank versions
+        and addresses (a write bumps the version, a move or resize changes the address)."""
+        backend = layer.selection.backend
+        if any(m.selection.backend is not backend for m in self.members):
             return None
+        banks = [m.__dict__["bank"] for m in self.members]
+        key = (backend, lo, hi, *[(b.version, b._buffers["A"].data_ptr()) for b in banks])
+        got = self._stack
+        if got is not None and got[0] == key:
+            return got if got[1] is not None else None
+        A0 = banks[0].A
         # eager only (see delta), so the stack covers the live part of the banks, as FusedLoraLinear._bank does on
         # the torch backend: slots up to the last one used in any member (in blend mode, only the active ones'
         # range: a loaded but inactive adapter costs the group no shrink), rank up to the widest live one
         ext = [b.extent() for b in banks]
         end, R = max(e[0] for e in ext), max(e[1] for e in ext)
-        hi = end if hi is None else min(hi, end)
-        most = sel.backend.capability.max_slots
-        if hi <= lo or any(R > b.rank_capacity for b in banks) or (most is not None and len(banks) * (hi - lo) > most):
+        top = end if hi is None else min(hi, end)
+        most = backend.capability.max_slots
+        alike = all(b.A.device == A0.device and b.A.dtype == A0.dtype and b.A.shape[0] == A0.shape[0] for b in banks)
+        if (not alike or top <= lo or any(R > b.rank_capacity for b in banks)
+                or (most is not None and len(banks) * (top - lo) > most)):
+            self._stack = (key, None, 0, 0, 0, None)
             return None
-        key = (sel.name, lo, hi, R, *((b.A.data_ptr(), b.version) for b in banks))
-        if self._stack is None or self._stack[0] != key:
-            self._stack = (key, *_stack(banks, lo, hi, R))
+        self._stack = (key, *_stack(banks, lo, top, R))
         return self._stack
 
     def delta(self, layer, x: torch.Tensor, y2: torch.Tensor) -> bool:
@@ -139,6 +148,7 @@ class ShrinkGroup:
         (nothing done) when this call may not take the group path: the layer's regular path then runs."""
         st = layer.state
         if (not ENABLED or st.static or torch.compiler.is_compiling() or x.is_inference()
+                or layer.__dict__.get("offloaded")
                 or (torch.is_grad_enabled() and (x.requires_grad or layer.bank.A.requires_grad))
                 or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
             return False
