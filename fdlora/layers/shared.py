@@ -102,13 +102,15 @@ class ShrinkGroup:
 
     def __init__(self, members: list) -> None:
         self.members = members
-        self.position = {id(m): i for i, m in enumerate(members)}
         self._stack: tuple | None = None  # (key, A [n*S, R, K], S, R)
         self._h: tuple | None = None  # (key, h [M, n*S*R] fp32, ids of the members served)
         self.shrinks = 0  # shrinks run and expands served (tests and benchmarks read them)
         self.expands = 0
         for m in members:
             m.__dict__["shrink_group"] = self
+
+    def __getstate__(self) -> dict:  # copies and pickles carry the members, not the caches (a weak reference, ids)
+        return {**self.__dict__, "_stack": None, "_h": None}
 
     def __repr__(self) -> str:
         return f"ShrinkGroup({', '.join(m.path for m in self.members)})"
@@ -179,7 +181,7 @@ class ShrinkGroup:
             x2 = x.reshape(M, A.shape[2]).to(A.dtype)
             got = self._h = (xkey, weakref.ref(x), ops.lora_shrink(x2, A), set())
             self.shrinks += 1
-        at, bank = columns[self.position[id(layer)]], layer.bank
+        at, bank = columns[next(i for i, m in enumerate(self.members) if m is layer)], layer.bank
         h = got[2][:, at:at + S * R] if isinstance(at, int) else got[2].index_select(1, at)
         ops.lora_expand_add(y2, h, bank.B[:, lo:hi, :R], scale[lo:hi], gw[:, lo:hi])
         self.expands += 1

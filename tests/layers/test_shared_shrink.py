@@ -141,6 +141,22 @@ def test_llama_grouped_equals_ungrouped_and_peft(llama, mode, names, monkeypatch
         assert (grouped - want).abs().max() <= 1e-4 * scale
 
 
+def test_deep_copied_model_has_its_own_groups(llama, monkeypatch):
+    """A deep copy of a loaded model carries groups of its own layers, without the original's caches."""
+    _, fd, ids = llama
+    fdlora.set_adapters(fd, ["a", "b"], [0.5, 1.0])
+    with torch.no_grad():
+        want = fd(ids).logits
+    for twin in (copy.deepcopy(fd),):
+        layers = fdlora.handle(twin).layers
+        for g in groups_of(twin):
+            assert all(layers[m.path] is m for m in g.members) and g._h is None
+        before = counts(twin)
+        got = run(twin, lambda t=twin: t(ids).logits, True, monkeypatch)
+        assert counts(twin)[0] == before[0] + 4
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 # --- staleness: h is never served for another x or another bank -----------------------------------------------
 class QKV(nn.Module):
     """Three projections of one input, as a self-attention has (no rule table needed: grouped explicitly)."""
