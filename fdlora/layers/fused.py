@@ -485,6 +485,9 @@ class FusedLoraLinear(_FusedLora):
         if skip:
             return y
         y = y.contiguous()
+        group = self.__dict__.get("shrink_group")  # layers reading one x share its shrink (fdlora.layers.shared)
+        if group is not None and group.delta(self, x, y.view(-1, self.out_features)):
+            return y
         A, B, ranks, S = self._bank()
         x2 = x.reshape(-1, self.in_features).to(A.dtype)
         y2 = y.view(-1, self.out_features)

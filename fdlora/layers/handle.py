@@ -19,7 +19,7 @@ from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, F
 from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from ..hub.formats import lycoris
-from . import moe
+from . import moe, shared
 from .bank import AdapterBank, padded_rank
 from .bank import arena as bank_arena
 from .bulk import write_staged
@@ -89,6 +89,7 @@ class FdLoraHandle:
         moe.enter(self.model, self.state, [layer.path for layer in made])
         for layer in self.layers.values():
             layer.rebind()
+        shared.regroup(self.model, self.layers)  # q/k/v, gate/up: one shrink per input (fdlora.layers.shared)
         return made
 
     def _swap(self, path: str, module: nn.Module) -> None:
@@ -204,6 +205,7 @@ class FdLoraHandle:
             self._clear_slot(plan.slot)
             for layer in wrapped:
                 self._unwrap(layer.path)
+            shared.regroup(self.model, self.layers)
             raise
         self.state.epoch += 1
         self.state.slots.by_name[plan.name] = plan.slot

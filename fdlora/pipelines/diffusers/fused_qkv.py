@@ -5,7 +5,9 @@ LoRA stays on the unused to_q/to_k/to_v and has no effect, silently.
 A fused projection computes [q; k; v] = W_qkv x. Its adapter is the block form of the three: A = [A_q; A_k; A_v]
 (rank r_q + r_k + r_v) and B = blockdiag(c_q B_q, c_k B_k, c_v B_v), each module's own scale c folded into its block
 (the fused module's scale is 1). Exact: each output slice gets its own module's delta and nothing else; a
-projection the file does not cover gets a zero block. Modules with a LoRA bias or a DoRA magnitude are left where
+projection the file does not cover gets a zero block. When the modules share one A (kohya Flux files: one lora_down
+for q, k and v, which diffusers' converter copies to each), the fused LoRA is that A once with the scaled B stacked,
+rank r instead of 3r (`_one_a`). Modules with a LoRA bias or a DoRA magnitude are left where
 they are (and warned about), as is everything on attention that is not fused.
 """
 
@@ -41,6 +43,9 @@ def _fused_attention(model: nn.Module) -> dict[str, list[str]]:
 
 def _block(parts: list[tuple[ModuleLora | None, int]], use_rslora: bool, dtype: torch.dtype) -> ModuleLora:
     """The fused module's LoRA from (module or None, output width) per part, in the fused order."""
+    shared = _one_a(parts, use_rslora, dtype)
+    if shared is not None:
+        return shared
     ranks = [m.rank for m, _ in parts if m is not None]
     K = next(m.A.shape[1] for m, _ in parts if m is not None)
     R, N = sum(ranks), sum(n for _, n in parts)
@@ -54,6 +59,26 @@ def _block(parts: list[tuple[ModuleLora | None, int]], use_rslora: bool, dtype: 
             r0 += m.rank
         n0 += n
     return ModuleLora(A, B, alpha=math.sqrt(R) if use_rslora else float(R))
+
+
+def _one_a(parts: list[tuple[ModuleLora | None, int]], use_rslora: bool, dtype: torch.dtype) -> ModuleLora | None:
+    """When every part holds the same A (kohya Flux files carry one lora_down for q, k and v, which diffusers'
+    converter hands to each): that A once and the parts' scaled B stacked, rank r instead of the block form's n*r
+    (same product: B_i A = the block form's slice i). None when the parts' A differ."""
+    present = [m for m, _ in parts if m is not None]
+    if len(present) < 2:
+        return None
+    A0 = present[0].A
+    if any(m.A.shape != A0.shape or m.A.dtype != A0.dtype or not torch.equal(m.A, A0) for m in present[1:]):
+        return None
+    r, N = A0.shape[0], sum(n for _, n in parts)
+    B = torch.zeros(N, r, dtype=dtype)
+    n0 = 0
+    for m, n in parts:
+        if m is not None:
+            B[n0:n0 + n] = m.B.to(dtype) * m.scaling(use_rslora)
+        n0 += n
+    return ModuleLora(A0.to(dtype).clone(), B, alpha=math.sqrt(r) if use_rslora else float(r))
 
 
 def retarget(model: nn.Module, adapter: LoraAdapter) -> LoraAdapter:

@@ -17,6 +17,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import fdlora
+from fdlora.layers import shared
 from fdlora.testing import EPS, max_err
 from pipelines.transformers.models import CASES, built, first_tensor, ids, randomize_lora
 
@@ -144,6 +145,9 @@ def test_mixed_batch_is_one_op_per_layer(monkeypatch):
                 monkeypatch.setattr(ops, name, counting(getattr(ops, name), name, owner, calls))
     names = ["three", "one", "__base__", "two"]
     inputs = {"input_ids": ids(4)}
+    # the per-layer op form; q/k/v and gate/up groups (one lora_shrink per group, one lora_expand_add per layer,
+    # every adapter's rows in each) are counted in tests/layers/test_shared_shrink.py
+    monkeypatch.setattr(shared, "ENABLED", False)
     ours = run(model, inputs, adapter_names=names)
     monkeypatch.undo()
     assert sorted(path for _, path, _ in calls) == sorted(layers)  # exactly one call per fused layer
