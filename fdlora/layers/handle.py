@@ -81,12 +81,19 @@ class FdLoraHandle:
                     cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
                     layer = cls(base, self.state, L0 + i, path, self.max_rank, self.dtype)
                 made.append(layer)
-        for layer in made:
-            if not moe.put(self.model, layer):
-                self._swap(layer.path, layer)
-            self._originals[layer.path] = layer.base
-            self.layers[layer.path] = layer
-        moe.enter(self.model, self.state, [layer.path for layer in made])
+        done = []
+        try:  # all or nothing: an error or Ctrl-C between two swaps puts the swapped modules back
+            for layer in made:
+                if not moe.put(self.model, layer):
+                    self._swap(layer.path, layer)
+                self._originals[layer.path] = layer.base
+                self.layers[layer.path] = layer
+                done.append(layer)
+            moe.enter(self.model, self.state, [layer.path for layer in made])
+        except BaseException:
+            for layer in reversed(done):
+                self._unwrap(layer.path)
+            raise
         for layer in self.layers.values():
             layer.rebind()
         shared.regroup(self.model, self.layers)  # q/k/v, gate/up: one shrink per input (fdlora.layers.shared)

@@ -107,3 +107,40 @@ def test_model_level_loads_interrupted(monkeypatch):
     monkeypatch.undo()
     fdlora.load_fd_lora(model, b.dirs["one"], "one")  # the retry works
     assert fdlora.handle(model).list_adapters() == ["one"]
+
+
+def test_interrupt_between_two_swaps_puts_the_swapped_modules_back(monkeypatch):
+    """A second adapter that wraps more modules, interrupted after some of them were swapped in: the model holds
+    exactly the layers it had (the first adapter still works), and a retry loads."""
+    from fdlora.layers.handle import FdLoraHandle
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+    g = torch.Generator().manual_seed(1)
+
+    def lora(paths):
+        return LoraAdapter({p: ModuleLora(torch.randn(2, 8, generator=g), torch.randn(8, 2, generator=g))
+                            for p in paths})
+
+    fdlora.add_adapter(model, lora(["0"]), "first")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+    before = [type(m).__name__ for m in model]
+    real, swaps = FdLoraHandle._swap, []
+
+    def swap(self, path, module):
+        swaps.append(path)
+        if len(swaps) == 3:
+            raise KeyboardInterrupt
+        real(self, path, module)
+
+    monkeypatch.setattr(FdLoraHandle, "_swap", swap)
+    with pytest.raises(KeyboardInterrupt):
+        fdlora.add_adapter(model, lora(["1", "2", "3", "4"]), "second")
+    monkeypatch.undo()
+    assert [type(m).__name__ for m in model] == before and sorted(fdlora.handle(model).layers) == ["0"]
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fdlora.add_adapter(model, lora(["1", "2", "3", "4"]), "second")  # the retry works
+    assert sorted(fdlora.handle(model).layers) == ["0", "1", "2", "3", "4"]
