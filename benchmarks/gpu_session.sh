@@ -12,7 +12,8 @@
 #           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py),
 #           fullsize-sdxl / fullsize-flux / fullsize-llama (the headline table, one model per call: each takes minutes),
 #           fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
-#           gpu-memory (tests/reliability/test_gpu_memory.py), build-cuda (the extension, before anything that should
+#           gpu-memory (tests/reliability/test_gpu_memory.py), prefetch (bench_prefetch.py), shared-shrink
+#           (bench_shared_shrink.py), build-cuda (the extension, before anything that should
 #           run on the triton+cuda backend auto takes once it is built)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -53,6 +54,8 @@ for stage in "$@"; do
     fullsize-cuda) for m in sdxl flux; do TAIL=12 FDLORA_BACKEND=cuda step 280 python3 benchmarks/bench_fullsize.py \
         --model $m --cases nocache_1,per_prompt_2,slider_every_step,cache_1 --out "$OUT/results/fullsize_cuda.json"; done ;;
     offload) step 400 python3 benchmarks/bench_offload.py --out "$OUT/results/offload.json" ;;
+    prefetch) step 400 python3 benchmarks/bench_prefetch.py --out "$OUT/results/prefetch.json" ;;
+    shared-shrink) step 300 python3 benchmarks/bench_shared_shrink.py --out "$OUT/results/shared_shrink.json" ;;
     gpu-memory) TAIL=15 step 300 python3 -m pytest -q -p no:cacheprovider tests/reliability/test_gpu_memory.py ;;
     probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
   esac
