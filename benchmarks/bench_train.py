@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import fdlora  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.testing import median_ms  # noqa: E402
 
 TARGETS = {"step_x_peft": 0.75, "peak_x_peft": 1.0, "layer_x_torch": 0.6}
 
@@ -269,23 +270,11 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
 
         a, b = fd(), torch_path()
         err = max(float((p.float() - q.float()).abs().max() / q.float().abs().max()) for p, q in zip(a, b))
-        t_fd = _median(fd, repeats, dev)
-        t_torch = _median(torch_path, repeats, dev)
+        t_fd = median_ms(fd, repeats, dev.type)
+        t_torch = median_ms(torch_path, repeats, dev.type)
         rows.append({"M": M, "K": K, "N": N, "r": 16, "dtype": str(dtype).split(".")[-1], "fd_ms": t_fd,
                      "torch_ms": t_torch, "layer_x_torch": t_fd / t_torch, "rel_err_vs_torch": err})
     return rows
-
-
-def _median(fn, repeats, dev) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def environment(dev) -> dict:
