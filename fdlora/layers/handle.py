@@ -158,7 +158,8 @@ class FdLoraHandle:
         """Raise if module `path` cannot take LoRA `m`; True if it still has to be wrapped."""
         layer = self.layers.get(path)
         if layer is None:
-            inner = next((p for p in self.layers if path.startswith(p + ".")), None)
+            parts = path.split(".")
+            inner = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in self.layers), None)
             if inner is not None:  # a path read off the wrapped model (`X.base`): never wrap inside a fused layer
                 raise TargetError(f"{what} targets {path!r}, inside fd-lora's layer at {inner!r}; name the module "
                                   f"{inner!r} (its path in the model as it was before fd-lora wrapped it).")

@@ -339,3 +339,18 @@ def test_block_wise_weights_and_batch_keyed_samples(net):
     assert torch.allclose(four[2], full[0], atol=1e-6) and torch.allclose(four[0], base[0], atol=1e-6)
     with pytest.raises(errors.FdLoraError, match="batch sizes"), h.per_sample({2: ["a", None]}):
         net(torch.randn(3, 3, 16))
+
+
+def test_a_path_inside_a_fused_layer_is_refused_and_nothing_is_wrapped_twice():
+    """Module paths read off the wrapped model (`0.base`) name fd-lora's own base: a TargetError naming the module
+    to use, and the model keeps exactly its layers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    lora = lambda p: LoraAdapter({p: ModuleLora(torch.randn(2, 8), torch.randn(8, 2))})  # noqa: E731
+    fdlora.add_adapter(model, lora("0"), "a")
+    with pytest.raises(errors.TargetError, match=r"'0\.base', inside fd-lora's layer at '0'; name the module '0'"):
+        fdlora.add_adapter(model, lora("0.base"), "b")
+    assert sorted(fdlora.handle(model).layers) == ["0"] and type(model[0].base) is torch.nn.Linear
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        model(x)
