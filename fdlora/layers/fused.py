@@ -178,6 +178,7 @@ class _FusedLora(nn.Module):
         w, dtype = self.__dict__.get("_seen_w", _UNSEEN)  # (a layer pickled before this check: derive it now)
         now = self.base._parameters.get("weight")
         if now is not w or (now is not None and now.dtype is not dtype):
+            self.rebind()  # (a hook that replaced the weight, e.g. accelerate's dispatch, may have moved the bank too)
             self.select_backend()
             if not self._plain:
                 self.release_merged()

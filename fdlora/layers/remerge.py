@@ -185,6 +185,9 @@ def _calls(st, todo: list[tuple]) -> list:
     calls, batches = [], {}
     for lay, m, w, _, scale in todo:
         e = entry(lay, m.buf, w, scale)
+        if any(t.device != w.device for t in e if t is not None):  # a raw pointer off the device faults the context
+            raise RuntimeError(f"fd-lora: {lay.path}: merge operands on {sorted({str(t.device) for t in e})}; "
+                               "this is a bug (a tensor moved behind the layer's back), please report it")
         if lay.kind == "linear" and hasattr(lay._ops, "lora_merge_many"):
             batches.setdefault((w.device, w.dtype, *e[2].shape[:2]), (lay._ops, []))[1].append(e)
         else:

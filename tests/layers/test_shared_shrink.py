@@ -166,9 +166,9 @@ class QKV(nn.Module):
         self.q, self.k, self.v = (linear(K, n) for n in N)
 
 
-def qkv_model(dtype=torch.float32, linear=nn.Linear, K=24, N=(32, 16, 16), slots=2):
+def qkv_model(dtype=torch.float32, linear=nn.Linear, K=24, N=(32, 16, 16), slots=2, device="cpu"):
     torch.manual_seed(0)
-    net = QKV(K, N, linear).to(dtype)
+    net = QKV(K, N, linear).to(device, dtype)
     fdlora.inject(net, ["q", "k", "v"], max_slots=slots, max_rank=16)
     g = torch.Generator().manual_seed(1)
     for s in range(slots):
@@ -384,8 +384,7 @@ TRITON_CASES = [
 
 def _triton_case(dtype, mode, device):
     with fdlora.use_backend("triton"):
-        net, group = qkv_model(dtype, Sub, K=40, N=(48, 24, 24))
-        net.to(device)
+        net, group = qkv_model(dtype, Sub, K=40, N=(48, 24, 24), device=device)  # (pinned triton refuses a CPU bank)
         x = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(5)).to(device, dtype)
         layers = fdlora.handle(net).layers
         assert all(layers[p].selection.name == "triton" for p in "qkv")

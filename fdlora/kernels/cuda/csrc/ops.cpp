@@ -35,8 +35,18 @@ cudaDataType_t cuda_type(at::ScalarType t) {
   }
 }
 
+// Every operand on `x`'s CUDA device: a kernel handed a host (or another GPU's) pointer faults the whole context
+// (an illegal memory access, reported later at some unrelated call), so a misplaced tensor is refused here.
+void check_device(const char* op, const at::Tensor& x, std::initializer_list<const at::Tensor*> others) {
+  TORCH_CHECK(x.is_cuda(), "fdlora_cuda.", op, ": tensors must be on a CUDA device, got x on ", x.device());
+  for (const at::Tensor* t : others)
+    TORCH_CHECK(t->device() == x.device(), "fdlora_cuda.", op, ": every tensor must be on ", x.device(),
+                " (x's device); got one of shape ", t->sizes(), " on ", t->device(), ". Move the adapter bank with "
+                "the model (.to()), or report a bug if an offload hook moved it");
+}
+
 void check_bank(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const char* op) {
-  TORCH_CHECK(x.is_cuda(), "fdlora_cuda.", op, ": tensors must be on a CUDA device");
+  check_device(op, x, {&A, &B});
   TORCH_CHECK(x.dim() == 2 && A.dim() == 3 && B.dim() == 3, "fdlora_cuda.", op,
               ": expected x [M, K], A [S, R, K], B [N, S, R]");
   TORCH_CHECK(A.size(2) == x.size(1) && B.size(1) == A.size(0) && B.size(2) == A.size(1), "fdlora_cuda.", op,
@@ -98,6 +108,7 @@ void delta_large(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const 
 void delta_impl(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& A, const at::Tensor& B,
                 const at::Tensor& scale, const at::Tensor& ranks, Weights w, const char* op) {
   check_bank(x_in, A, B, op);
+  check_device(op, x_in, {&y, &scale, &ranks});
   TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.numel() == A.size(0) && ranks.is_contiguous(),
               "fdlora_cuda.", op, ": ranks must be contiguous int32 [S]");
   w.ranks = ranks.data_ptr<int>();
@@ -137,7 +148,7 @@ int64_t tiles_of(int64_t N, int64_t K) {
 
 void check_merge(const at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
                  const at::Tensor& scale) {
-  TORCH_CHECK(W.is_cuda() && out.is_cuda(), "fdlora_cuda.lora_merge: tensors must be on a CUDA device");
+  check_device("lora_merge", W, {&out, &A, &B, &scale});
   TORCH_CHECK(W.dim() == 2 && out.sizes() == W.sizes() && A.dim() == 3 && B.dim() == 3 && A.size(2) == W.size(1) &&
               B.size(0) == W.size(0) && B.size(1) == A.size(0) && B.size(2) == A.size(1),
               "fdlora_cuda.lora_merge: expected out, W [N, K], A [S, R, K], B [N, S, R]; got W ", W.sizes(), ", A ",
@@ -155,6 +166,7 @@ at::Tensor lora_shrink(const at::Tensor& x_in, const at::Tensor& A) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && A.dim() == 3 && A.size(2) == x_in.size(1) &&
               A.scalar_type() == x_in.scalar_type(), "fdlora_cuda.lora_shrink: expected x [M, K], A [S, R, K] of "
               "one dtype on CUDA");
+  check_device("lora_shrink", x_in, {&A});
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = rows_contiguous(x_in);
   auto h = at::empty({x.size(0), A.size(0) * A.size(1)}, x.options().dtype(at::kFloat));
@@ -167,6 +179,7 @@ void lora_expand_add(at::Tensor y, const at::Tensor& h, const at::Tensor& B, con
   TORCH_CHECK(y.is_cuda() && h.scalar_type() == at::kFloat && h.dim() == 2 && B.dim() == 3 &&
               h.size(1) == B.size(1) * B.size(2) && y.size(0) == h.size(0) && y.size(1) == B.size(0),
               "fdlora_cuda.lora_expand_add: expected y [M, N], h [M, S*R] fp32, B [N, S, R]");
+  check_device("lora_expand_add", y, {&h, &B, &scale, &group_weight});
   c10::cuda::CUDAGuard guard(y.device());
   const int64_t M = h.size(0), S = B.size(1), R = B.size(2);
   const Weights w = weights_of(scale, group_weight, c10::nullopt, M);
@@ -177,6 +190,7 @@ void lora_expand_add(at::Tensor y, const at::Tensor& h, const at::Tensor& B, con
 
 void lora_delta(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
                 const at::Tensor& group_weight, const at::Tensor& ranks) {
+  check_device("lora_delta", x, {&group_weight});
   delta_impl(y, x, A, B, scale, ranks, weights_of(scale, group_weight, c10::nullopt, x.size(0)), "lora_delta");
 }
 
@@ -184,6 +198,7 @@ void lora_delta_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, con
                      const at::Tensor& scale, const at::Tensor& row_slot, const at::Tensor& ranks) {
   TORCH_CHECK(row_slot.size(0) == x.size(0), "fdlora_cuda.lora_delta_rows: row_slot has ", row_slot.size(0),
               " entries for ", x.size(0), " rows");
+  check_device("lora_delta_rows", x, {&row_slot});
   delta_impl(y, x, A, B, scale, ranks, weights_of(scale, c10::nullopt, row_slot, x.size(0)), "lora_delta_rows");
 }
 
@@ -199,6 +214,8 @@ at::Tensor lora_linear(const at::Tensor& x_in, const at::Tensor& W, const c10::o
                        const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
                        const at::Tensor& group_weight, const at::Tensor& ranks) {
   check_bank(x_in, A, B, "lora_linear");
+  check_device("lora_linear", x_in, {&W, &scale, &group_weight, &ranks});
+  if (bias.has_value()) check_device("lora_linear", x_in, {&*bias});
   TORCH_CHECK(W.dim() == 2 && W.size(1) == x_in.size(1) && W.size(0) == B.size(0) && W.scalar_type() ==
               x_in.scalar_type(), "fdlora_cuda.lora_linear: W must be [N, K] in x's dtype, got ", W.sizes());
   c10::cuda::CUDAGuard guard(x_in.device());
@@ -237,11 +254,13 @@ void lora_merge(at::Tensor out, const at::Tensor& W, const at::Tensor& A, const 
                 const at::Tensor& scale, const at::Tensor& ranks, const c10::optional<at::Tensor>& stamp,
                 const c10::optional<at::Tensor>& version) {
   check_merge(out, W, A, B, scale);
+  check_device("lora_merge", W, {&ranks});
   TORCH_CHECK(stamp.has_value() == version.has_value(), "fdlora_cuda.lora_merge: give stamp and version together");
   if (stamp.has_value())
     TORCH_CHECK(stamp->scalar_type() == at::kInt && stamp->numel() == A.size(0) + 2 && stamp->is_contiguous() &&
                 version->scalar_type() == at::kInt, "fdlora_cuda.lora_merge: stamp must be int32 [S + 2], version "
                 "int32 [1]");
+  if (stamp.has_value()) check_device("lora_merge", W, {&*stamp, &*version});
   c10::cuda::CUDAGuard guard(W.device());
   merge_one(out, W, A, B, scale, ranks, nullptr, 0, stamp ? stamp->data_ptr<int>() : nullptr,
             version ? version->data_ptr<int>() : nullptr);
