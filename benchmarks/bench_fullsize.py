@@ -26,6 +26,7 @@ import copy
 import functools
 import itertools
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -131,6 +132,8 @@ class Run:
                           "target": TARGETS[self.model].get(case), "peak_gib": peak,
                           "cache_gib": fdlora.merge_cache_bytes() / 2**30, "checked": checked, "notes": notes,
                           "backend": self.backend})
+        print(f"  row {self.model} {case}: {ms} ms, base {base_ms} ms, x {x} (target {TARGETS[self.model].get(case)})",
+              flush=True)
 
 
 def out_of(y) -> torch.Tensor:
@@ -538,6 +541,7 @@ def main() -> int:
         torch.set_num_threads(1)  # toy ops: threads only contend (CI runners, shared machines)
     if r.dev.type == "cuda" and not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (use --smoke for a CPU run of the code paths)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write the cases measured so far
     t0 = time.time()
     print(f"bench_fullsize {r.model} on {r.dev} ({r.dtype}), {r.rounds} rounds", flush=True)
     try:

@@ -303,7 +303,10 @@ def _gpu_modes():
 def test_sd15_offload_gpu(sd15, mode, order):
     pipe, a, b = sd15
     enable = _gpu_modes()[mode]
+    if mode != "model":  # offloaded layers run base + per-call delta: so does the reference (no merged W', whose
+        fdlora.set_merge_cache(0)  # TF32 rounding differs: 2.6e-3 on these images)
     ref_fd = _images(_fd(copy.deepcopy(pipe).to("cuda"), a, b), size=64)
+    fdlora.set_merge_cache("auto")
     p = copy.deepcopy(pipe)
     if order == "before":
         enable(_fd(p, a, b))
@@ -315,8 +318,8 @@ def test_sd15_offload_gpu(sd15, mode, order):
     enable(q)
     peft = _images(_peft(q, a, b), per_prompt=False, size=64)
     peft_ref = _images(_peft(copy.deepcopy(pipe).to("cuda"), a, b), per_prompt=False, size=64)
-    # (fp32 with TF32 in cuDNN convs, cuBLAS and Triton dots, images in [0, 1]: the offload mode itself moves the
-    # images by what diffusers+PEFT shows with and without it; fd-lora may add no more than 2e-3 to that)
+    # (fp32 with TF32 in cuDNN convs, cuBLAS and Triton dots, images in [0, 1]: the offload mode itself may move the
+    # images, by what diffusers+PEFT shows with and without it; fd-lora may add no more than 2e-3 to that)
     drift = max(float((g - r).abs().max()) for g, r in zip(peft, peft_ref))
     assert drift < 1e-2, f"the offload mode alone moves diffusers+PEFT's images by {drift}"
     for g, r in zip(got, ref_fd):

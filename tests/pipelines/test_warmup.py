@@ -43,8 +43,9 @@ def test_cpu_warmup_is_a_no_op_that_says_so():
 def test_cuda_warmup_runs_every_shape_and_leaves_the_state_as_it_was():
     m = model("cuda", torch.float16)
     assert "bank writer" in str(warmup(m))  # before the first load
-    fdlora.add_adapter(m, adapter(m).to(torch.float16), "a")
-    fdlora.add_adapter(m, adapter(m, 1).to(torch.float16), "b", activate=False)
+    a, b = adapter(m).to(torch.float16), adapter(m, 1).to(torch.float16)  # (both before the layers are wrapped)
+    fdlora.add_adapter(m, a, "a")
+    fdlora.add_adapter(m, b, "b", activate=False)
     fdlora.set_adapters(m, ["b"], [0.3])
     x = torch.randn(2, 5, 32, device="cuda", dtype=torch.float16)
     before = m(x)

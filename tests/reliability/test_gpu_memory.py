@@ -53,6 +53,7 @@ def _every_path(m: torch.nn.Module) -> None:
 def _settle() -> tuple[int, int]:
     gc.collect()
     torch.cuda.synchronize()
+    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()  # torch's per-stream cuBLAS workspaces (a capture stream gets its own, once)
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(), fdlora.merge_cache_bytes("cuda")
 

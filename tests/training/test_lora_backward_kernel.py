@@ -25,18 +25,20 @@ pytestmark = pytest.mark.triton
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
-# (id, M, K, N, r, dtype, with_W, strided)
+F32, BF16 = torch.float32, torch.bfloat16
+# (id, M, K, N, r, dtype, with_W, strided, h's dtype: fp32, or bf16 as autocast saves it for an fp32 input)
 CASES = [
-    ("M33-K40-N24-r3-fp32", 33, 40, 24, 3, torch.float32, False, False),
-    ("M17-K16-N50-r1-fp32-W", 17, 16, 50, 1, torch.float32, True, False),
-    ("M40-K72-N33-r16-fp32-strided", 40, 72, 33, 16, torch.float32, True, True),
-    ("M21-K24-N40-r20-fp16-W", 21, 24, 40, 20, torch.float16, True, False),
-    ("M18-K32-N16-r8-bf16", 18, 32, 16, 8, torch.bfloat16, False, False),
-    ("M0-K16-N16-r4-fp32", 0, 16, 16, 4, torch.float32, True, False),
+    ("M33-K40-N24-r3-fp32", 33, 40, 24, 3, F32, False, False, F32),
+    ("M17-K16-N50-r1-fp32-W", 17, 16, 50, 1, F32, True, False, F32),
+    ("M40-K72-N33-r16-fp32-strided", 40, 72, 33, 16, F32, True, True, F32),
+    ("M21-K24-N40-r20-fp16-W", 21, 24, 40, 20, torch.float16, True, False, F32),
+    ("M18-K32-N16-r8-bf16", 18, 32, 16, 8, BF16, False, False, F32),
+    ("M0-K16-N16-r4-fp32", 0, 16, 16, 4, F32, True, False, F32),
+    ("M24-K32-N40-r8-fp32-autocast-h", 24, 32, 40, 8, F32, True, False, BF16),
 ]
 
 
-def _inputs(M, K, N, r, dtype, with_W, strided, device):
+def _inputs(M, K, N, r, dtype, with_W, strided, h_dtype, device):
     g = torch.Generator().manual_seed(M * 7 + K + r)
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     gy = rnd(M, 2 * N)[:, ::2] if strided else rnd(M, N)
@@ -44,15 +46,15 @@ def _inputs(M, K, N, r, dtype, with_W, strided, device):
     A, B, W = rnd(r, K) / K ** 0.5, rnd(N, r), rnd(N, K) / K ** 0.5
     h = (u.double() @ A.double().t()).float()
     t = lambda x, d=dtype: x.to(device=device, dtype=d)  # noqa: E731
-    return (t(gy), t(u), t(h, torch.float32), t(W) if with_W else None, t(A, torch.float32), t(B, torch.float32),
+    return (t(gy), t(u), t(h, h_dtype), t(W) if with_W else None, t(A, torch.float32), t(B, torch.float32),
             torch.tensor(0.75, device=device))
 
 
 def _check(case, device):
-    _, M, K, N, r, dtype, with_W, strided = case
+    _, M, K, N, r, dtype, with_W, strided, h_dtype = case
     from fdlora.kernels.triton.lora_backward import lora_backward
 
-    args = _inputs(M, K, N, r, dtype, with_W, strided, device)
+    args = _inputs(M, K, N, r, dtype, with_W, strided, h_dtype, device)
     got = lora_backward(*args)
     want = ref.lora_train_linear_backward(*[a.double() if a is not None else None for a in args])
     for name, a, b in zip(("grad_u", "grad_A", "grad_B"), got, want):

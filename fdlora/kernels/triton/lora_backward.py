@@ -52,9 +52,9 @@ def _expand_backward_kernel(
         cm = cols < N
         gy = tl.load(gy_ptr + rows[:, None] * sgm + cols[None, :] * sgn, mask=rm[:, None] & cm[None, :], other=0.0)
         b = tl.load(b_ptr + cols[:, None] * sbn + rr[None, :] * sbr, mask=cm[:, None] & rk[None, :], other=0.0)
-        if IEEE:  # fp32 operands throughout (gy / B may be half precision; h is fp32)
+        if IEEE:  # fp32 operands throughout (gy / B may be half precision; h too, as autocast saves it)
             acc += tl.dot(gy.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            part = tl.dot(tl.trans(gy).to(tl.float32), h, input_precision="ieee")
+            part = tl.dot(tl.trans(gy).to(tl.float32), h.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(gy, b)
             part = tl.dot(tl.trans(gy), h.to(gy.dtype))

@@ -191,6 +191,7 @@ class FdLoraPipelineMixin:
             raise
         extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
         done: list[tuple[FdLoraHandle, AdapterPool, bool]] = []
+        wrapped = {comp: len(h.layers) for comp, h in handles.items()}
         try:
             for comp, h, pool, fresh, plan in plans:
                 if fresh:
@@ -207,6 +208,9 @@ class FdLoraPipelineMixin:
                     pool.delete(name)
             self._fd_reactivate(before)
             raise
+        for comp, h, *_ in plans:
+            if len(h.layers) != wrapped.get(comp, 0):
+                _reapply_group_offloading(h.model)
         if activate:
             self.set_adapters([name])
         return self._fd_note_quantized([comp for comp, *_ in plans], report)
@@ -577,3 +581,15 @@ def load_fd_lora(self, source: Any, adapter_name: str | None = None, **kwargs: A
 def prefetch_fd_lora(self, source: Any, adapter_name: str | None = None, **kwargs: Any):
     """Load a LoRA into this pipeline in the background (see FdLoraPipelineMixin.prefetch_fd_lora)."""
     return enable_fd_lora(self).prefetch_fd_lora(source, adapter_name, **kwargs)
+
+
+def _reapply_group_offloading(model: Any) -> None:
+    """diffusers' group offloading (enable_group_offload) lists a group's tensors when it is applied; with streams
+    it keeps a pinned copy of each and looks every tensor up on each onload, so the banks of layers wrapped after it
+    was enabled would fail that lookup (KeyError). diffusers' own LoRA loader re-applies it after changing a
+    model; fd-lora does the same when it wrapped new layers."""
+    try:
+        from diffusers.hooks.group_offloading import _maybe_remove_and_reapply_group_offloading
+    except ImportError:  # a diffusers without group offloading
+        return
+    _maybe_remove_and_reapply_group_offloading(model)
