@@ -301,12 +301,17 @@ def _gpu_modes():
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("mode", list(_gpu_modes()))
 def test_sd15_offload_gpu(sd15, mode, order):
+    """Oracle: diffusers+PEFT under the same offload. fd-lora under offload may differ from it by what fd-lora
+    without offload differs from PEFT without offload (fp32 with TF32 in cuDNN convs and Triton dots, merged W'
+    against per-call deltas: a few 1e-3 on these [0, 1] images) plus 2e-3, and by far less than the LoRA's effect."""
+    from fdlora.pipelines.diffusers import tiny
+
     pipe, a, b = sd15
     enable = _gpu_modes()[mode]
-    if mode != "model":  # offloaded layers run base + per-call delta: so does the reference (no merged W', whose
-        fdlora.set_merge_cache(0)  # TF32 rounding differs: 2.6e-3 on these images)
     ref_fd = _images(_fd(copy.deepcopy(pipe).to("cuda"), a, b), size=64)
-    fdlora.set_merge_cache("auto")
+    peft_ref = _images(_peft(copy.deepcopy(pipe).to("cuda"), a, b), per_prompt=False, size=64)
+    plain = copy.deepcopy(pipe).to("cuda")
+    plain = plain(**tiny.generate_kwargs(plain, steps=2, size=64, output_type="pt")).images
     p = copy.deepcopy(pipe)
     if order == "before":
         enable(_fd(p, a, b))
@@ -317,15 +322,13 @@ def test_sd15_offload_gpu(sd15, mode, order):
     q = copy.deepcopy(pipe)
     enable(q)
     peft = _images(_peft(q, a, b), per_prompt=False, size=64)
-    peft_ref = _images(_peft(copy.deepcopy(pipe).to("cuda"), a, b), per_prompt=False, size=64)
-    # (fp32 with TF32 in cuDNN convs, cuBLAS and Triton dots, images in [0, 1]: the offload mode itself may move the
-    # images, by what diffusers+PEFT shows with and without it; fd-lora may add no more than 2e-3 to that)
-    drift = max(float((g - r).abs().max()) for g, r in zip(peft, peft_ref))
-    assert drift < 1e-2, f"the offload mode alone moves diffusers+PEFT's images by {drift}"
-    for g, r in zip(got, ref_fd):
-        torch.testing.assert_close(g.cpu(), r.cpu(), rtol=0, atol=2e-3 + drift)
-    for g, r in zip(got, peft):
-        torch.testing.assert_close(g.cpu(), r.cpu(), rtol=0, atol=2e-3 + drift)
+    gap = lambda xs, ys: max(float((x.cpu() - y.cpu()).abs().max()) for x, y in zip(xs, ys))  # noqa: E731
+    resident, offloaded, effect = gap(ref_fd, peft_ref), gap(got, peft), gap(peft_ref[:1], [plain])
+    assert offloaded <= resident + 2e-3 and offloaded < effect / 10, (
+        f"fd-lora vs diffusers+PEFT: {offloaded:.2e} under {mode} offload, {resident:.2e} without; LoRA effect "
+        f"{effect:.2e}")
+    # per-prompt adapters (PEFT has no such call): against fd-lora without offload, within the two gaps above
+    assert gap(got[2:], ref_fd[2:]) <= resident + offloaded + 2e-3
     if mode != "model":  # model offload moves whole components with .to(): cached copies go with them
         assert _cached_offloaded(p.unet) == [] and offloaded_layers(p.unet)
     for layer in (m for m in p.unet.modules() if isinstance(m, _FusedLora)):
