@@ -62,10 +62,11 @@ def test_deleting_a_model_gives_every_byte_back():
     base_alloc, base_cache = _settle()
     m = _model()
     _every_path(m)
-    assert fdlora.merge_cache_bytes("cuda") > base_cache  # the cache was used
+    assert any(layer.merged.buf is not None for layer in fdlora.handle(m).layers.values())  # the cache was used
+    # (not the budget's total: another test's model in this worker may give its copies back meanwhile)
     del m
     alloc, cache = _settle()
-    assert cache == base_cache, f"the merge-cache budget still counts {cache - base_cache} bytes of a deleted model"
+    assert cache <= base_cache, f"the merge-cache budget still counts {cache - base_cache} bytes of a deleted model"
     assert alloc - base_alloc <= 64 << 10, f"{alloc - base_alloc} bytes stay allocated after the model is deleted"
 
 
