@@ -185,10 +185,33 @@ def profile(r: Run, step, base) -> None:
             ts.append((time.perf_counter() - t) * 1e6)
         wall[name] = statistics.median(ts)
     layers, n = r.layers, max(r.layers, 1)
+    python_profile(r, step, layers)
     print(f"host us per step: profiler CPU total fd-lora {cpu_us['fd-lora']:.0f} / base {cpu_us['base']:.0f}; "
           f"wall fd-lora {wall['fd-lora']:.0f} / base {wall['base']:.0f}\nhost us per LoRA layer ({layers} fused "
           f"layers): {(cpu_us['fd-lora'] - cpu_us['base']) / n:.2f} (profiler CPU), "
           f"{(wall['fd-lora'] - wall['base']) / n:.2f} (wall)", flush=True)
+
+
+def python_profile(r: Run, step, layers: int, top: int = 20) -> None:
+    """cProfile over 3 fd-lora steps: the Python functions by own time, per step and per fused layer (what
+    torch.profiler does not see: the Python between ops, Triton's launcher)."""
+    import cProfile
+    import pstats
+
+    r.sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        step()
+    prof.disable()
+    r.sync()
+    stats = pstats.Stats(prof).stats  # {(file, line, fn): (cc, nc, tottime, cumtime, callers)}
+    rows = sorted(((v[2], v[1], k) for k, v in stats.items()), reverse=True)[:top]
+    print(f"python own time per step (cProfile, 3 steps; {layers} fused layers):")
+    for tot, calls, (file, line, fn) in rows:
+        where = f"{Path(file).name}:{line}" if line else file
+        print(f"  {tot / 3 * 1e3:8.2f} ms/step  {calls / 3:8.0f} calls/step  {calls / 3 / max(layers, 1):6.2f}/layer"
+              f"  {fn} ({where})")
 
 
 # --- SDXL / Flux ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@
 #           under FDLORA_BACKEND=cuda), tests-notriton (triton's package moved away for the run, then back),
 #           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py),
 #           fullsize-sdxl / fullsize-flux / fullsize-llama (the headline table, one model per call: each takes minutes),
-#           fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
+#           fullsize-profile (Llama per-row decode and the SDXL cached step: torch.profiler ops, then cProfile's Python
+#           functions per step and per fused layer), fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
 #           gpu-memory (tests/reliability/test_gpu_memory.py), prefetch (bench_prefetch.py), shared-shrink
 #           (bench_shared_shrink.py), build-cuda (the extension, before anything that should
 #           run on the triton+cuda backend auto takes once it is built)
@@ -51,6 +52,8 @@ for stage in "$@"; do
     build-cuda) TAIL=5 step 200 python3 -m fdlora env --build-cuda ;;
     fullsize-sdxl|fullsize-flux|fullsize-llama) TAIL=30 step 560 python3 benchmarks/bench_fullsize.py \
         --model "${stage#fullsize-}" --out "$OUT/results/fullsize.json" ;;
+    fullsize-profile) for mc in llama:decode32_mixed4 sdxl:cache_1; do TAIL=60 step 200 python3 benchmarks/bench_fullsize.py \
+        --model ${mc%%:*} --cases ${mc#*:} --profile ${mc#*:} --rounds 4; done ;;
     fullsize-cuda) for m in sdxl flux; do TAIL=12 FDLORA_BACKEND=cuda step 280 python3 benchmarks/bench_fullsize.py \
         --model $m --cases nocache_1,per_prompt_2,slider_every_step,cache_1 --out "$OUT/results/fullsize_cuda.json"; done ;;
     offload) step 400 python3 benchmarks/bench_offload.py --out "$OUT/results/offload.json" ;;
