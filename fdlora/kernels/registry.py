@@ -110,6 +110,32 @@ class Selection:
         return f"{self.name} [{'; '.join(self.reasons)}]"
 
 
+@dataclass
+class Elsewhere(Backend):
+    """A requested backend on a layer whose device it does not run on (a model loaded on the CPU before `.to("cuda")`
+    under FDLORA_BACKEND=triton): wrapping, loads and moves work, and the move reselects; a call raises `reason`."""
+
+    reason: str = ""
+
+    @property
+    def ops(self) -> _Refusing:
+        return _Refusing(self.reason)
+
+
+class _Refusing:
+    """The ops of an `Elsewhere` backend: every op exists (so layers set up as they would on the device) and
+    raises the reason when called."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def __getattr__(self, name: str):
+        def refuse(*args, **kwargs):
+            raise BackendUnavailableError(self._reason)
+
+        return refuse
+
+
 _BACKENDS: dict[str, Backend] = {}
 _preference: str | None = None  # None: read FDLORA_BACKEND
 _layers: weakref.WeakSet[Any] = weakref.WeakSet()  # live layers, reselected by set_backend
@@ -140,8 +166,15 @@ def select(problem: Problem, prefer: str | None = None) -> Selection:
     verdicts = {name: b.refuses(problem) for name, b in _BACKENDS.items()}
     trace = [f"{n}: {'ok' if r is None else r}" for n, r in verdicts.items()]
     if prefer != "auto":
+        b = _BACKENDS[prefer]
         if verdicts[prefer] is None:
-            return Selection(_BACKENDS[prefer], (f"requested {prefer!r}", *trace))
+            return Selection(b, (f"requested {prefer!r}", *trace))
+        if b.unavailable() is None and problem.device not in b.capability.devices:  # runs, but not on this device
+            devices = " or ".join(sorted(b.capability.devices))
+            return Selection(Elsewhere(b.name, b.capability, b.module, reason=(
+                f"backend {prefer!r} (requested) does not run on {problem.device}, where this layer is. Move the "
+                f"model to {devices} (the layers reselect on .to()), or use fdlora.set_backend('auto') (or unset "
+                "FDLORA_BACKEND) to run it here.")), (f"requested {prefer!r}: no calls on {problem.device}", *trace))
         raise BackendUnavailableError(
             f"backend {prefer!r} cannot run {problem}. Every backend: " + "; ".join(trace)
             + ". Use fdlora.set_backend('auto') (or unset FDLORA_BACKEND) to fall back automatically."

@@ -316,6 +316,42 @@ def test_set_backend_reselects_layers_and_env(net, monkeypatch):
         fdlora.inject(Net(), ["q_proj"])
 
 
+@pytest.fixture
+def gpu_only_backend():
+    """A backend that is available but runs on CUDA only (the reference's ops under that capability): what
+    FDLORA_BACKEND=triton is on a GPU machine for a model still on the CPU."""
+    import fdlora.kernels.registry as reg
+
+    reg.register(reg.Backend("gpu-only", reg.Capability(devices=frozenset({"cuda"}), dtypes=frozenset(
+        {torch.float32, torch.float16, torch.bfloat16}), kinds=frozenset({"linear"})), "fdlora.kernels.reference"))
+    try:
+        yield "gpu-only"
+    finally:
+        fdlora.set_backend("auto")
+        reg._BACKENDS.pop("gpu-only")
+
+
+def test_a_requested_gpu_backend_lets_a_cpu_model_load_then_refuses_its_calls(gpu_only_backend):
+    """Load on the CPU, then .to("cuda"), under a pinned GPU backend: wrapping and loading work, a call on the CPU
+    raises the error that names the fix, and the model is as it was (auto then runs it)."""
+    m = Net()
+    x = torch.randn(2, 3, 16)
+    fdlora.set_backend(gpu_only_backend)
+    h = fdlora.inject(m, ["blocks.0.q_proj"])
+    ad = lora(["blocks.0.q_proj"])
+    fdlora.add_adapter(m, ad, "a")
+    layer = h.layers["blocks.0.q_proj"]
+    assert layer.selection.name == "gpu-only" and "no calls on cpu" in str(layer.selection)
+    with pytest.raises(errors.BackendUnavailableError, match=r"does not run on cpu.*Move the model to cuda"):
+        m(x)
+    fdlora.set_backend("auto")
+    assert layer.selection.name == "torch" and fdlora.active_adapters(m) == ["a"]
+    mod = ad.modules["blocks.0.q_proj"]  # alpha defaults to the rank: scale 1
+    torch.testing.assert_close(layer(x), layer.base(x) + x @ mod.A.t() @ mod.B.t())
+    with pytest.raises(errors.BackendUnavailableError, match="unknown backend"):  # a name still must exist
+        fdlora.set_backend("gpu_only")
+
+
 def test_block_wise_weights_and_batch_keyed_samples(net):
     h = fdlora.inject(net, ["q_proj", "v_proj"])
     fdlora.add_adapter(net, lora(QV, scale=0.1), "a")
