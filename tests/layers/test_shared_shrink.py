@@ -383,18 +383,7 @@ TRITON_CASES = [
 
 
 def _triton_case(dtype, mode, device):
-    from fdlora.kernels import registry
-
-    others = list(registry._layers)  # a pinned backend reselects every live layer: other tests' CPU models would
-    registry._layers.clear()  # refuse triton (this worker's fixtures), so only this model's layers take the pin
-    try:
-        _triton_case_pinned(dtype, mode, device)
-    finally:
-        registry._layers.update(others)
-
-
-def _triton_case_pinned(dtype, mode, device):
-    with fdlora.use_backend("triton"):
+    with fdlora.use_backend("triton"):  # (other tests' CPU models in this process keep loading: calls-only refusal)
         net, group = qkv_model(dtype, Sub, K=40, N=(48, 24, 24), device=device)  # (pinned triton refuses a CPU bank)
         x = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(5)).to(device, dtype)
         layers = fdlora.handle(net).layers
