@@ -207,6 +207,27 @@ def _clean(case: Case) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [8, 96], ids=["small-M", "cublas"])
+def test_an_operand_off_the_device_is_refused_before_any_launch(cops, M: int) -> None:
+    """A host pointer handed to a kernel faults the whole CUDA context (an illegal address, reported at some later
+    call); every op refuses it with an error that names the tensor's device, and the context stays usable."""
+    c = _clean(Case("devices", "groups", M, 64, 40, 32, (32, 8, 16), (1.0, 0.0, 0.5), G=2, dtype="fp16"))
+    W = torch.randn(40, 64, device="cuda", dtype=torch.float16) * 0.1
+    y0 = c["y"].clone()
+    calls = {
+        "scale": lambda t: cops.lora_delta(c["y"], c["x"], c["A"], c["B"], t, c["group_weight"], c["ranks"]),
+        "ranks": lambda t: cops.lora_delta(c["y"], c["x"], c["A"], c["B"], c["scale"], c["group_weight"], t),
+        "A": lambda t: cops.lora_linear(c["x"], W, None, t, c["B"], c["scale"], c["group_weight"], c["ranks"]),
+        "W": lambda t: cops.lora_linear(c["x"], t, None, c["A"], c["B"], c["scale"], c["group_weight"], c["ranks"]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="every tensor must be on cuda"):
+            call({"scale": c["scale"], "ranks": c["ranks"], "A": c["A"], "W": W}[name].cpu())
+    torch.cuda.synchronize()  # no fault was queued
+    assert torch.equal(c["y"], y0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [8, 96], ids=["small-M", "cublas"])
 def test_opcheck_every_op(cops, M: int) -> None:
     ops = torch.ops.fdlora_cuda
     c = _clean(Case("opcheck", "groups", M, 64, 40, 32, (32, 8, 16), (1.0, 0.0, 0.5), G=2, dtype="fp16"))
