@@ -111,3 +111,28 @@ def test_out_of_memory_inside_a_step_leaves_every_adapter_usable(tmp_path):
     got = calls()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_bench_pressure_smoke(tmp_path):
+    """benchmarks/bench_pressure.py (the GPU run of "wherever diffusers+PEFT runs a step, fd-lora runs it too") on
+    toy widths: both sides run every step and the rows land in the JSON under the device name."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "reliability.json"
+    out.write_text(json.dumps({"soak_cycles": 7}))  # figures already there stay
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_pressure.py"), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    data = json.loads(out.read_text())
+    rows = data["gpu"]["cpu (smoke)"]["pressure"]
+    assert data["soak_cycles"] == 7
+    assert {(row["side"], row["step"]) for row in rows} == {
+        ("diffusers+peft", s) for s in ("one", "switch", "blend")} | {
+        ("fd-lora", s) for s in ("one", "switch", "blend", "per_prompt")}
+    assert all(row["outcome"] == "ok" for row in rows)
