@@ -14,7 +14,7 @@
 #           fullsize-profile (Llama per-row decode and the SDXL cached step: torch.profiler ops, then cProfile's Python
 #           functions per step and per fused layer), fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
 #           gpu-memory (tests/reliability/test_gpu_memory.py), pressure (bench_pressure.py: full-size SDXL steps
-#           at 3 / 2 / 1.5 / 1 GiB free, fd-lora vs diffusers+PEFT; merge its "gpu" key into benchmarks/results/reliability.json), prefetch (bench_prefetch.py), shared-shrink
+#           at 3 / 2 / 1.5 / 1 GiB free, fd-lora vs diffusers+PEFT: reliability.json with a "gpu" key, to copy back), prefetch (bench_prefetch.py), shared-shrink
 #           (bench_shared_shrink.py), build-cuda (the extension, before anything that should
 #           run on the triton+cuda backend auto takes once it is built)
 set -u
@@ -60,7 +60,8 @@ for stage in "$@"; do
     offload) step 400 python3 benchmarks/bench_offload.py --out "$OUT/results/offload.json" ;;
     prefetch) step 400 python3 benchmarks/bench_prefetch.py --out "$OUT/results/prefetch.json" ;;
     shared-shrink) step 300 python3 benchmarks/bench_shared_shrink.py --out "$OUT/results/shared_shrink.json" ;;
-    pressure) TAIL=40 step 400 python3 benchmarks/bench_pressure.py --out "$OUT/results/reliability.json" ;;
+    pressure) cp benchmarks/results/reliability.json "$OUT/results/reliability.json"  # the CPU figures stay
+        TAIL=40 step 400 python3 benchmarks/bench_pressure.py --out "$OUT/results/reliability.json" ;;
     gpu-memory) TAIL=15 step 300 python3 -m pytest -q -p no:cacheprovider tests/reliability/test_gpu_memory.py ;;
     probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
   esac
