@@ -40,6 +40,7 @@ grouped GEMM when many experts are hit; three grouped GEMMs (base, shrink, expan
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -342,13 +343,20 @@ def delta_weight(layer: ExpertLora, slot_weights: torch.Tensor) -> torch.Tensor:
     return delta.transpose(1, 2) if layer.base.is_transposed else delta
 
 
-def param_target(model: nn.Module, path: str) -> tuple[nn.Module, str] | None:
-    """(experts module, parameter name) if `path` names an expert parameter fd-lora serves, else None."""
+def param_target(model: nn.Module, path: str, modules: Mapping[str, nn.Module] | None = None
+                 ) -> tuple[nn.Module, str] | None:
+    """(experts module, parameter name) if `path` names an expert parameter fd-lora serves, else None. `modules`:
+    the model's modules by path, when the caller has them (fdlora.layers.handle looks up every target of a load)."""
     parent, _, param = path.rpartition(".")
-    try:
-        module = model.get_submodule(parent)
-    except AttributeError:
-        return None
+    if modules is not None:
+        module = modules.get(parent)
+        if module is None:
+            return None
+    else:
+        try:
+            module = model.get_submodule(parent)
+        except AttributeError:
+            return None
     if isinstance(module, FusedLoraExperts):
         module = module.base
     if is_experts(module) and param in expert_params(module):

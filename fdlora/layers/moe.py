@@ -10,6 +10,8 @@ per-row adapters follow the gathered tokens. The handle asks this module first (
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -18,39 +20,42 @@ from . import experts, routed, router
 from .state import ModelState
 
 
-def _module(model: nn.Module, path: str) -> nn.Module | None:
+def _module(model: nn.Module, path: str, modules: Mapping[str, nn.Module] | None = None) -> nn.Module | None:
+    if modules is not None:
+        return modules.get(path)
     try:
         return model.get_submodule(path)
     except AttributeError:
         return None
 
 
-def _router_at(model: nn.Module, path: str) -> nn.Module | None:
-    base = _module(model, path)
+def _router_at(model: nn.Module, path: str, modules: Mapping[str, nn.Module] | None = None) -> nn.Module | None:
+    base = _module(model, path, modules)
     return base if base is not None and router.is_router(base) else None
 
 
-def check(model: nn.Module, path: str, m: ModuleLora, what: str) -> bool:
+def check(model: nn.Module, path: str, m: ModuleLora, what: str,
+          modules: Mapping[str, nn.Module] | None = None) -> bool:
     """True if `path` (not wrapped yet) is a MoE target and LoRA `m` fits it; raises if it is one and `m` does not
-    fit; False for every other path."""
-    target = experts.param_target(model, path)
+    fit; False for every other path. `modules`: the model's modules by path, if the caller has them."""
+    target = experts.param_target(model, path, modules)
     if target is not None:
         experts.check_fits(*target, m, path, what)
         return True
-    base = _router_at(model, path)
+    base = _router_at(model, path, modules)
     if base is not None:
         router.check(base, m, path, what)
         return True
     return False
 
 
-def make(model: nn.Module, path: str, state: ModelState, index: int, rank: int,
-         dtype: torch.dtype | None) -> nn.Module | None:
+def make(model: nn.Module, path: str, state: ModelState, index: int, rank: int, dtype: torch.dtype | None,
+         modules: Mapping[str, nn.Module] | None = None) -> nn.Module | None:
     """The layer for a MoE target at `path` (an ExpertLora or a FusedLoraRouter), or None for any other path."""
-    target = experts.param_target(model, path)
+    target = experts.param_target(model, path, modules)
     if target is not None:
         return experts.ExpertLora(*target, state, index, path, rank, dtype)
-    base = _router_at(model, path)
+    base = _router_at(model, path, modules)
     return None if base is None else router.FusedLoraRouter(base, state, index, path, rank, dtype)
 
 
