@@ -256,3 +256,25 @@ def test_fuzz_corrupt_bytes_one_buffer_read(tmp_path_factory, cut, flip, byte):
     want, _ = read_weights(str(path))  # whatever passes the checks reads the same both ways
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got if got[k].dtype.is_floating_point
                                              and not got[k].isnan().any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_the_finite_screen_flags_exactly_the_tensors_with_nan_or_inf(dtype):
+    """check_finite screens by one fp32 sum per tensor and confirms element by element: a huge but finite tensor
+    (its sum overflows) passes, a single NaN / +Inf / -Inf anywhere fails, and the error names the first such."""
+    from fdlora.hub.adapter import LoraAdapter, ModuleLora, _finite
+
+    big = torch.full((4, 64), torch.finfo(dtype).max / 2, dtype=dtype)  # finite (bf16 / fp32 / fp64: its sum is not)
+    clean = torch.randn(4, 64).to(dtype)
+    bad = {}
+    for name, v in (("nan", float("nan")), ("inf", float("inf")), ("-inf", float("-inf"))):
+        t = torch.randn(4, 64).to(dtype)
+        t[3, 63] = v
+        bad[name] = t
+    assert _finite([big, clean, *bad.values(), torch.zeros(0, 8, dtype=dtype)]) == [True, True, False, False, False,
+                                                                                   True]
+    mods = {"a": ModuleLora(clean, clean.t().contiguous()), "b": ModuleLora(big, clean.t().contiguous()),
+            "c": ModuleLora(clean, bad["-inf"].t().contiguous()), "d": ModuleLora(bad["nan"], clean.t().contiguous())}
+    with pytest.raises(NonFiniteError, match=r"c\.B contains NaN or Inf"):
+        LoraAdapter(mods).check_finite("x")
+    LoraAdapter({k: mods[k] for k in "ab"}).check_finite("x")  # the huge finite one passes
