@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import FdLoraError
+from ..kernels.eager import graphed, warm_up
 from .registry import registry_of_models
 from .state import Mode
 
@@ -57,20 +58,12 @@ class CudaGraphs:
         """(graph, static outputs): two warm-up calls on a side stream (autotuning, lazy allocations), then one
         captured call. A forward that cannot be captured (a host sync such as .item(), a pageable copy) raises
         Uncapturable; errors of the warm-up calls are the forward's own and propagate."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        warm_up(run)
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = run()
+            return graphed(run, self.pool)
         except Exception as e:  # noqa: BLE001 (any failure inside capture means: not capturable)
             torch.cuda.synchronize()
             raise Uncapturable(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from e
-        return graph, out
 
     @staticmethod
     def replay(graph) -> None:

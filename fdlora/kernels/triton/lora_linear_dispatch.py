@@ -65,6 +65,7 @@ from ...costmodel import (  # noqa: F401  the one cost model, shared with `fdlor
     delta_available,
     estimate,
 )
+from ..eager import graphed, warm_up
 
 PATHS = ("fused", "fused_pre", "cublas_delta", "merged", "reference")
 
@@ -93,15 +94,8 @@ MEASURE_REPS = 10
 def graph_us(fn: Callable[[], object], reps: int = MEASURE_REPS) -> float:
     """GPU microseconds of one `fn()`: warmed up on a side stream (autotuning, compiles), captured once in a
     CUDA graph, replayed `reps` times between CUDA events; the best of three rounds."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    warm_up(fn)
+    graph, _ = graphed(fn)
     best = float("inf")
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
