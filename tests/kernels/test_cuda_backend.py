@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import CASES, REALISTIC, Case, eager_peft, make_inputs, tolerance, with_dtype
+from triton_cases import (
+    CASES,
+    REALISTIC,
+    Case,
+    eager_peft,
+    make_inputs,
+    mlp_oracle,
+    mlp_with_adapters,
+    tolerance,
+    with_dtype,
+)
 
 from fdlora.kernels import registry
 from fdlora.kernels.cuda import build
@@ -301,19 +311,9 @@ def test_cuda_graph_replays_in_place_switches(cops) -> None:
 @pytest.mark.gpu
 def test_compiled_model_on_the_cuda_backend_switches_without_recompiling(cops) -> None:
     import fdlora
-    from fdlora import LoraAdapter, ModuleLora
 
-    torch.manual_seed(0)
-    dims = {"0": (64, 96), "2": (96, 64)}
     with fdlora.use_backend("cuda"):
-        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)).cuda().half()
-        fdlora.inject(model, list(dims), max_slots=4, max_rank=32)
-        adapters = {}
-        for name, r in (("a", 8), ("b", 32), ("c", 16)):
-            mods = {p: ModuleLora(torch.randn(r, k) * 0.2, torch.randn(n, r) * 0.2, alpha=float(r))
-                    for p, (k, n) in dims.items()}
-            adapters[name] = mods
-            fdlora.add_adapter(model, LoraAdapter(mods, name=name).to(dtype=torch.float16, device="cuda"))
+        model, adapters = mlp_with_adapters({"a": 8, "b": 32, "c": 16})
         layers = fdlora.handle(model).layers
         assert all(layer.selection.name == "cuda" for layer in layers.values()), [str(l.selection) for l in
                                                                                    layers.values()]
@@ -321,15 +321,7 @@ def test_compiled_model_on_the_cuda_backend_switches_without_recompiling(cops) -
         x = torch.randn(4, 10, 64, device="cuda", dtype=torch.float16)
 
         def expected(active: dict[str, float]) -> torch.Tensor:
-            h = x.float()
-            for i, p in enumerate(dims):
-                lin = model[int(p)].base
-                o = h @ lin.weight.float().t() + lin.bias.float()
-                for n, w in active.items():
-                    m = adapters[n][p]
-                    o = o + w * (h @ m.A.cuda().float().t()) @ m.B.cuda().float().t()
-                h = torch.nn.functional.gelu(o) if i == 0 else o
-            return h
+            return mlp_oracle(model, adapters, x, active)
 
         cases = ({"a": 1.0}, {"b": 0.5}, {"a": 0.3, "c": 0.7}, {"c": 0.0}, {"a": 1.0, "b": 1.0, "c": 1.0})
         with torch.no_grad():  # eager first
@@ -358,7 +350,6 @@ def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypat
     and per-row calls all equal the float reference."""
     pytest.importorskip("triton")
     import fdlora
-    from fdlora import LoraAdapter, ModuleLora
     from fdlora.kernels import hybrid
 
     hyb = registry.backends()["triton+cuda"]
@@ -366,31 +357,12 @@ def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypat
     assert hyb.unavailable() is None
     assert hybrid.lora_linear is registry.ops("cuda").lora_linear
     assert hybrid.lora_merge_many is registry.ops("triton").lora_merge_many
-    torch.manual_seed(0)
-    dims = {"0": (64, 96), "2": (96, 64)}
     with fdlora.use_backend("auto"):
-        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)).cuda().half()
-        fdlora.inject(model, list(dims), max_slots=4, max_rank=32)
-        adapters = {}
-        for name, r in (("a", 8), ("b", 32)):
-            adapters[name] = {p: ModuleLora(torch.randn(r, k) * 0.2, torch.randn(n, r) * 0.2, alpha=float(r))
-                              for p, (k, n) in dims.items()}
-            fdlora.add_adapter(model, LoraAdapter(adapters[name], name=name).to(dtype=torch.float16, device="cuda"))
+        model, adapters = mlp_with_adapters({"a": 8, "b": 32})
         assert all(lay.selection.name == "triton+cuda" for lay in fdlora.handle(model).layers.values())
 
         def expected(x, per_sample: list[dict]) -> torch.Tensor:
-            out = []
-            for i, active in enumerate(per_sample):
-                h = x[i:i + 1].float()
-                for j, p in enumerate(dims):
-                    lin = model[int(p)].base
-                    o = h @ lin.weight.float().t() + lin.bias.float()
-                    for n, w in active.items():
-                        m = adapters[n][p]
-                        o = o + w * (h @ m.A.cuda().float().t()) @ m.B.cuda().float().t()
-                    h = torch.nn.functional.gelu(o) if j == 0 else o
-                out.append(h)
-            return torch.cat(out)
+            return torch.cat([mlp_oracle(model, adapters, x[i:i + 1], active) for i, active in enumerate(per_sample)])
 
         x = torch.randn(4, 80, 64, device="cuda", dtype=torch.float16)
         tol = dict(rtol=2e-2, atol=2e-2)

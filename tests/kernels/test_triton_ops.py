@@ -17,6 +17,8 @@ from triton_cases import (
     Case,
     eager_peft,
     make_inputs,
+    mlp_oracle,
+    mlp_with_adapters,
     skip_unless,
     tolerance,
     with_dtype,
@@ -372,18 +374,8 @@ def test_compiled_model_switches_adapters_without_recompiling() -> None:
     """fullgraph torch.compile of an injected model; set_adapters (names and weights) never recompiles."""
     skip_unless("cuda")
     import fdlora
-    from fdlora import LoraAdapter, ModuleLora
 
-    torch.manual_seed(0)
-    dims = {"0": (64, 96), "2": (96, 64)}
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)).cuda().half()
-    fdlora.inject(model, list(dims), max_slots=4, max_rank=32)
-    adapters = {}
-    for name, r in (("a", 8), ("b", 32), ("c", 16)):
-        mods = {p: ModuleLora(torch.randn(r, k) * 0.2, torch.randn(n, r) * 0.2, alpha=float(r))
-                for p, (k, n) in dims.items()}
-        adapters[name] = mods
-        fdlora.add_adapter(model, LoraAdapter(mods, name=name).to(dtype=torch.float16, device="cuda"))
+    model, adapters = mlp_with_adapters({"a": 8, "b": 32, "c": 16})
     layers = fdlora.handle(model).layers
     assert all(layer.selection.name == "triton" for layer in layers.values())
     fdlora.handle(model).freeze()
@@ -391,15 +383,7 @@ def test_compiled_model_switches_adapters_without_recompiling() -> None:
     x = torch.randn(4, 10, 64, device="cuda", dtype=torch.float16)
 
     def expected(active: dict[str, float]) -> torch.Tensor:
-        h = x.float()
-        for i, p in enumerate(dims):
-            lin = model[int(p)].base
-            out = h @ lin.weight.float().t() + lin.bias.float()
-            for n, w in active.items():
-                m = adapters[n][p]
-                out = out + w * (h @ m.A.cuda().float().t()) @ m.B.cuda().float().t()
-            h = torch.nn.functional.gelu(out) if i == 0 else out
-        return h
+        return mlp_oracle(model, adapters, x, active)
 
     try:
         with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():

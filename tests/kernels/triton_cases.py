@@ -207,3 +207,38 @@ def tolerance(case: Case, eager: torch.Tensor, oracle: torch.Tensor) -> float:
     eps = torch.finfo(DTYPES[case.dtype]).eps
     ulps = 4 if case.dtype == "fp32" else 2  # fp32: eager's K-sum error is tiny; allow a few roundings
     return 2.0 * (eager.double() - oracle).abs().max().item() + ulps * eps * oracle.abs().max().item()
+
+
+# --- a two-layer model with adapters, for the model-level GPU tests of both backends -----------------------------
+MLP_DIMS = {"0": (64, 96), "2": (96, 64)}  # fused layer path -> (in, out) of Linear(64, 96), GELU, Linear(96, 64)
+
+
+def mlp_with_adapters(ranks: dict[str, int]) -> tuple[torch.nn.Module, dict[str, dict]]:
+    """(model, {name: {path: ModuleLora}}): Linear-GELU-Linear in fp16 on CUDA, injected (4 slots, rank capacity
+    32) under the current backend, with one random adapter per name at its rank (alpha = r) loaded."""
+    import fdlora
+    from fdlora import LoraAdapter, ModuleLora
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64)).cuda().half()
+    fdlora.inject(model, list(MLP_DIMS), max_slots=4, max_rank=32)
+    adapters = {}
+    for name, r in ranks.items():
+        adapters[name] = {p: ModuleLora(torch.randn(r, k) * 0.2, torch.randn(n, r) * 0.2, alpha=float(r))
+                          for p, (k, n) in MLP_DIMS.items()}
+        fdlora.add_adapter(model, LoraAdapter(adapters[name], name=name).to(dtype=torch.float16, device="cuda"))
+    return model, adapters
+
+
+def mlp_oracle(model: torch.nn.Module, adapters: dict[str, dict], x: torch.Tensor,
+               active: dict[str, float]) -> torch.Tensor:
+    """The model's output in fp32 from its base weights plus w * B A of each active adapter, every sample alike."""
+    h = x.float()
+    for i, p in enumerate(MLP_DIMS):
+        lin = model[int(p)].base
+        out = h @ lin.weight.float().t() + lin.bias.float()
+        for n, w in active.items():
+            m = adapters[n][p]
+            out = out + w * (h @ m.A.cuda().float().t()) @ m.B.cuda().float().t()
+        h = torch.nn.functional.gelu(out) if i == 0 else out
+    return h

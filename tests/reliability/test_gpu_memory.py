@@ -53,7 +53,8 @@ def _every_path(m: torch.nn.Module) -> None:
 def _settle() -> tuple[int, int]:
     gc.collect()
     torch.cuda.synchronize()
-    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()  # torch's per-stream cuBLAS workspaces (a capture stream gets its own, once)
+    # torch's per-stream cuBLAS workspaces (a capture stream gets its own, once)
+    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(), fdlora.merge_cache_bytes("cuda")
 
@@ -70,15 +71,21 @@ def test_deleting_a_model_gives_every_byte_back():
     assert alloc - base_alloc <= 64 << 10, f"{alloc - base_alloc} bytes stay allocated after the model is deleted"
 
 
+def _growth(cycle, n: int) -> tuple[int, int]:
+    """(allocated bytes, merge-cache budget bytes) gained over `n` calls of `cycle`, after one warm call (kernels
+    compiled, allocator pools made, whatever torch keeps once per process)."""
+    cycle()
+    alloc, cache = _settle()
+    for _ in range(n):
+        cycle()
+    after, after_cache = _settle()
+    return after - alloc, after_cache - cache
+
+
 def test_create_delete_cycles_stay_flat():
-    _model_and_paths = lambda: _every_path(_model())  # noqa: E731
-    _model_and_paths()  # warm: kernels compiled, allocator pools made
-    first, first_cache = _settle()
-    for _ in range(100):
-        _model_and_paths()
-    last, cache = _settle()
-    assert cache == first_cache, f"the merge-cache budget grew by {cache - first_cache} bytes over 100 cycles"
-    assert last - first <= 256 << 10, f"{last - first} bytes grew over 100 create/delete cycles"
+    grown, cache = _growth(lambda: _every_path(_model()), 100)
+    assert cache == 0, f"the merge-cache budget grew by {cache} bytes over 100 cycles"
+    assert grown <= 256 << 10, f"{grown} bytes grew over 100 create/delete cycles"
 
 
 def test_first_launches_skip_autotuning_when_memory_is_short(monkeypatch):
@@ -129,10 +136,6 @@ def test_captured_steps_give_their_memory_back_with_the_model():
     runner is released and the model deleted; switches between replays capture nothing new. The first capture of
     the process leaves 256 KiB allocated for good (measured on an H100, after clearing cuBLAS' workspaces; once per
     process, not yet attributed), so the bound applies from there: two more models must give back every byte."""
-    _capture_cycle()  # warm
-    base_alloc, base_cache = _settle()
-    for _ in range(2):
-        _capture_cycle()
-    alloc, cache = _settle()
-    assert cache == base_cache, f"the merge-cache budget still counts {cache - base_cache} bytes"
-    assert alloc - base_alloc <= 64 << 10, f"{alloc - base_alloc} bytes stay allocated after capture and delete"
+    grown, cache = _growth(_capture_cycle, 2)
+    assert cache == 0, f"the merge-cache budget still counts {cache} bytes"
+    assert grown <= 64 << 10, f"{grown} bytes stay allocated after capture and delete"
