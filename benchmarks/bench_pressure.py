@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_fullsize import scale_b  # noqa: E402  (B scaled as a trained B is: the headline bench's adapters)
+
 import fdlora  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
-from bench_fullsize import scale_b  # noqa: E402  (B scaled as a trained B is: the headline bench's adapters)
 
 warnings.filterwarnings("ignore")
 GIB = 1 << 30

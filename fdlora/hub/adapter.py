@@ -192,7 +192,7 @@ class LoraAdapter:
             if not m.finite:
                 todo += [(path, what, t) for what, t in (("A", m.A), ("B", m.B), ("bias", m.bias),
                                                          ("magnitude", m.magnitude)) if t is not None]
-        for (path, what, t), ok in zip(todo, _finite(t for _, _, t in todo)):
+        for (path, what, _), ok in zip(todo, _finite(t for _, _, t in todo)):
             if not ok:
                 raise NonFiniteError(
                     f"{who}: {path}.{what} contains NaN or Inf; "
