@@ -18,6 +18,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,6 +36,15 @@ from fdlora.hub.localcache import populate
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMP_SUFFIXES = (".incomplete", ".lock", ".tmp")
+# huggingface_hub's umask probe: an empty `tmp_<uuid4>` touched and unlinked next to a download before the move
+# (file_download._chmod_and_move); never a cache entry, and never holding content
+_HF_PROBE = re.compile(r"tmp_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def temporary(p: Path) -> bool:
+    """A name no reader resolves: a download's or lock's temp file, a hidden file, or the hub's empty umask probe."""
+    return (p.name.endswith(TEMP_SUFFIXES) or p.name.startswith(".")
+            or (_HF_PROBE.fullmatch(p.name) is not None and p.stat().st_size == 0))
 
 
 def big_lora(seed: int = 0, modules: int = 16, rank: int = 64, width: int = 2048) -> bytes:
@@ -65,7 +75,7 @@ def partial_files(*roots: str | Path) -> list[str]:
     bad = []
     for root in roots:
         for p in Path(root).rglob("*"):
-            if p.name.endswith(TEMP_SUFFIXES) or p.name.startswith(".") or not p.is_file():
+            if not p.is_file() or temporary(p):
                 continue
             data = p.read_bytes()
             if p.parent.name == "blobs" and p.name not in (hashlib.sha256(data).hexdigest(), git_blob_sha1(data)):
@@ -84,7 +94,7 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     hf_cache, local, go, repo, src = sys.argv[1:6]
     sys.path.insert(0, os.path.join(os.environ["FDLORA_ROOT"], "tests"))
-    from reliability.test_shared_cache import digest
+    from reliability.test_shared_cache import digest, temporary
 
     seen, bad, done = {}, [], threading.Event()
 
@@ -94,9 +104,7 @@ CHILD = textwrap.dedent("""
             for root in (hf_cache, local):
                 for p in Path(root).rglob("*"):
                     try:
-                        if p.name.endswith((".incomplete", ".lock", ".tmp")) or p.name.startswith("."):
-                            continue
-                        if not p.is_file():
+                        if not p.is_file() or temporary(p):
                             continue
                         st = p.stat()
                         key = (str(p), st.st_ino, st.st_size, st.st_mtime_ns)
@@ -155,7 +163,7 @@ def test_four_processes_one_empty_cache_never_see_a_partial_file(pytestconfig, t
         assert o["hub"] == want and o["local"] == want, o
     assert partial_files(hf_cache, local) == []
     blobs = [p for p in (hf_cache / f"models--{repo.replace('/', '--')}" / "blobs").iterdir()
-             if not p.name.endswith(TEMP_SUFFIXES)]
+             if not temporary(p)]
     assert len(blobs) == 1, blobs  # one copy of the file, not one per process
 
 
