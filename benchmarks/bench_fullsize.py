@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import itertools
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -53,6 +55,21 @@ TARGETS = {  # x_base targets of issue 22
 # max |y - ref| / max |ref|: the two sides round differently at every layer (Llama widths, 2 layers, bf16, on a CPU:
 # 0.012 per-call, 0.019 merged); the effect bound in Run.check is what tells a wrong adapter from a right one
 TOL = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 1e-1}
+
+
+class GC:
+    """Time spent in Python's garbage collector (gc.callbacks), so a step's row says whether collections hit it."""
+    ms, _t = 0.0, 0.0
+
+    @classmethod
+    def hook(cls, phase: str, info: dict) -> None:
+        if phase == "start":
+            cls._t = time.perf_counter()
+        else:
+            cls.ms += (time.perf_counter() - cls._t) * 1e3
+
+
+gc.callbacks.append(GC.hook)
 NAMES, BLEND, FINAL = ["a0", "a1", "a2", "a3"], [0.7, 0.5, 0.3, 0.2], 0.7
 
 
@@ -71,6 +88,7 @@ class Run:
 
         self.backend = registry.select(registry.Problem(self.dev.type, self.dtype, "linear", 16, 4)).name
         self.failed: list[str] = []
+        self.timing = ""  # the last interleaved timing's host / GC medians (notes)
 
     def wants(self, case: str) -> bool:
         return self.selected is None or case in self.selected or case.removeprefix("peft_") in self.selected
@@ -79,20 +97,38 @@ class Run:
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def once_ms(self, fn) -> float:
-        return step_ms(fn, self.dev)
+    def once_ms(self, fn) -> tuple[float, float, float]:
+        """(step ms: CUDA events around it as fdlora.testing.step_ms, host ms until the step returned (its last
+        launch), ms spent in Python's garbage collector during it)."""
+        gc_before = GC.ms
+        if self.dev.type != "cuda":
+            ms = step_ms(fn, self.dev)
+            return ms, ms, GC.ms - gc_before
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        fn()
+        host = (time.perf_counter() - t) * 1e3
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), host, GC.ms - gc_before
 
     def interleaved(self, base, fn) -> tuple[float, float, float]:
         """(median ms, median base ms, median of per-round ratios); the order alternates so neither always follows
-        the other (a step after a heavy one can run slower: clocks, allocator)."""
+        the other (a step after a heavy one can run slower: clocks, allocator). The host side (time until the step's
+        last launch returned) and GC time go to self.timing for the row's notes."""
         for f in (base, fn) * (1 if self.smoke else 2):
             f()
         t = {"base": [], "fn": []}
         for r in range(self.rounds):
             for k in (("base", "fn") if r % 2 else ("fn", "base")):
                 t[k].append(self.once_ms(base if k == "base" else fn))
-        return (statistics.median(t["fn"]), statistics.median(t["base"]),
-                statistics.median(x / b for x, b in zip(t["fn"], t["base"])))
+        med = {k: [statistics.median(v[i] for v in t[k]) for i in range(3)] for k in t}
+        self.timing = (f"host ms {med['fn'][1]:.1f} (base {med['base'][1]:.1f}), gc ms {med['fn'][2]:.2f} "
+                       f"(base {med['base'][2]:.2f})")
+        print(f"    {self.timing}", flush=True)
+        return (med["fn"][0], med["base"][0],
+                statistics.median(x[0] / b[0] for x, b in zip(t["fn"], t["base"])))
 
     def check(self, case: str, y, ref, effect: float) -> tuple[float, str]:
         """Max error relative to max |ref|; a case fails outside the dtype's tolerance or when its error is not
@@ -117,7 +153,7 @@ class Run:
         if self.profile == case:
             profile(self, step, base)
         ms, base_ms, x = self.interleaved(base, step)
-        self.record(case, ms, base_ms, x, rel, "; ".join(n for n in (notes, note) if n))
+        self.record(case, ms, base_ms, x, rel, "; ".join(n for n in (notes, note, self.timing) if n))
 
     def reference(self, case: str, step, base) -> None:
         """A diffusers+PEFT / PEFT row: timed like a case, no target; it is the oracle, so nothing is checked."""
@@ -175,6 +211,13 @@ def profile(r: Run, step, base) -> None:
         cpu_us[name] = sum(e.self_cpu_time_total for e in prof.key_averages()) / 3
         if name == "fd-lora":
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    trace = os.environ.get("FDLORA_TRACE_DIR")  # one step of each as a Chrome trace (GPU idle gaps, syncs)
+    for name, fn in (("base", base), ("fd-lora", step)) if trace else ():
+        r.sync()
+        with profile(activities=acts) as prof:
+            fn()
+            r.sync()
+        prof.export_chrome_trace(str(Path(trace) / f"trace_{r.model}_{r.profile}_{name}.json"))
     wall = {}
     for name, fn in (("base", base), ("fd-lora", step)):  # host wall time up to the last launch (no sync inside)
         ts = []

@@ -53,7 +53,7 @@ for stage in "$@"; do
     build-cuda) TAIL=5 step 200 python3 -m fdlora env --build-cuda ;;
     fullsize-sdxl|fullsize-flux|fullsize-llama) TAIL=30 step 560 python3 benchmarks/bench_fullsize.py \
         --model "${stage#fullsize-}" --out "$OUT/results/fullsize.json" ;;
-    fullsize-profile) for mc in llama:decode32_mixed4 sdxl:cache_1; do TAIL=60 step 200 python3 benchmarks/bench_fullsize.py \
+    fullsize-profile) for mc in llama:decode32_mixed4 sdxl:cache_1; do TAIL=60 FDLORA_TRACE_DIR=$OUT/results step 200 python3 benchmarks/bench_fullsize.py \
         --model ${mc%%:*} --cases ${mc#*:} --profile ${mc#*:} --rounds 4; done ;;
     fullsize-cuda) for m in sdxl flux; do TAIL=12 FDLORA_BACKEND=cuda step 280 python3 benchmarks/bench_fullsize.py \
         --model $m --cases nocache_1,per_prompt_2,slider_every_step,cache_1 --out "$OUT/results/fullsize_cuda.json"; done ;;

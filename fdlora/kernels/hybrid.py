@@ -7,7 +7,9 @@ Measured on an H100 (benchmarks/results/nvidia-h100-80gb-hbm3/cuda_backend.json,
   cache at 1.66x (SDXL) and 1.16x (Flux) the base step where Triton's kernels give 3.52x and 1.41x;
 - the merges stay Triton's (lora_merge 0.094 vs 0.20 ms on SDXL feed-forward weights, 0.068 vs 0.11 ms at Flux
   sizes; lora_merge_many walks a kept table of layers: what a slider move re-merges), and so do the per-row decode
-  launches kept ready by eager decode layers (fdlora.layers.decode), which no measurement has compared yet.
+  launches kept ready by eager decode layers (fdlora.layers.decode) where the extension cannot bind the layer's
+  whole call; where it can (prepare_linear_rows: base GEMM + per-row kernel in one C++ call, no Triton launcher
+  in Python), decode layers take that (Llama-3-8B decode steps, benchmarks/results/.../fullsize.json).
 The registry picks this backend under `auto` only when the extension is already built (ahead of time with
 `FDLORA_BUILD_CUDA=1 pip install ...` or `fdlora env --build-cuda`, or by an earlier JIT build): choosing a backend
 never starts a build. Both halves implement the reference's semantics (fp32 accumulation, one rounding), and each
@@ -16,8 +18,17 @@ op's tests run on each backend.
 
 from __future__ import annotations
 
-from .cuda.ops import lora_delta, lora_expand_add, lora_linear, lora_shrink, prepare_linear
+from .cuda.ops import (
+    lora_delta,
+    lora_expand_add,
+    lora_linear,
+    lora_shrink,
+    prepare_groups,
+    prepare_linear,
+    prepare_linear_rows,
+)
 from .triton.ops import lora_delta_rows, lora_merge, lora_merge_many, merge_table, prepare_delta_rows, prepare_merge
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
-           "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_linear", "prepare_merge"]
+           "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups", "prepare_linear",
+           "prepare_linear_rows", "prepare_merge"]

@@ -5,8 +5,11 @@ Why: an eager decode step is host-bound (a 4-layer Llama-3-8B step spends ~10 ms
 checks, tuning key, specialization, grid: ~60-90 us) costs more than the launch itself, and the
 cuBLAS forms are no cheaper: on the H100 host an mm with an fp32 output costs ~45 us of host time,
 and scale + cast + addmm_ add three more ops (measured, benchmarks/results/.../llm_profile_dense.json).
-So the layer keeps the per-row kernel's launch ready (fdlora.kernels.triton.config.Prepared) and
-replays it: base GEMM + one launch whose only new arguments are y, x, the scales and the row slots.
+So the layer keeps the whole call bound in C++ where the backend can (the CUDA extension's prepare_linear_rows:
+cuBLAS GEMM + the per-row kernel, one pybind call) and replays it from its hot path (fdlora.layers.hot: a few
+compares per call while the model state is unchanged); else it keeps the per-row kernel's launch ready
+(fdlora.kernels.triton.config.Prepared): base GEMM + one launch whose only new arguments are y, x, the scales and
+the row slots.
 
 When (`forward`, from FusedLoraLinear.forward): eager (not compiling, not frozen: frozen models are
 captured or compiled and keep the traced ops), CUDA, a backend with `prepare_delta_rows`, and
@@ -23,7 +26,9 @@ tracing modes) or the inputs' alignment keeps changing, the per-row op runs as a
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from . import hot
 from .state import Mode
 
 RETRIES = 3  # calls that may try to keep a launch ready (the first launch of a shape goes through the autotuner)
@@ -57,6 +62,10 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
         scale = scales[layer.index]
     bank = layer.bank
     A, B, ranks = bank._buffers["A"], bank._buffers["B"], bank._buffers["ranks"]
+    if not (args or kwargs or torch._C._cuda_isCurrentStreamCapturing()):
+        y = _bound(layer, x, A, B, scale, row_slot, ranks)
+        if y is not None:
+            return y
     if layer._plain and not (args or kwargs):  # nn.Linear / Conv1D: the GEMM without the module call
         p = layer.base._parameters
         y = layer._with_weight(x, p["weight"], p["bias"])
@@ -74,4 +83,24 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
         layer.__dict__["_decode"] = (key, prepare(y2, x2, A, B, scale, row_slot, ranks), tries + 1)
     if bank._buffers["bias"] is not None:
         layer._add_bias(y2, scale, layer.blend_weight, row_slot)
+    return y
+
+
+def _bound(layer, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, row_slot: torch.Tensor,
+           ranks: torch.Tensor) -> torch.Tensor | None:
+    """The whole call as one C++ call with every operand but x bound (the backend's prepare_linear_rows: base GEMM
+    + per-row kernel), kept as the layer's hot path (fdlora.layers.hot) so that the next decode steps issue it
+    straight away; None where the backend has no such form or the layer is not a plain nn.Linear in the bank's
+    dtype without a LoRA bias."""
+    prepare = getattr(layer._ops, "prepare_linear_rows", None)
+    base = layer.base
+    if (prepare is None or type(base) is not nn.Linear or not layer._plain or layer.offloaded
+            or layer.bank._buffers["bias"] is not None or x.dtype != A.dtype):
+        return None
+    p = base._parameters
+    run = prepare(x, p["weight"], p["bias"], A, B, scale, row_slot, ranks)
+    if run is None:
+        return None
+    y = run(x)
+    hot.keep(layer, x, run)
     return y

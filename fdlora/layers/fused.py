@@ -9,6 +9,7 @@ putting the same object back. The mode comes from the shared `ModelState`; all s
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import decode, dora, offload, quantized, remerge
+from . import decode, dora, hot, offload, quantized, remerge
 from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
@@ -221,7 +222,9 @@ class _FusedLora(nn.Module):
             buf = remerge.refresh(self, w)
             if buf is None:
                 return None
-        return self._with_weight(x, buf, params["bias"])
+        fn = self._weight_fn(buf, params["bias"])
+        hot.keep(self, x, fn, buf)  # the next calls like this one: a few compares, then fn (fdlora.layers.hot)
+        return fn(x)
 
     def merge_into(self, out: torch.Tensor, W: torch.Tensor, stamp: torch.Tensor) -> None:
         """out = W + sum_s scale_blend[s] B_s A_s, shaped like the base weight (the device-checked cache of
@@ -383,6 +386,8 @@ class FusedLoraLinear(_FusedLora):
                                                           stream))
         if kept[1] is None:
             return None
+        if x.dtype is W.dtype:  # the next calls like this one: straight to the bound call (fdlora.layers.hot)
+            hot.keep(self, x, kept[1])
         return kept[1](x2).view(*x.shape[:-1], self.out_features)
 
     def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -421,10 +426,20 @@ class FusedLoraLinear(_FusedLora):
             if weights is None:
                 return None
         G = len(groups.of_sample)
-        x2 = x.reshape(M, K).to(W.dtype)
-        y2 = torch.empty(M, N, dtype=W.dtype, device=x.device)
         bias, rows = self.base.bias, M // G
         P = groups.period
+        prepare = getattr(self._ops, "prepare_groups", None)
+        if prepare is not None and x.is_cuda and x.dtype is W.dtype:  # the GEMMs bound in C++, kept on the hot path
+            if P < len(groups.runs):
+                jobs = [v for p in range(P) for v in (groups.of_sample[p], p * rows, rows, G // P, P * rows)]
+            else:
+                jobs = [v for s0, s1, g in groups.runs for v in (g, s0 * rows, (s1 - s0) * rows, 1, 0)]
+            run = prepare(x, weights, bias, jobs)
+            if run is not None:
+                hot.keep(self, x, run)
+                return run(x)
+        x2 = x.reshape(M, K).to(W.dtype)
+        y2 = torch.empty(M, N, dtype=W.dtype, device=x.device)
         if P < len(groups.runs):  # CFG-like: position p of every period shares a blend; one strided bmm each
             x4, y4 = x2.view(G // P, P, rows, K), y2.view(G // P, P, rows, N)
             for p in range(P):
@@ -448,7 +463,16 @@ class FusedLoraLinear(_FusedLora):
         y = torch.addmm(bias, x.reshape(-1, x.shape[-1]), w)  # transformers Conv1D: x W + b
         return y.view(*x.shape[:-1], w.shape[1])
 
+    def _weight_fn(self, w: torch.Tensor, bias: torch.Tensor | None):
+        """x -> the base computation on weight `w` (F.linear itself for an nn.Linear: no Python frame of ours)."""
+        if type(self.base) is nn.Linear:
+            return functools.partial(F.linear, weight=w, bias=bias)
+        return functools.partial(self._with_weight, w=w, bias=bias)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        fn = None if args or kwargs else hot.get(self, x)
+        if fn is not None:
+            return fn(x)
         y = self._common_forward(x, args, kwargs)
         if y is not None:
             return y
@@ -528,7 +552,13 @@ class FusedLoraConv2d(_FusedLora):
     def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.base._conv_forward(x, w, bias)
 
+    def _weight_fn(self, w: torch.Tensor, bias: torch.Tensor | None):
+        return functools.partial(self.base._conv_forward, weight=w, bias=bias)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        fn = None if args or kwargs else hot.get(self, x)
+        if fn is not None:
+            return fn(x)
         y = self._common_forward(x, args, kwargs)
         if y is not None:
             return y

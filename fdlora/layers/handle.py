@@ -256,6 +256,7 @@ class FdLoraHandle:
             self._clear_slot(slot)
             del self.state.slots.by_name[name]
             self.state.active.pop(name, None)
+            self.state.touch()
         self._write_weights()
         self.shrink()
 

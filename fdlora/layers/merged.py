@@ -158,7 +158,7 @@ class MergedWeight:
     """One layer's W' buffer, the host key it was merged under (eager calls), and its device stamp (the weights and
     bank version it holds, which compiled and captured calls check on the device)."""
 
-    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "groups", "kept", "_free", "__weakref__")
+    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "groups", "kept", "hot", "_free", "__weakref__")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -169,6 +169,7 @@ class MergedWeight:
         self.denied = -1  # budget generation at which a reservation failed (no retry until it changes)
         self.groups: dict[tuple, MergedWeight] = {}  # per-sample blend -> its copy, least recently used first
         self.kept: tuple | None = None  # (addresses, the stamped merge kept ready) of weight_on_device
+        self.hot: tuple | None = None  # the layer's hot path (fdlora.layers.hot): dropped with the buffer
         BUDGET.caches.add(self)
 
     def _buffer(self, W: torch.Tensor) -> torch.Tensor | None:
@@ -204,7 +205,7 @@ class MergedWeight:
 
     def _mark_stale(self) -> None:
         """The next stamped merge runs whatever the weights and bank version (W itself may have changed)."""
-        self.key = None
+        self.key = self.hot = None
         if self.stamp is not None:
             self.stamp[-2:-1].fill_(-1)  # the stamp's bank version: matches no bank
 
@@ -236,6 +237,7 @@ class MergedWeight:
     def release(self) -> None:
         """Give the buffer's bytes back to the budget; a buffer a CUDA graph captured is kept and only marked stale
         (its next use re-merges: fuse / unfuse change W in place, which a replay then reads)."""
+        self.hot = None
         for copy in self.groups.values():
             copy.release()
         self.groups = {}

@@ -17,7 +17,7 @@ import functools
 import torch
 from torch import nn
 
-from . import offload
+from . import hot, offload
 from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, merged_key
 from .state import Mode, to_device
 
@@ -72,6 +72,7 @@ def _replay(st, device: torch.device) -> bool:
         m.key = (tv, bank.version, ptr, _version(w))
     for call in calls:
         call()
+    hot.rearm(st, [m for _, m, *_ in items])
     return True
 
 

@@ -110,6 +110,7 @@ class ScaleTable:
         self._device: dict[torch.device, torch.Tensor] = {}
         self._lock = CopyableLock()
         self.version = 0  # bumped on every device write: merged-weight caches key on it
+        self.token = object()  # replaced on every change of this table or of its model's state (fdlora.layers.hot)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -136,6 +137,7 @@ class ScaleTable:
             for t in self._device.values():
                 to_device(host, t.device, t)
             self.version += 1
+            self.token = object()
 
     def resize(self, layers: int, slots: int) -> None:
         L0, S0 = self.shape
@@ -150,6 +152,7 @@ class ScaleTable:
         self.scaling, self.weights = scaling, weights
         self._device = {d: self.host().to(d) for d in self._device}
         self.version += 1
+        self.token = object()
 
 
 class ModelState:
@@ -174,6 +177,17 @@ class ModelState:
         self.merge_tables: dict = {}  # (device, dtype, S, R) -> kept table of fdlora.layers.remerge
         self.epoch = 0  # bumped by the handle whenever layers or banks change (wrap, load, delete, resize)
         self.fast_pass = None  # the last full refresh, replayed while only blend weights change (remerge)
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        self.touch()
+
+    def touch(self) -> None:
+        """Every layer's hot path (fdlora.layers.hot) is invalid from now on: any state write calls this (attribute
+        writes through __setattr__; in-place edits of its dicts call it themselves)."""
+        table = self.__dict__.get("table")
+        if table is not None:
+            table.token = object()
 
     def any_active(self) -> bool:
         return bool(self.active)
@@ -246,6 +260,7 @@ class ModelState:
             t = self._row_slot.get(d)
             if t is None or t.shape != rs.shape:
                 self._row_slot[d] = to_device(rs.to(torch.int32), d)
+                self.touch()  # (a new tensor: kept launches bound the old one; in place, they read the new slots)
             else:
                 to_device(rs, d, t)
 

@@ -381,3 +381,49 @@ def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypat
                 want = expected(xr, [{} if s is None else {s: 1.0} for s in specs])
                 torch.testing.assert_close(model(xr).float(), want, **tol)
     monkeypatch.setattr(hyb, "_probed", False)
+
+
+@pytest.mark.gpu
+def test_eager_layers_keep_one_bound_cuda_call_on_their_hot_path(cops, monkeypatch) -> None:
+    """Under auto with the extension built, eager calls that repeat run one bound C++ call per layer from the hot
+    path (fdlora.layers.hot): decode rows (per-sample, per-row, a one-adapter blend without the cache: BoundRows),
+    blends without the cache (BoundLinear), per-prompt groups on merged copies in the CFG and the runs layouts
+    (BoundGroups); the first call (full decision) and the repeats (hot path) all equal the float reference, and a
+    switch between them is picked up."""
+    pytest.importorskip("triton")
+    import fdlora
+
+    monkeypatch.setattr(registry.backends()["triton+cuda"], "_probed", False)
+    with fdlora.use_backend("auto"):
+        model, adapters = mlp_with_adapters({"a": 8, "b": 32, "c": 4})
+        layers = fdlora.handle(model).layers.values()
+
+        def check(x, per_sample: list[dict], kind: str) -> None:
+            want = torch.cat([mlp_oracle(model, adapters, x[i:i + 1], a) for i, a in enumerate(per_sample)])
+            for _ in range(3):
+                torch.testing.assert_close(model(x).float(), want, rtol=2e-2, atol=2e-2)
+            assert {type(lay.merged.hot[12]).__name__ for lay in layers if lay.merged.hot} == {kind}
+
+        def each(specs):
+            return [{} if s is None else {s: 1.0} for s in specs]
+
+        xr = torch.randn(4, 1, 64, device="cuda", dtype=torch.float16)
+        x = torch.randn(4, 80, 64, device="cuda", dtype=torch.float16)
+        try:
+            with torch.no_grad():
+                for specs in (["a", "b", None, "c"], ["c", "c", "a", None]):
+                    for scope in (fdlora.per_sample, fdlora.per_row):
+                        with scope(model, specs):
+                            check(xr, each(specs), "BoundRows")
+                fdlora.set_merge_cache(0)
+                for w in (0.7, -0.2):  # a slider move between repeats
+                    fdlora.set_adapters(model, ["b"], [w])
+                    check(xr, [{"b": w}] * 4, "BoundRows")
+                    check(x, [{"b": w}] * 4, "BoundLinear")
+                fdlora.set_merge_cache(1 << 30)
+                for specs in (["a", "b", "a", "b"], ["a", "a", "b", None]):
+                    with fdlora.per_sample(model, specs):
+                        check(x, each(specs), "BoundGroups")
+        finally:
+            fdlora.set_merge_cache("auto")
+    monkeypatch.setattr(registry.backends()["triton+cuda"], "_probed", False)

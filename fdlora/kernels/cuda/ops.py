@@ -27,7 +27,8 @@ _conv = _ops.lora_conv_delta.default
 _bias = _ops.lora_bias_add.default
 
 __all__ = ["lora_bias_add", "lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear",
-           "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_linear"]
+           "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups",
+           "prepare_linear", "prepare_linear_rows"]
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:  # [M, K], [S, R, K] -> [M, S*R] fp32
@@ -87,6 +88,30 @@ def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, 
     if not (direct(x, W, A, B, scale, ranks) and (bias is None or direct(bias))):
         return None
     return _C.BoundLinear(W, bias, A, B, scale, ones(A.shape[0], A.device), ranks)
+
+
+def prepare_linear_rows(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor,
+                        B: torch.Tensor, scale: torch.Tensor, row_slot: torch.Tensor, ranks: torch.Tensor):
+    """The base GEMM and lora_delta_rows with every argument but x bound in C++: `run(x)` -> y ([..., N] for x
+    [..., K] holding row_slot's rows), for eager decode layers to keep (fdlora.layers.decode) and replay on their hot
+    path (fdlora.layers.hot). None where a call must go through the dispatcher (traced, autograd) or W is not a plain
+    row-major weight in the bank's dtype."""
+    if (not (direct(x, W, A, B, scale, row_slot, ranks) and (bias is None or direct(bias)))
+            or W.dtype != A.dtype or W.dim() != 2 or W.stride(1) != 1 or row_slot.dtype != torch.int32):
+        return None
+    return _C.BoundRows(W, bias, A, B, scale, row_slot, ranks)
+
+
+def prepare_groups(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, jobs: list[int]):
+    """Per-prompt groups of x's rows, each on its own merged weight, bound in C++: `run(x)` -> y. jobs: 5 ints per
+    job (weight index, first row, rows, count, stride): count blocks of `rows` rows, `stride` rows apart, on one
+    weight (one strided-batched cuBLAS GEMM). None for calls that must go through the dispatcher or weights that are
+    not contiguous in x's dtype on x's device."""
+    if (not (direct(x, *weights) and (bias is None or direct(bias)))
+            or any(w.dtype != x.dtype or w.device != x.device or not w.is_contiguous() for w in weights)):
+        return None
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return _C.BoundGroups(weights, bias, jobs, M)
 
 
 def lora_merge(out: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,

@@ -329,7 +329,94 @@ struct BoundLinear {
   at::Tensor W;
   c10::optional<at::Tensor> bias;
   at::Tensor A, B, scale, group_weight, ranks;
-  at::Tensor operator()(const at::Tensor& x) const { return lora_linear(x, W, bias, A, B, scale, group_weight, ranks); }
+  at::Tensor operator()(const at::Tensor& x) const {  // x [..., K] -> y [..., N]
+    if (x.dim() == 2) return lora_linear(x, W, bias, A, B, scale, group_weight, ranks);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == W.size(1), "fdlora_cuda.BoundLinear: x ", x.sizes(), " does not end in ",
+                W.size(1));
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = W.size(0);
+    return lora_linear(x.reshape({-1, W.size(1)}), W, bias, A, B, scale, group_weight, ranks).view(sizes);
+  }
+};
+
+// The eager per-row layer call with everything but x bound (fdlora/layers/decode.py keeps one per layer and shape):
+// y = x W^T (+ bias) by cuBLAS, then each row's slot delta (one kernel for few rows). x: [..., K] holding exactly
+// row_slot's M rows, in W's dtype, on W's device; y: [..., N].
+struct BoundRows {
+  at::Tensor W;
+  c10::optional<at::Tensor> bias;
+  at::Tensor A, B, scale, row_slot, ranks;
+  at::Tensor operator()(const at::Tensor& x_in) const {
+    const int64_t N = W.size(0), K = W.size(1), M = row_slot.size(0);
+    TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K && x_in.numel() == M * K && x_in.scalar_type() ==
+                W.scalar_type() && x_in.device() == W.device(), "fdlora_cuda.BoundRows: x ", x_in.sizes(), " (",
+                x_in.scalar_type(), ", ", x_in.device(), ") is not the ", M, " rows of ", K, " in ", W.scalar_type(),
+                " on ", W.device(), " this launch was bound for");
+    std::vector<int64_t> sizes = x_in.sizes().vec();
+    sizes.back() = N;
+    const at::Tensor x = rows_contiguous(x_in.reshape({M, K}));
+    c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor y;
+    if (bias.has_value() || W.stride(1) != 1 || M == 0) {
+      y = at::linear(x, W, bias);
+    } else {
+      y = at::empty({M, N}, x.options());
+      gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, W.data_ptr(), W.stride(0), x.data_ptr(), x.stride(0), 0.f, y.data_ptr(),
+           N, W.scalar_type());
+    }
+    delta_impl(y, x, A, B, scale, ranks, weights_of(scale, c10::nullopt, row_slot, M), "lora_delta_rows");
+    return y.view(sizes);
+  }
+};
+
+// Per-prompt rows, each group on its own merged weight (fdlora/layers/fused.py _grouped_forward keeps one per layer
+// and batch layout): y = x W_g^T (+ bias) for every job (g, first row, rows, count, stride): rows first + i * stride
+// up to + rows, i < count, on weight g, as one cuBLAS strided-batched GEMM (a CFG batch's prompt p: count 2, stride
+// of a half). Pointer offsets, no views: the host cost is the output and one cuBLAS call per job.
+struct BoundGroups {
+  std::vector<at::Tensor> weights;  // [N, K] row-major, x's dtype
+  c10::optional<at::Tensor> bias;
+  std::vector<int64_t> jobs;  // 5 per job
+  int64_t M;
+  at::Tensor operator()(const at::Tensor& x_in) const {
+    const at::Tensor& W0 = weights.at(0);
+    const int64_t N = W0.size(0), K = W0.size(1);
+    TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K && x_in.numel() == M * K && x_in.scalar_type() ==
+                W0.scalar_type() && x_in.device() == W0.device(), "fdlora_cuda.BoundGroups: x ", x_in.sizes(),
+                " is not the ", M, " rows of ", K, " in ", W0.scalar_type(), " on ", W0.device(), " it was bound for");
+    std::vector<int64_t> sizes = x_in.sizes().vec();
+    sizes.back() = N;
+    const at::Tensor x = x_in.reshape({M, K}).contiguous();
+    c10::cuda::CUDAGuard guard(x.device());
+    float beta = 0.f;
+    at::Tensor y;
+    if (bias.has_value()) {
+      y = bias->expand({M, N}).contiguous();  // the GEMMs add onto it (fp32 sum, one rounding, as addmm)
+      beta = 1.f;
+    } else {
+      y = at::empty({M, N}, x.options());
+    }
+    if (M == 0 || N == 0) return y.view(sizes);
+    cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+    const cudaDataType_t t = cuda_type(x.scalar_type());
+    const float alpha = 1.f;
+    const int64_t elt = x.element_size();
+    auto* xp = static_cast<char*>(x.data_ptr());
+    auto* yp = static_cast<char*>(y.data_ptr());
+    for (size_t j = 0; j + 4 < jobs.size(); j += 5) {
+      const at::Tensor& W = weights.at(jobs[j]);
+      const int64_t first = jobs[j + 1], rows = jobs[j + 2], count = jobs[j + 3], stride = jobs[j + 4];
+      TORCH_CHECK(first >= 0 && rows >= 0 && count >= 1 && first + (count - 1) * stride + rows <= M,
+                  "fdlora_cuda.BoundGroups: a job reaches past the ", M, " rows");
+      if (rows == 0) continue;
+      // y block^T (column-major N x rows) = W (row-major N x K, read transposed) x block^T
+      TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
+          handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &alpha, W.data_ptr(), t, (int)W.stride(0), 0,
+          xp + first * K * elt, t, (int)K, stride * K, &beta, yp + first * N * elt, t, (int)N, stride * N, (int)count,
+          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    return y.view(sizes);
+  }
 };
 
 }  // namespace
@@ -345,6 +432,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor>())
       .def("__call__", &fdlora_cuda::BoundLinear::operator());
+  pybind11::class_<fdlora_cuda::BoundRows>(m, "BoundRows")
+      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor>())
+      .def("__call__", &fdlora_cuda::BoundRows::operator());
+  pybind11::class_<fdlora_cuda::BoundGroups>(m, "BoundGroups")
+      .def(pybind11::init<std::vector<at::Tensor>, c10::optional<at::Tensor>, std::vector<int64_t>, int64_t>())
+      .def("__call__", &fdlora_cuda::BoundGroups::operator());
 }
 
 TORCH_LIBRARY(fdlora_cuda, m) {

@@ -1,0 +1,104 @@
+"""The hot path (fdlora.layers.hot): a repeated eager call runs what the full decision chose last time, and every
+change the decision depends on sends the call through it again (outputs against the float64 oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.tiny_sequential import PATHS, close, lora, net, oracle
+from torch import nn
+
+import fdlora
+from fdlora.layers import hot
+
+
+@pytest.fixture
+def cache():
+    fdlora.set_merge_cache(1 << 30)
+    yield
+    fdlora.set_merge_cache("auto")
+
+
+def kept(model, x, path="0"):
+    """The callable layer `path` would run straight away for input x (None: the full decision runs)."""
+    return hot.get(fdlora.handle(model).layers[path], x)
+
+
+def test_repeated_calls_take_it_and_every_state_change_leaves_it(cache):
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=4, max_rank=8)
+    a, b = lora(1), lora(2)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        h.add_adapter(a, "a")
+        assert kept(model, x) is None
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert kept(model, x) is not None
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))  # through the hot path
+        for change, want in [
+            (lambda: h.set_adapters(["a"], [0.4]), {"a": (a, 0.4)}),  # a slider move
+            (lambda: h.add_adapter(b, "b", activate=False), {"a": (a, 0.4)}),  # a load into the bank
+            (lambda: h.set_adapters(["a", "b"], [0.5, -1.0]), {"a": (a, 0.5), "b": (b, -1.0)}),
+            (lambda: h.disable(), {}),
+            (lambda: h.enable(), {"a": (a, 0.5), "b": (b, -1.0)}),
+            (lambda: h.delete_adapter("b"), {"a": (a, 0.5)}),
+        ]:
+            change()
+            assert kept(model, x) is None
+            close(model(x), oracle(model, x, want))
+            close(model(x), oracle(model, x, want))
+        with h.per_sample(["a", None, "a", None, "a"]):
+            assert kept(model, x) is None
+            y = model(x)
+        close(y[::2], oracle(model, x[::2], {"a": (a, 1.0)}))
+        close(y[1::2], oracle(model, x[1::2], {}))
+        close(model(x), oracle(model, x, {"a": (a, 0.5)}))
+
+
+def test_input_weight_and_hook_changes_leave_it(cache):
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=2, max_rank=4)
+    a = lora(1)
+    h.add_adapter(a, "a")
+    x = torch.randn(5, 32)
+    base = h.layers["0"].base
+    with torch.no_grad():
+        model(x)
+        assert kept(model, x) is not None
+        assert kept(model, x[:3]) is None and kept(model, x.double()) is None  # another shape or dtype
+        close(model(x[:3]), oracle(model, x[:3], {"a": (a, 1.0)}))
+        base.weight.mul_(0.5)  # in place: the version counter
+        assert kept(model, x) is None
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        base.weight = nn.Parameter(torch.randn_like(base.weight))  # a new weight object under the layer
+        assert kept(model, x) is None
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        model(x)
+        assert kept(model, x) is not None
+        base._hf_hook = object()  # an offload hook arrived (accelerate)
+        assert kept(model, x) is None
+        del base._hf_hook
+        assert kept(model, x) is not None
+        fdlora.set_merge_cache(0)  # the copy is released: the hot entry goes with it
+        assert h.layers["0"].merged.hot is None
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+    fdlora.set_merge_cache(1 << 30)
+    with torch.no_grad():
+        model(x)
+    xg = x.clone().requires_grad_(True)
+    assert kept(model, xg) is None  # autograd through the call: the full decision (reference path)
+    y = model(xg)
+    y.sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+    close(y.detach(), oracle(model, x, {"a": (a, 1.0)}))
+
+
+def test_a_state_write_replaces_the_token():
+    model = net()
+    st = fdlora.inject(model, PATHS, max_slots=2, max_rank=4).state
+    for write in (lambda: setattr(st, "static", st.static), lambda: st.table.flush(), lambda: st.touch(),
+                  lambda: st.set_row_slot(torch.zeros(3, dtype=torch.int32)),
+                  lambda: st.set_row_slot(torch.zeros(4, dtype=torch.int32))):
+        token = st.table.token
+        write()
+        assert st.table.token is not token
