@@ -205,7 +205,7 @@ class MergedWeight:
 
     def _mark_stale(self) -> None:
         """The next stamped merge runs whatever the weights and bank version (W itself may have changed)."""
-        self.key = self.hot = None
+        self.key = None
         if self.stamp is not None:
             self.stamp[-2:-1].fill_(-1)  # the stamp's bank version: matches no bank
 

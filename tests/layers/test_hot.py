@@ -102,3 +102,39 @@ def test_a_state_write_replaces_the_token():
         token = st.table.token
         write()
         assert st.table.token is not token
+
+
+def test_a_per_call_spec_repeated_every_step_keeps_its_token_and_another_does_not(cache):
+    """adapter_names / fdlora.per_sample enter and leave per-sample mode on every call: the same spec again gets the
+    same token (layers stay hot across decode steps); another spec, or a blend change in between, a new one."""
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=4, max_rank=8)
+    a, b = lora(1), lora(2)
+    h.add_adapter(a, "a")
+    h.add_adapter(b, "b", activate=False)
+    x = torch.randn(4, 32)
+
+    def check(y, specs):
+        for i, s in enumerate(specs):
+            close(y[i:i + 1], oracle(model, x[i:i + 1], {} if s is None else {s: ({"a": a, "b": b}[s], 1.0)}))
+
+    with torch.no_grad():
+        specs = ["a", None, "b", "a"]
+        with h.per_sample(specs):
+            token = h.state.table.token
+            check(model(x), specs)
+        blend = h.state.table.token
+        assert blend is not token
+        for _ in range(2):
+            with h.per_sample(specs):
+                assert h.state.table.token is token
+                check(model(x), specs)
+            assert h.state.table.token is blend
+        other = ["b", None, "b", "a"]
+        with h.per_sample(other):
+            assert h.state.table.token not in (token, blend)
+            check(model(x), other)
+        h.set_adapters(["a"], [0.5])
+        with h.per_sample(specs):
+            assert h.state.table.token is not token
+            check(model(x), specs)
