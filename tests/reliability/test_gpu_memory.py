@@ -63,7 +63,9 @@ def test_deleting_a_model_gives_every_byte_back():
     base_alloc, base_cache = _settle()
     m = _model()
     _every_path(m)
-    assert any(layer.merged.buf is not None for layer in fdlora.handle(m).layers.values())  # the cache was used
+    # the cache was used: the per-sample calls at the end leave per-prompt copies (the blend copies went with the
+    # set_merge_cache(0) before them)
+    assert any(layer.merged.buf is not None or layer.merged.groups for layer in fdlora.handle(m).layers.values())
     # (not the budget's total: another test's model in this worker may give its copies back meanwhile)
     del m
     alloc, cache = _settle()
