@@ -425,36 +425,24 @@ class FusedLoraLinear(_FusedLora):
             self.__dict__["_groups"] = (groups, key, _merged.BUDGET.generation, weights is not None)
             if weights is None:
                 return None
-        G = len(groups.of_sample)
-        bias, rows = self.base.bias, M // G
-        P = groups.period
+        bias, jobs = self.base.bias, groups.jobs(M // len(groups.of_sample))
         prepare = getattr(self._ops, "prepare_groups", None)
         if prepare is not None and x.is_cuda and x.dtype is W.dtype:  # the GEMMs bound in C++, kept on the hot path
-            if P < len(groups.runs):
-                jobs = [v for p in range(P) for v in (groups.of_sample[p], p * rows, rows, G // P, P * rows)]
-            else:
-                jobs = [v for s0, s1, g in groups.runs for v in (g, s0 * rows, (s1 - s0) * rows, 1, 0)]
-            run = prepare(x, weights, bias, jobs)
+            run = prepare(x, weights, bias, [v for job in jobs for v in job])
             if run is not None:
                 hot.keep(self, x, run)
                 return run(x)
         x2 = x.reshape(M, K).to(W.dtype)
         y2 = torch.empty(M, N, dtype=W.dtype, device=x.device)
-        if P < len(groups.runs):  # CFG-like: position p of every period shares a blend; one strided bmm each
-            x4, y4 = x2.view(G // P, P, rows, K), y2.view(G // P, P, rows, N)
-            for p in range(P):
-                wt = weights[groups.of_sample[p]].t().expand(G // P, K, N)
-                if bias is None:
-                    torch.bmm(x4[:, p], wt, out=y4[:, p])
-                else:
-                    torch.baddbmm(bias, x4[:, p], wt, out=y4[:, p])
-        else:
-            for s0, s1, g in groups.runs:
-                r = slice(s0 * rows, s1 * rows)
-                if bias is None:
-                    torch.mm(x2[r], weights[g].t(), out=y2[r])
-                else:
-                    torch.addmm(bias, x2[r], weights[g].t(), out=y2[r])
+        for g, first, n, count, stride in jobs:
+            if count == 1:  # a run of samples: one GEMM
+                xs, ys, wt = x2[first:first + n], y2[first:first + n], weights[g].t()
+                op = torch.mm if bias is None else functools.partial(torch.addmm, bias)
+            else:  # one position of every period (CFG): one strided bmm
+                xs, ys = x2.view(count, stride, K)[:, first:first + n], y2.view(count, stride, N)[:, first:first + n]
+                wt = weights[g].t().expand(count, K, N)
+                op = torch.bmm if bias is None else functools.partial(torch.baddbmm, bias)
+            op(xs, wt, out=ys)
         return y2.view(*x.shape[:-1], N)
 
     def _with_weight(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -234,12 +234,12 @@ class ModelState:
         Same-shaped entries are rewritten in place, so compiled graphs stay valid. The same weights as the current
         ones change nothing (a per-call spec repeated every step keeps the layers' hot paths: fdlora.layers.hot).
         """
+        host = {b: gw.detach().to("cpu", torch.float32, copy=True) for b, gw in by_batch.items()}
         last = self.__dict__.get("_sample_host")
-        if (last is not None and last.keys() == by_batch.keys()
-                and all(last[b].shape == gw.shape and torch.equal(last[b], gw.detach().cpu().float())
-                        for b, gw in by_batch.items())):
+        if (last is not None and last.keys() == host.keys()
+                and all(last[b].shape == h.shape and torch.equal(last[b], h) for b, h in host.items())):
             return
-        self.__dict__["_sample_host"] = {b: gw.detach().cpu().float().clone() for b, gw in by_batch.items()}
+        self.__dict__["_sample_host"] = host
         devices = {d for (_, d) in self._group_weight} or {next(iter(by_batch.values())).device}
         fresh = {}
         for b, gw in by_batch.items():
@@ -381,6 +381,15 @@ class SampleGroups:
         G = len(of_sample)
         self.runs = [(i, j, of_sample[i]) for i, j in _runs(of_sample)]
         self.period = next(p for p in range(1, G + 1) if G % p == 0 and of_sample == of_sample[:p] * (G // p))
+
+    def jobs(self, rows: int) -> list[tuple[int, int, int, int, int]]:
+        """The GEMMs of a batch with `rows` rows per sample, as (blend, first row, rows, count, stride): `count`
+        blocks of `rows` rows, `stride` rows apart, all on one blend's weight. A periodic batch (CFG) gives one job
+        per position of the period (its blocks in every period); any other, one job per run of samples."""
+        G, P = len(self.of_sample), self.period
+        if P < len(self.runs):
+            return [(self.of_sample[p], p * rows, rows, G // P, P * rows) for p in range(P)]
+        return [(g, s0 * rows, (s1 - s0) * rows, 1, 0) for s0, s1, g in self.runs]
 
     @classmethod
     def of(cls, rows: list[list[float]]) -> SampleGroups:
