@@ -14,6 +14,9 @@ ext_modules, cmdclass = [], {}
 if os.environ.get("FDLORA_BUILD_CUDA") == "1":
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
+    from fdlora.kernels.cuda.build import compiler  # one linking libstdc++ as a shared library (build.py says why)
+
+    os.environ["CXX"] = compiler() or os.environ.get("CXX", "c++")
     os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("FDLORA_CUDA_ARCHS") or "8.0;8.9;9.0;10.0;12.0+PTX"
     csrc = "fdlora/kernels/cuda/csrc"
     ext_modules = [CUDAExtension("fdlora.kernels.cuda._C", [f"{csrc}/ops.cpp", f"{csrc}/kernels.cu"],

@@ -22,7 +22,7 @@ for f in sys.argv[2:]:
     except Exception as e:
         print(f, "raised", type(e).__name__, str(e).splitlines()[0], flush=True)
 PY
-for v in plain o3; do for f in inner thr chk; do python3 -X faulthandler /tmp/inl.py $v $f 2>&1 | grep -v "^  File\|^Current\|^Extension\|^$" | tail -3; echo "  [$v $f] rc=$?"; done; done
+for v in ${VARIANTS:-plain o3}; do for f in inner thr chk; do python3 -X faulthandler /tmp/inl.py $v $f 2>&1 | grep -v "^  File\|^Current\|^Extension\|^$" | tail -3; echo "  [$v $f] rc=$?"; done; done
 for s in 0 1; do TORCH_SHOW_CPP_STACKTRACES=$s python3 -X faulthandler benchmarks/probes/probe_device_check.py direct_badshape 2>&1 | tail -4; echo "  [ours stacktraces=$s] rc=${PIPESTATUS[0]}"; done
 if which gdb >/dev/null 2>&1; then gdb -q -batch -ex run -ex bt --args python3 benchmarks/probes/probe_device_check.py direct_badshape 2>&1 | grep -v "^\[New Thread\|^\[Thread" | tail -30; fi
 SO=$(python3 -c "from fdlora.kernels.cuda import build; print(build.status().library)"); echo "$SO"; ldd "$SO" | grep -i "stdc\|gcc_s\|c10\|torch" 

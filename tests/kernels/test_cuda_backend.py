@@ -85,6 +85,38 @@ def test_status_names_a_missing_ninja(monkeypatch, tmp_path) -> None:
     assert build.build_problem() == "ninja not found; pip install ninja"
 
 
+def _fake_cxx(path, libstdcxx: str) -> None:
+    """A compiler whose `-print-file-name=libstdc++.so` answers `libstdcxx` (a bare name: only the static archive)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\necho '{libstdcxx}'\n")
+    path.chmod(0o755)
+
+
+def test_a_compiler_linking_libstdcxx_statically_is_passed_over_or_named(monkeypatch, tmp_path) -> None:
+    shared = tmp_path / "lib" / "libstdc++.so"
+    shared.parent.mkdir()
+    shared.write_text("")
+    _fake_cxx(tmp_path / "opt" / "g++", "libstdc++.so")  # the H100 host's /opt/gcc wrapper answers so
+    _fake_cxx(tmp_path / "bin" / "g++", str(shared))
+    monkeypatch.setenv("CXX", str(tmp_path / "opt" / "g++"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert build.compiler() == str(tmp_path / "bin" / "g++")
+    monkeypatch.setenv("CXX", str(tmp_path / "bin" / "g++"))
+    assert build.compiler() == str(tmp_path / "bin" / "g++")  # $CXX first when it links the shared library
+
+    _fake_cxx(tmp_path / "bin" / "g++", "libstdc++.so")
+    monkeypatch.setenv("CXX", str(tmp_path / "opt" / "g++"))
+    monkeypatch.setattr(build, "nvcc", lambda: str(tmp_path / "nvcc"))
+    monkeypatch.setattr(build, "_nvcc_version", lambda path: torch.version.cuda or "13.0")
+    monkeypatch.setattr(build.torch.version, "cuda", torch.version.cuda or "13.0")
+    monkeypatch.setattr(build.shutil, "which", lambda name, **k: str(tmp_path / "bin" / "g++")
+                        if name in ("g++", "c++", "/usr/bin/g++") else name if name.startswith("/") else "/x/ninja")
+    problem = build.build_problem()
+    assert problem is not None and "links libstdc++ statically" in problem and "set CXX" in problem, problem
+    with pytest.raises(Exception, match="cannot be built: the C\\+\\+ compiler"):
+        build.build()
+
+
 def test_every_cuda_source_is_in_the_digest() -> None:
     names = {p.name for p in build.CSRC.iterdir()}
     assert names == set(build.SOURCES) | {"kernels.h"}, names

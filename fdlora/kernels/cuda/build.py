@@ -33,6 +33,7 @@ SOURCES = ("ops.cpp", "kernels.cu")
 NAME = "fdlora_cuda"
 ARCHS = "8.0;8.9;9.0;10.0;12.0+PTX"  # A100, L40/4090, H100/H200, B200, RTX 50xx; PTX for what comes next
 FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+RECIPE = "libstdc++ shared"  # in the digest: libraries built before the compiler check are not reused
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def digest() -> str:
     h = hashlib.sha256()
     for name in SOURCES + ("kernels.h",):
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join([*FLAGS, RECIPE]).encode())
     return h.hexdigest()[:12]
 
 
@@ -93,22 +94,45 @@ def _nvcc_version(path: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _links_shared_libstdcxx(cxx: str) -> bool:
+    try:
+        out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return os.path.isabs(out) and os.path.exists(out)  # a bare name back: no shared library, the .a gets linked
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX (cpp_extension's choice, default c++) when it links libstdc++ as a shared
+    library, else the first of g++, c++, /usr/bin/g++ that does; None when none does."""
+    for name in dict.fromkeys([os.environ.get("CXX") or "c++", "g++", "c++", "/usr/bin/g++"]):
+        path = shutil.which(name)
+        if path is not None and _links_shared_libstdcxx(path):
+            return path
+    return None
+
+
 def build_problem() -> str | None:
     """Why the extension cannot be built on this machine, or None."""
-    compiler = nvcc()
-    if compiler is None:
+    cuda_compiler = nvcc()
+    if cuda_compiler is None:
         return (f"nvcc not found; install the CUDA toolkit {torch.version.cuda or 'of your CUDA torch'} or set "
                 "CUDA_HOME to it")
     if torch.version.cuda is None:
         return f"this torch ({torch.__version__}) is built without CUDA; install a CUDA build of torch"
-    version = _nvcc_version(compiler)
+    version = _nvcc_version(cuda_compiler)
     if version is None:
-        return f"{compiler} --version failed; check the CUDA toolkit install"
+        return f"{cuda_compiler} --version failed; check the CUDA toolkit install"
     if version.split(".")[0] != torch.version.cuda.split(".")[0]:
         return (f"nvcc is CUDA {version} but torch was built with CUDA {torch.version.cuda}; install the matching "
                 "toolkit or point CUDA_HOME at it")
     if shutil.which("ninja") is None and shutil.which("ninja", path=os.path.dirname(sys.executable)) is None:
         return "ninja not found; pip install ninja"
+    if compiler() is None:
+        return (f"the C++ compiler ({os.environ.get('CXX') or 'c++'}) links libstdc++ statically, and no g++ or c++ "
+                "on PATH links it as a shared library (a failed check would crash the process); set CXX to one "
+                "that does (`$CXX -print-file-name=libstdc++.so` prints a path)")
     return None
 
 
@@ -142,8 +166,8 @@ def build(verbose: bool = False) -> Path:
             return lib
         print(f"[fdlora] building the CUDA extension for sm {archs()} into {out} (once; about a minute)",
               file=sys.stderr, flush=True)
-        previous = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        os.environ["TORCH_CUDA_ARCH_LIST"] = archs()
+        previous = {k: os.environ.get(k) for k in ("TORCH_CUDA_ARCH_LIST", "CXX")}
+        os.environ["TORCH_CUDA_ARCH_LIST"], os.environ["CXX"] = archs(), compiler()
         if "CUDA_HOME" not in os.environ:
             os.environ["CUDA_HOME"] = str(Path(nvcc()).parent.parent)
         try:
@@ -154,10 +178,11 @@ def build(verbose: bool = False) -> Path:
                                           f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}. Rerun "
                                           "`fdlora env --build-cuda --verbose` to see the compiler output.") from e
         finally:
-            if previous is None:
-                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-            else:
-                os.environ["TORCH_CUDA_ARCH_LIST"] = previous
+            for k, v in previous.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     return lib
 
 
