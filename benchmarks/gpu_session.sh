@@ -27,7 +27,7 @@ for stage in "$@"; do
   case $stage in
     layer) TAIL=3 step 120 python3 benchmarks/probes/profile_layer.py --out "$OUT/results/layer_host.json" ;;
     tests) TAIL=15 step 560 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
-    tests-fast) TAIL=15 step 400 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 tests ;;
+    tests-fast) TAIL=25 step 540 python3 -m pytest -q -rf -m gpu -p no:cacheprovider -n 8 tests ;;
     tests-cuda) TAIL=15 FDLORA_BACKEND=cuda step 400 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 tests ;;
     tests-notriton) T=$(python3 -c "import triton, os; print(os.path.dirname(triton.__file__))"); mv "$T" /tmp/triton_hidden
         TAIL=15 step 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 tests; mv /tmp/triton_hidden "$T" ;;
