@@ -92,12 +92,18 @@ def _full(layer, device: torch.device) -> None:
         elif m.key != key:
             stale.append((lay, m, w, key, lay.scale_blend))
     homeless.sort(key=lambda e: e[2].numel())
+    dropped = False  # every layer's per-prompt copies, released once in this pass
     for lay, m, w, _, _ in homeless:
-        if m._buffer(w) is None and lay.merged.groups:  # per-prompt copies are regenerable: the blend goes first
-            for copy in lay.merged.groups.values():
-                copy.release()
-            lay.merged.groups = {}
+        # per-prompt copies are regenerable and the blend serves every call: it goes first, taking this layer's
+        # copies, then every layer's (other layers' copies may hold the room: Llama-3-8B, session 16, after mixed-
+        # adapter steps the large MLP layers found none and merged into scratch on every prefill call)
+        if m._buffer(w) is None and lay.merged.groups:
+            _drop_groups([lay])
             m.denied = -1
+            m._buffer(w)
+        if m.buf is None and not dropped:
+            _drop_groups(st.members.values())
+            dropped, m.denied = True, -1
             m._buffer(w)
     _merge(st, stale + [e for e in homeless if e[1].buf is not None])
     items, entries = [], []
@@ -109,6 +115,13 @@ def _full(layer, device: torch.device) -> None:
             entries.append((lay, m, w, None, lay.scale_blend))
     st.fast_pass = ((st.epoch, device, BUDGET.generation, st.mode), items, _calls(st, entries))
     PASS_HOLDERS.add(st)
+
+
+def _drop_groups(layers) -> None:
+    for lay in layers:
+        for copy in lay.merged.groups.values():
+            copy.release()
+        lay.merged.groups = {}
 
 
 MAX_GROUP_COPIES = 4  # per-sample blends a layer keeps a copy of (beyond that, least recently used go first)

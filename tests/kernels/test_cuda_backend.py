@@ -424,6 +424,7 @@ def test_eager_layers_keep_one_bound_cuda_call_on_their_hot_path(cops, monkeypat
     switch between them is picked up."""
     pytest.importorskip("triton")
     import fdlora
+    from fdlora.layers import hot
 
     monkeypatch.setattr(registry.backends()["triton+cuda"], "_probed", False)
     with fdlora.use_backend("auto"):
@@ -434,7 +435,7 @@ def test_eager_layers_keep_one_bound_cuda_call_on_their_hot_path(cops, monkeypat
             want = torch.cat([mlp_oracle(model, adapters, x[i:i + 1], a) for i, a in enumerate(per_sample)])
             for _ in range(3):
                 torch.testing.assert_close(model(x).float(), want, rtol=2e-2, atol=2e-2)
-            assert {type(lay.merged.hot[12]).__name__ for lay in layers if lay.merged.hot} == {kind}
+            assert {type(lay.merged.hot[hot.FN]).__name__ for lay in layers if lay.merged.hot} == {kind}
 
         def each(specs):
             return [{} if s is None else {s: 1.0} for s in specs]

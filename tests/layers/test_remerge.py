@@ -95,3 +95,24 @@ def test_with_no_room_a_layer_skips_the_refresh_after_its_first_try(cache_on, mo
         for _ in range(3):
             model(torch.randn(2, SIZES[0][0]))
     assert len(calls) == 1  # one pass found no room for any layer; later calls go straight to the per-call path
+
+
+def test_the_blend_takes_room_from_every_layers_per_prompt_copies(cache_on):
+    """Per-prompt copies fill the budget (smallest layers first, the largest finds none); the next blend call still
+    gets a copy for every layer, the largest included: per-prompt copies are regenerable, and the blend's serve every
+    call (Llama-3-8B, session 16: otherwise its MLP layers merged into scratch on every prefill call)."""
+    model, h, ads = model_and_adapters()
+    fdlora.set_merge_cache(sum(k * n * 4 for k, n in SIZES))  # one copy of every weight
+    x = torch.randn(2, 64, SIZES[0][0])  # 64 rows per sample: the per-prompt path takes per-blend copies
+    with torch.inference_mode():
+        with h.per_sample(["a", "b"]):
+            y = model(x)
+        held = [sum(c.buf is not None for c in layer.merged.groups.values()) for layer in model]
+        assert held == [2, 0, 2, 2], held  # the largest weight (32 x 48) found no room
+        h.set_adapters(["a"], [1.0])
+        y1 = model(x)
+        assert all(layer.merged.buf is not None for layer in model)
+        assert fdlora.merge_cache_bytes() == sum(k * n * 4 for k, n in SIZES)  # the blend's copies, nothing else
+    for i, w in enumerate(([1.0, 0.0], [0.0, 1.0])):
+        torch.testing.assert_close(y[i].double(), oracle(model, ads, w, x[i]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y1.double(), oracle(model, ads, [1.0, 0.0], x), rtol=1e-4, atol=1e-5)
