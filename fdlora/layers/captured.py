@@ -154,7 +154,7 @@ def _mode_key(module: nn.Module) -> tuple:
         return ()
     st = h.state
     if st.mode is Mode.SAMPLES:
-        return (st.mode, tuple((k, id(t)) for k, t in st._group_weight.items()))
+        return (st.mode, tuple(sorted(((k, id(t)) for k, t in st._group_weight.items()), key=str)))
     if st.mode is Mode.ROWS:
         return (st.mode, tuple((d, id(t)) for d, t in st._row_slot.items()))
     return (st.mode,)

@@ -240,7 +240,11 @@ class ModelState:
                 and all(last[b].shape == h.shape and torch.equal(last[b], h) for b, h in host.items())):
             return
         self.__dict__["_sample_host"] = host
-        devices = {d for (_, d) in self._group_weight} or {next(iter(by_batch.values())).device}
+        # every device the layers run on (the scale table's copies), created now rather than at a layer's first call:
+        # a captured step keys on these tensors, and one made during the first capture would make the second call of
+        # the same layout capture again (fdlora.layers.captured)
+        devices = ({d for (_, d) in self._group_weight} | set(self.table._device)
+                   or {next(iter(by_batch.values())).device})
         fresh = {}
         for b, gw in by_batch.items():
             for d in devices:
