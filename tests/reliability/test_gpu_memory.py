@@ -84,10 +84,11 @@ def _growth(cycle, n: int) -> tuple[int, int]:
     return after - alloc, after_cache - cache
 
 
-def test_create_delete_cycles_stay_flat():
+def test_create_delete_cycles_stay_flat(gpu_figures):
     grown, cache = _growth(lambda: _every_path(_model()), 100)
     assert cache == 0, f"the merge-cache budget grew by {cache} bytes over 100 cycles"
     assert grown <= 256 << 10, f"{grown} bytes grew over 100 create/delete cycles"
+    gpu_figures["create_delete"] = {"cycles": 100, "allocated_growth_bytes": grown, "merge_cache_growth_bytes": cache}
 
 
 def test_first_launches_skip_autotuning_when_memory_is_short(monkeypatch):
