@@ -4,7 +4,9 @@ Each side gets the same UNet (fp16, real config, random weights built on the GPU
 attn+ff+proj, then, for each free-memory level (after the model and its adapters are on the GPU), a filler tensor
 takes the rest and the side runs: a step on one adapter, a switch to the other, a 2-blend, and for fd-lora a
 per-prompt batch. A step passes when it returns finite outputs equal (within the dtype's tolerance, and well below
-the LoRA's effect) to the same step with memory to spare; an out-of-memory is recorded as such. Rows go to
+the LoRA's effect) to the same step with memory to spare; an out-of-memory is recorded as such. At the lowest level a
+32-image batch then runs out of memory inside the step (the error must reach the caller), and every step runs again
+("<step>_after_oom": the adapters must still give the same outputs). Rows go to
 benchmarks/results/reliability.json under "gpu" -> the device name -> "pressure".
 
     python3 benchmarks/bench_pressure.py --out benchmarks/results/reliability.json   # GPU, ~3 min
@@ -92,26 +94,38 @@ def run_side(side: str, dev: torch.device, smoke: bool) -> list[dict]:
     base_in = inp[2]
     calls = steps(side, unet, inp)
     rows = []
+    oversized = fullsize.sdxl_inputs(unet, 32, fullsize.SDXL_TOKENS_TINY if smoke else fullsize.SDXL_TOKENS)
     with torch.inference_mode():
         want = {name: fn().float().cpu() for name, fn in calls.items()}  # memory to spare
         effect = float((want["one"] - _base(side, unet, base_in).float().cpu()).abs().max())
+
+        def check(level, free, name, fn) -> dict:
+            row = {"side": side, "free_gib": level, "free_measured_gib": free, "step": name}
+            try:
+                got, ref = fn().float().cpu(), want[name.removesuffix("_after_oom")]
+                err = float((got - ref).abs().max()) / float(ref.abs().max())
+                ok = bool(torch.isfinite(got).all()) and err <= TOL and err * float(ref.abs().max()) <= 0.5 * effect
+                row.update(outcome="ok" if ok else "wrong", rel_err=err)
+            except torch.OutOfMemoryError as e:
+                row.update(outcome="oom", error=str(e).splitlines()[0][:160])
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"  {side:15} free {level} GiB  {name:18} {row['outcome']}", flush=True)
+            return row
+
         for level in (LEVELS if dev.type == "cuda" else (None,)):
             filler = fill(dev, level)
             free = torch.cuda.mem_get_info()[0] / GIB if dev.type == "cuda" else None
-            for name, fn in calls.items():
-                row = {"side": side, "free_gib": level, "free_measured_gib": free, "step": name}
+            rows += [check(level, free, name, fn) for name, fn in calls.items()]
+            if level == LEVELS[-1]:  # a real out-of-memory inside a step (a 32-image batch), then every step again
                 try:
-                    got = fn().float().cpu()
-                    err = float((got - want[name]).abs().max()) / float(want[name].abs().max())
-                    ok = bool(torch.isfinite(got).all()) and err <= TOL and err * float(want[name].abs().max()) \
-                        <= 0.5 * effect
-                    row.update(outcome="ok" if ok else "wrong", rel_err=err)
-                except torch.OutOfMemoryError as e:
-                    row.update(outcome="oom", error=str(e).splitlines()[0][:160])
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                rows.append(row)
-                print(f"  {side:15} free {level} GiB  {name:10} {row['outcome']}", flush=True)
+                    unet(**oversized)
+                    outcome = "no oom"
+                except torch.OutOfMemoryError:
+                    outcome = "oom raised"
+                rows.append({"side": side, "free_gib": level, "step": "oversized_batch", "outcome": outcome})
+                print(f"  {side:15} free {level} GiB  oversized_batch    {outcome}", flush=True)
+                rows += [check(level, free, f"{name}_after_oom", fn) for name, fn in calls.items()]
             del filler
     del unet, calls
     gc.collect()

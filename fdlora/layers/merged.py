@@ -212,9 +212,18 @@ class MergedWeight:
     def weight_on_device(self, layer, W: torch.Tensor) -> torch.Tensor | None:
         """W' for calls that must not decide on the host (compiled, captured, frozen): the merge launches every
         call and returns at once on the device unless the blend weights or the bank changed since it last ran.
-        None if the budget has no room."""
+        A call that is not being captured skips the launch while the host key still matches the last merge (eager,
+        or stamped: launched in stream order after the state's device write), as a compiled graph run eagerly
+        does every step: one launch less per layer. None if the budget has no room."""
         if self._buffer(W) is None:
             return None
+        capturing = W.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = merged_key(layer, W)
+        if not capturing:
+            if self.key == key:
+                return self.buf
+            if self.key is None or self.key[2:] != key[2:]:  # W replaced or edited in place: the stamp cannot tell
+                self._mark_stale()
         b, stamp = layer.bank, self._stamp(layer)
         at = (self.buf.data_ptr(), W.data_ptr(), b.A.data_ptr(), b.B.data_ptr(), layer.scale_blend.data_ptr(),
               stamp.data_ptr())
@@ -223,8 +232,9 @@ class MergedWeight:
             kept[1]()  # the same launch, every argument bound: the check (and a merge if stale) on the device
         else:
             self.kept = (at, layer.prepare_merge(self.buf, W, stamp))
-        self.key = None  # the eager key no longer vouches for the buffer
-        if W.is_cuda and torch.cuda.is_current_stream_capturing():
+        # captured: replays re-merge without the host, so no host key vouches for the buffer after this
+        self.key = None if capturing else key
+        if capturing:
             self.pinned = True
         return self.buf
 

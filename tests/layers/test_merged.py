@@ -160,6 +160,36 @@ def test_frozen_and_compiled_calls_use_the_cache_checked_on_the_device(cache):
         assert cached(model) == []
 
 
+def test_a_frozen_call_not_being_captured_skips_the_merge_launch_while_nothing_changed(cache, monkeypatch):
+    """Compiled graphs run eagerly every step: their merged_linear launches no device check while the host key of
+    the last merge still holds, and the first call after a switch merges (outputs against the oracle)."""
+    from fdlora.layers.fused import FusedLoraLinear
+
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=3, max_rank=8)
+    a = lora(1)
+    x = torch.randn(5, 32)
+    launches = []
+    real = FusedLoraLinear.prepare_merge
+    monkeypatch.setattr(FusedLoraLinear, "prepare_merge", lambda self, *a: launches.append(self.path) or real(self, *a))
+    with torch.no_grad():
+        h.add_adapter(a, "a")
+        h.freeze()
+        close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert sorted(launches) == PATHS
+        launches.clear()
+        for _ in range(3):
+            close(model(x), oracle(model, x, {"a": (a, 1.0)}))
+        assert launches == []
+        h.set_adapters("a", 0.3)
+        close(model(x), oracle(model, x, {"a": (a, 0.3)}))
+        assert sorted(launches) == PATHS
+        h.layers["0"].base.weight.mul_(0.5)  # in place under the layer: its key moves, the other's holds
+        launches.clear()
+        close(model(x), oracle(model, x, {"a": (a, 0.3)}))
+        assert launches == ["0"]
+
+
 def test_bad_limit_names_the_fix():
     with pytest.raises(fdlora.errors.ConfigError, match="byte count"):
         fdlora.set_merge_cache("lots")
