@@ -436,6 +436,8 @@ def test_eager_layers_keep_one_bound_cuda_call_on_their_hot_path(cops, monkeypat
             for _ in range(3):
                 torch.testing.assert_close(model(x).float(), want, rtol=2e-2, atol=2e-2)
             assert {type(lay.merged.hot[hot.FN]).__name__ for lay in layers if lay.merged.hot} == {kind}
+            if kind == "BoundGroups":  # each job one planned cuBLASLt matmul, the bias in its epilogue
+                assert all(lay.merged.hot[hot.FN].planned for lay in layers if lay.merged.hot)
 
         def each(specs):
             return [{} if s is None else {s: 1.0} for s in specs]

@@ -15,6 +15,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -373,11 +374,90 @@ struct BoundRows {
 // and batch layout): y = x W_g^T (+ bias) for every job (g, first row, rows, count, stride): rows first + i * stride
 // up to + rows, i < count, on weight g, as one cuBLAS strided-batched GEMM (a CFG batch's prompt p: count 2, stride
 // of a half). Pointer offsets, no views: the host cost is the output and one cuBLAS call per job.
+// One per-prompt job as a cuBLASLt matmul planned once (layouts, bias epilogue, algorithm): a call is one launch
+// with no heuristic query and no bias pre-fill. Y block^T (N x rows, ld N) = W^T-read (N x K) x X block^T (K x rows),
+// count blocks `stride` rows apart, + bias per output feature. `ok` false: no algorithm (the cuBLAS path runs).
+struct LtJob {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool ok = false;
+  LtJob(int64_t N, int64_t K, int64_t rows, int64_t count, int64_t stride, cudaDataType_t t, const void* bias,
+        size_t workspace) {
+    if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return;
+    const cublasOperation_t tr = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof(tr));
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt));
+    if (bias != nullptr) {
+      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
+    }
+    if (cublasLtMatrixLayoutCreate(&a, t, K, N, K) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&b, t, K, rows, K) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&c, t, N, rows, N) != CUBLAS_STATUS_SUCCESS) return;
+    if (count > 1) {
+      const int32_t n = (int32_t)count;
+      const int64_t a_off = 0, b_off = stride * K, c_off = stride * N;
+      for (auto* l : {a, b, c}) cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof(n));
+      cublasLtMatrixLayoutSetAttribute(a, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &a_off, sizeof(a_off));
+      cublasLtMatrixLayoutSetAttribute(b, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &b_off, sizeof(b_off));
+      cublasLtMatrixLayoutSetAttribute(c, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &c_off, sizeof(c_off));
+    }
+    cublasLtMatmulPreference_t pref = nullptr;
+    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return;
+    const uint32_t align = 16;  // every call's blocks start 16-byte aligned (checked per call)
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    cublasLtMatmulHeuristicResult_t found{};
+    int returned = 0;
+    ok = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), op, a, b, c, c, pref, 1, &found,
+                                        &returned) == CUBLAS_STATUS_SUCCESS && returned > 0;
+    if (ok) algo = found.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+  }
+  ~LtJob() {
+    for (auto* l : {a, b, c})
+      if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
+    if (op != nullptr) cublasLtMatmulDescDestroy(op);
+  }
+  LtJob(const LtJob&) = delete;
+  LtJob& operator=(const LtJob&) = delete;
+};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+constexpr size_t LT_WORKSPACE = 4 << 20;  // bytes a planned matmul may use (Hopper's split-K kernels want some)
+
+// The eager per-prompt layer call (fdlora/layers/fused.py, _grouped_forward) with its copies bound: each job (count
+// blocks of `rows` rows, `stride` rows apart, on one weight) is one planned cuBLASLt matmul with the bias in its
+// epilogue; a job Lt has no plan for runs as one strided-batched cuBLAS GEMM onto a bias pre-fill.
 struct BoundGroups {
   std::vector<at::Tensor> weights;  // [N, K] row-major, x's dtype
   c10::optional<at::Tensor> bias;
   std::vector<int64_t> jobs;  // 5 per job
   int64_t M;
+  std::vector<std::shared_ptr<LtJob>> lt;  // one per job (planned for W0's device and dtype)
+  bool all_lt = false;
+  BoundGroups(std::vector<at::Tensor> weights_, c10::optional<at::Tensor> bias_, std::vector<int64_t> jobs_,
+              int64_t M_)
+      : weights(std::move(weights_)), bias(std::move(bias_)), jobs(std::move(jobs_)), M(M_) {
+    const at::Tensor& W0 = weights.at(0);
+    c10::cuda::CUDAGuard guard(W0.device());
+    const int64_t N = W0.size(0), K = W0.size(1);
+    const void* bp = bias.has_value() ? bias->data_ptr() : nullptr;
+    const bool usable = (bp == nullptr || (bias->is_contiguous() && bias->scalar_type() == W0.scalar_type() &&
+                                           aligned16(bp))) && N % 8 == 0 && K % 8 == 0;
+    all_lt = usable;
+    for (size_t j = 0; j + 4 < jobs.size(); j += 5) {
+      auto job = usable ? std::make_shared<LtJob>(N, K, jobs[j + 2], jobs[j + 3], jobs[j + 4],
+                                                  cuda_type(W0.scalar_type()), bp, LT_WORKSPACE)
+                        : nullptr;
+      all_lt = all_lt && job && job->ok && aligned16(weights.at(jobs[j]).data_ptr());
+      lt.push_back(job);
+    }
+  }
   at::Tensor operator()(const at::Tensor& x_in) const {
     const at::Tensor& W0 = weights.at(0);
     const int64_t N = W0.size(0), K = W0.size(1);
@@ -388,6 +468,29 @@ struct BoundGroups {
     sizes.back() = N;
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
     c10::cuda::CUDAGuard guard(x.device());
+    const int64_t elt = x.element_size();
+    if (all_lt && aligned16(x.data_ptr()) && M > 0) {
+      at::Tensor y = at::empty({M, N}, x.options());
+      auto* xp = static_cast<char*>(x.data_ptr());
+      auto* yp = static_cast<char*>(y.data_ptr());
+      const float alpha = 1.f, beta = 0.f;
+      cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+      cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+      at::Tensor ws = at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));  // from the caching allocator
+      for (size_t j = 0, i = 0; j + 4 < jobs.size(); j += 5, ++i) {
+        const int64_t first = jobs[j + 1], rows = jobs[j + 2], count = jobs[j + 3], stride = jobs[j + 4];
+        TORCH_CHECK(first >= 0 && rows >= 0 && count >= 1 && first + (count - 1) * stride + rows <= M,
+                    "fdlora_cuda.BoundGroups: a job reaches past the ", M, " rows");
+        if (rows == 0) continue;
+        void* xb = xp + first * K * elt;
+        void* yb = yp + first * N * elt;
+        TORCH_CHECK(aligned16(xb) && aligned16(yb), "fdlora_cuda.BoundGroups: a block is not 16-byte aligned");
+        const LtJob& p = *lt[i];
+        TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, weights.at(jobs[j]).data_ptr(), p.a, xb, p.b, &beta,
+                                            yb, p.c, yb, p.c, &p.algo, ws.data_ptr(), LT_WORKSPACE, stream));
+      }
+      return y.view(sizes);
+    }
     float beta = 0.f;
     at::Tensor y;
     if (bias.has_value()) {
@@ -400,7 +503,6 @@ struct BoundGroups {
     cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
     const cudaDataType_t t = cuda_type(x.scalar_type());
     const float alpha = 1.f;
-    const int64_t elt = x.element_size();
     auto* xp = static_cast<char*>(x.data_ptr());
     auto* yp = static_cast<char*>(y.data_ptr());
     for (size_t j = 0; j + 4 < jobs.size(); j += 5) {
@@ -437,6 +539,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           at::Tensor>())
       .def("__call__", &fdlora_cuda::BoundRows::operator());
   pybind11::class_<fdlora_cuda::BoundGroups>(m, "BoundGroups")
+      .def_readonly("planned", &fdlora_cuda::BoundGroups::all_lt)
       .def(pybind11::init<std::vector<at::Tensor>, c10::optional<at::Tensor>, std::vector<int64_t>, int64_t>())
       .def("__call__", &fdlora_cuda::BoundGroups::operator());
 }
