@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 from pipelines.transformers.models import built, ids
+from support.threads import run_threads
 
 import fdlora
 from fdlora.errors import UnknownAdapterError
@@ -29,27 +30,6 @@ def model():
     fdlora.load_fd_lora(m, b.dirs["two"], "two")
     m.generation_config.pad_token_id = 0
     return m
-
-
-def _run_threads(targets):
-    errors: list[BaseException] = []
-
-    def guard(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread
-                errors.append(e)
-        return run
-
-    threads = [threading.Thread(target=guard(t)) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a thread hung (deadlock?)"
-    if errors:
-        raise errors[0]
 
 
 def _churn(model, stop: threading.Event, counts: list[int]):
@@ -95,7 +75,7 @@ def test_concurrent_forward_and_generate_never_bleed(model, figures):
     churn = threading.Thread(target=_churn(model, stop, churned))
     churn.start()
     try:
-        _run_threads([forward_thread(t) for t in range(4)] + [generate_thread(t) for t in range(2)])
+        run_threads([forward_thread(t) for t in range(4)] + [generate_thread(t) for t in range(2)])
     finally:
         stop.set()
         churn.join(timeout=60)
@@ -125,7 +105,7 @@ def test_request_naming_a_deleted_adapter_fails_clearly(model):
         except UnknownAdapterError as e:
             outcome.append(e)
 
-    _run_threads([deleter, request])
+    run_threads([deleter, request])
     assert isinstance(outcome[0], UnknownAdapterError), f"got an output instead of an error: {outcome[0]!r}"
     assert "doomed" in str(outcome[0])
 
@@ -150,7 +130,7 @@ def test_delete_waits_for_a_generate_in_flight(model):
 
     handle = model.register_forward_pre_hook(lambda *_: started.set())  # runs inside the locked call
     try:
-        _run_threads([gen, delete])
+        run_threads([gen, delete])
     finally:
         handle.remove()
     assert torch.equal(out[0], want)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save
 from support import loras, tiny
+from support.threads import run_threads
 
 import fdlora
 from fdlora import LoraAdapter, ModuleLora
@@ -202,27 +203,6 @@ def test_soak_on_cuda(gpu_figures, tmp_path):
 # --- 2. threads --------------------------------------------------------------------------------------------------
 
 
-def _run_threads(targets) -> None:
-    errors: list[BaseException] = []
-
-    def guard(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread
-                errors.append(e)
-        return run
-
-    started = [threading.Thread(target=guard(t)) for t in targets]
-    for t in started:
-        t.start()
-    for t in started:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in started), "a thread hung (deadlock?)"
-    if errors:
-        raise errors[0]
-
-
 def _louder(src: str, dst, k: float) -> str:
     """A copy of the PEFT folder `src` whose alphas are `k` times larger (its delta k times larger)."""
     shutil.copytree(src, dst)
@@ -332,7 +312,7 @@ def threads(dev: torch.device, tmp_path) -> dict:
         ch = threading.Thread(target=churn, args=(stop,))
         ch.start()
         try:
-            _run_threads([worker(k, t, got) for k, per in calls.items() for t in range(len(per))])
+            run_threads([worker(k, t, got) for k, per in calls.items() for t in range(len(per))])
         finally:
             stop.set()
             ch.join(timeout=60)
