@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 16: the extension's crash on a failed TORCH_CHECK, narrowed (printed, no JSON). Needs the extension built.
+# Showed (H100, session 16; printed, no JSON): the crash is in the extension's own static copy of libstdc++ (ostream
+# insert called from c10::operator<<); rebuilt with /usr/bin/g++ (libstdc++.so.6 in NEEDED) every probed case raises.
 export PYTHONPATH=/tmp/site:$PWD
 SO=$(python3 -c "from fdlora.kernels.cuda import build; print(build.status().library)")
 echo "CXX=${CXX:-unset} CC=${CC:-unset}; which g++: $(which g++)"; ls -la /opt/gcc/bin/g++ 2>/dev/null

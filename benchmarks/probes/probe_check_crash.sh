@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Why does a failed TORCH_CHECK in the fd-lora CUDA extension crash the process? (session 16; printed, no JSON)
+# Showed (H100, session 16; printed, no JSON): load_inline modules raise a failed TORCH_CHECK, the fd-lora extension
+# built by the host's /opt/gcc/bin/g++ (static libstdc++) segfaults on it (fixed in fdlora/kernels/cuda/build.py).
 #   bash benchmarks/probes/probe_check_crash.sh   (PYTHONPATH with fdlora; the extension built)
 set -u
 gcc --version | head -1; (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>/dev/null | tail -2
