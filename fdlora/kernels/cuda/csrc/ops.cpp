@@ -211,6 +211,16 @@ void merge_one(at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const 
                ranks.data_ptr<int>(), gw, gw_s1, stamp, version, W.device());
 }
 
+// y = x W^T (+ bias), x [M, K] rows contiguous: cuBLAS directly for a row-major W without bias, else at::linear.
+at::Tensor base_linear(const at::Tensor& x, const at::Tensor& W, const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), N = W.size(0), K = W.size(1);
+  if (bias.has_value() || W.stride(1) != 1 || M == 0) return at::linear(x, W, bias);
+  at::Tensor y = at::empty({M, N}, x.options());
+  gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, W.data_ptr(), W.stride(0), x.data_ptr(), x.stride(0), 0.f, y.data_ptr(), N,
+       W.scalar_type());
+  return y;
+}
+
 at::Tensor lora_linear(const at::Tensor& x_in, const at::Tensor& W, const c10::optional<at::Tensor>& bias,
                        const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
                        const at::Tensor& group_weight, const at::Tensor& ranks) {
@@ -232,21 +242,9 @@ at::Tensor lora_linear(const at::Tensor& x_in, const at::Tensor& W, const c10::o
     // Wm^T (column-major K x N) += Am^T (K x SR) Bm^T (SR x N): row-major Wm += Bm Am, fp32 sum, one rounding
     gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, N, SR, Am.data_ptr(), K, Bm.data_ptr(), SR, 1.f, Wm.data_ptr(), K,
          W.scalar_type());
-    if (bias.has_value()) return at::addmm(*bias, x, Wm.t());
-    auto y = at::empty({M, N}, x.options());
-    // y^T (column-major N x M) = Wm (row-major N x K, read transposed) x^T
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, Wm.data_ptr(), K, x.data_ptr(), x.stride(0), 0.f, y.data_ptr(), N,
-         W.scalar_type());
-    return y;
+    return base_linear(x, Wm, bias);
   }
-  at::Tensor y;
-  if (bias.has_value() || W.stride(1) != 1 || x.size(0) == 0) {
-    y = at::linear(x, W, bias);
-  } else {
-    y = at::empty({M, N}, x.options());
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, W.data_ptr(), W.stride(0), x.data_ptr(), x.stride(0), 0.f, y.data_ptr(), N,
-         W.scalar_type());
-  }
+  at::Tensor y = base_linear(x, W, bias);
   delta_impl(y, x, A, B, scale, ranks, weights_of(scale, group_weight, c10::nullopt, M), "lora_linear");
   return y;
 }
@@ -357,23 +355,12 @@ struct BoundRows {
     sizes.back() = N;
     const at::Tensor x = rows_contiguous(x_in.reshape({M, K}));
     c10::cuda::CUDAGuard guard(x.device());
-    at::Tensor y;
-    if (bias.has_value() || W.stride(1) != 1 || M == 0) {
-      y = at::linear(x, W, bias);
-    } else {
-      y = at::empty({M, N}, x.options());
-      gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, W.data_ptr(), W.stride(0), x.data_ptr(), x.stride(0), 0.f, y.data_ptr(),
-           N, W.scalar_type());
-    }
+    at::Tensor y = base_linear(x, W, bias);
     delta_impl(y, x, A, B, scale, ranks, weights_of(scale, c10::nullopt, row_slot, M), "lora_delta_rows");
     return y.view(sizes);
   }
 };
 
-// Per-prompt rows, each group on its own merged weight (fdlora/layers/fused.py _grouped_forward keeps one per layer
-// and batch layout): y = x W_g^T (+ bias) for every job (g, first row, rows, count, stride): rows first + i * stride
-// up to + rows, i < count, on weight g, as one cuBLAS strided-batched GEMM (a CFG batch's prompt p: count 2, stride
-// of a half). Pointer offsets, no views: the host cost is the output and one cuBLAS call per job.
 // One per-prompt job as a cuBLASLt matmul planned once (layouts, bias epilogue, algorithm): a call is one launch
 // with no heuristic query and no bias pre-fill. Y block^T (N x rows, ld N) = W^T-read (N x K) x X block^T (K x rows),
 // count blocks `stride` rows apart, + bias per output feature. `ok` false: no algorithm (the cuBLAS path runs).
@@ -469,53 +456,49 @@ struct BoundGroups {
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
     c10::cuda::CUDAGuard guard(x.device());
     const int64_t elt = x.element_size();
-    if (all_lt && aligned16(x.data_ptr()) && M > 0) {
-      at::Tensor y = at::empty({M, N}, x.options());
-      auto* xp = static_cast<char*>(x.data_ptr());
-      auto* yp = static_cast<char*>(y.data_ptr());
-      const float alpha = 1.f, beta = 0.f;
-      cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-      cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-      at::Tensor ws = at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));  // from the caching allocator
-      for (size_t j = 0, i = 0; j + 4 < jobs.size(); j += 5, ++i) {
-        const int64_t first = jobs[j + 1], rows = jobs[j + 2], count = jobs[j + 3], stride = jobs[j + 4];
-        TORCH_CHECK(first >= 0 && rows >= 0 && count >= 1 && first + (count - 1) * stride + rows <= M,
-                    "fdlora_cuda.BoundGroups: a job reaches past the ", M, " rows");
-        if (rows == 0) continue;
-        void* xb = xp + first * K * elt;
-        void* yb = yp + first * N * elt;
-        TORCH_CHECK(aligned16(xb) && aligned16(yb), "fdlora_cuda.BoundGroups: a block is not 16-byte aligned");
-        const LtJob& p = *lt[i];
-        TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, weights.at(jobs[j]).data_ptr(), p.a, xb, p.b, &beta,
-                                            yb, p.c, yb, p.c, &p.algo, ws.data_ptr(), LT_WORKSPACE, stream));
-      }
-      return y.view(sizes);
-    }
+    const bool planned = all_lt && aligned16(x.data_ptr());
     float beta = 0.f;
     at::Tensor y;
-    if (bias.has_value()) {
+    if (bias.has_value() && !planned) {
       y = bias->expand({M, N}).contiguous();  // the GEMMs add onto it (fp32 sum, one rounding, as addmm)
       beta = 1.f;
     } else {
       y = at::empty({M, N}, x.options());
     }
     if (M == 0 || N == 0) return y.view(sizes);
-    cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-    const cudaDataType_t t = cuda_type(x.scalar_type());
     const float alpha = 1.f;
+    const cudaDataType_t t = cuda_type(x.scalar_type());
     auto* xp = static_cast<char*>(x.data_ptr());
     auto* yp = static_cast<char*>(y.data_ptr());
-    for (size_t j = 0; j + 4 < jobs.size(); j += 5) {
+    at::Tensor ws;  // a planned matmul's workspace, from the caching allocator
+    cublasLtHandle_t lt_handle = nullptr;
+    cublasHandle_t handle = nullptr;
+    if (planned) {
+      ws = at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));
+      lt_handle = at::cuda::getCurrentCUDABlasLtHandle();
+    } else {
+      handle = at::cuda::getCurrentCUDABlasHandle();
+    }
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    for (size_t j = 0, i = 0; j + 4 < jobs.size(); j += 5, ++i) {
       const at::Tensor& W = weights.at(jobs[j]);
       const int64_t first = jobs[j + 1], rows = jobs[j + 2], count = jobs[j + 3], stride = jobs[j + 4];
       TORCH_CHECK(first >= 0 && rows >= 0 && count >= 1 && first + (count - 1) * stride + rows <= M,
                   "fdlora_cuda.BoundGroups: a job reaches past the ", M, " rows");
       if (rows == 0) continue;
-      // y block^T (column-major N x rows) = W (row-major N x K, read transposed) x block^T
-      TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
-          handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &alpha, W.data_ptr(), t, (int)W.stride(0), 0,
-          xp + first * K * elt, t, (int)K, stride * K, &beta, yp + first * N * elt, t, (int)N, stride * N, (int)count,
-          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      void* xb = xp + first * K * elt;
+      void* yb = yp + first * N * elt;
+      if (planned) {
+        TORCH_CHECK(aligned16(xb) && aligned16(yb), "fdlora_cuda.BoundGroups: a block is not 16-byte aligned");
+        const LtJob& p = *lt[i];
+        TORCH_CUDABLAS_CHECK(cublasLtMatmul(lt_handle, p.op, &alpha, W.data_ptr(), p.a, xb, p.b, &beta, yb, p.c, yb,
+                                            p.c, &p.algo, ws.data_ptr(), LT_WORKSPACE, stream));
+      } else {  // y block^T (column-major N x rows) = W (row-major N x K, read transposed) x block^T
+        TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
+            handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &alpha, W.data_ptr(), t, (int)W.stride(0), 0,
+            xb, t, (int)K, stride * K, &beta, yb, t, (int)N, stride * N, (int)count, CUBLAS_COMPUTE_32F,
+            CUBLAS_GEMM_DEFAULT));
+      }
     }
     return y.view(sizes);
   }
