@@ -244,13 +244,17 @@ class MergedWeight:
     def __reduce__(self):
         return MergedWeight, ()
 
+    def release_groups(self) -> None:
+        """Give back the per-prompt copies (regenerable: a per-prompt call merges them again)."""
+        for copy in self.groups.values():
+            copy.release()
+        self.groups = {}
+
     def release(self) -> None:
         """Give the buffer's bytes back to the budget; a buffer a CUDA graph captured is kept and only marked stale
         (its next use re-merges: fuse / unfuse change W in place, which a replay then reads)."""
         self.hot = None
-        for copy in self.groups.values():
-            copy.release()
-        self.groups = {}
+        self.release_groups()
         for st in list(PASS_HOLDERS):  # a kept refresh must neither keep this buffer alive nor write it
             st.fast_pass = None
         PASS_HOLDERS.clear()

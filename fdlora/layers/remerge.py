@@ -98,11 +98,12 @@ def _full(layer, device: torch.device) -> None:
         # copies, then every layer's (other layers' copies may hold the room: Llama-3-8B, session 16, after mixed-
         # adapter steps the large MLP layers found none and merged into scratch on every prefill call)
         if m._buffer(w) is None and lay.merged.groups:
-            _drop_groups([lay])
+            m.release_groups()
             m.denied = -1
             m._buffer(w)
         if m.buf is None and not dropped:
-            _drop_groups(st.members.values())
+            for other in st.members.values():
+                other.merged.release_groups()
             dropped, m.denied = True, -1
             m._buffer(w)
     _merge(st, stale + [e for e in homeless if e[1].buf is not None])
@@ -115,13 +116,6 @@ def _full(layer, device: torch.device) -> None:
             entries.append((lay, m, w, None, lay.scale_blend))
     st.fast_pass = ((st.epoch, device, BUDGET.generation, st.mode), items, _calls(st, entries))
     PASS_HOLDERS.add(st)
-
-
-def _drop_groups(layers) -> None:
-    for lay in layers:
-        for copy in lay.merged.groups.values():
-            copy.release()
-        lay.merged.groups = {}
 
 
 MAX_GROUP_COPIES = 4  # per-sample blends a layer keeps a copy of (beyond that, least recently used go first)
