@@ -218,8 +218,9 @@ class MergedWeight:
         if self._buffer(W) is None:
             return None
         capturing = W.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = merged_key(layer, W)
-        if not capturing:
+        # the host key this merge holds; none under capture (replays re-merge without the host)
+        key = None if capturing else merged_key(layer, W)
+        if key is not None:
             if self.key == key:
                 return self.buf
             if self.key is None or self.key[2:] != key[2:]:  # W replaced or edited in place: the stamp cannot tell
@@ -232,8 +233,7 @@ class MergedWeight:
             kept[1]()  # the same launch, every argument bound: the check (and a merge if stale) on the device
         else:
             self.kept = (at, layer.prepare_merge(self.buf, W, stamp))
-        # captured: replays re-merge without the host, so no host key vouches for the buffer after this
-        self.key = None if capturing else key
+        self.key = key
         if capturing:
             self.pinned = True
         return self.buf
