@@ -73,6 +73,18 @@ gc.callbacks.append(GC.hook)
 NAMES, BLEND, FINAL = ["a0", "a1", "a2", "a3"], [0.7, 0.5, 0.3, 0.2], 0.7
 
 
+def cuda_step_ms(fn) -> tuple[float, float]:
+    """(ms between CUDA events around fn, host ms until fn returned: its last launch)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t) * 1e3
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), host
+
+
 class Run:
     """One invocation: device, dtype, rounds, which cases run, and the rows and failures recorded."""
 
@@ -104,14 +116,7 @@ class Run:
         if self.dev.type != "cuda":
             ms = step_ms(fn, self.dev)
             return ms, ms, GC.ms - gc_before
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = time.perf_counter()
-        fn()
-        host = (time.perf_counter() - t) * 1e3
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end), host, GC.ms - gc_before
+        return (*cuda_step_ms(fn), GC.ms - gc_before)
 
     def interleaved(self, base, fn) -> tuple[float, float, float]:
         """(median ms, median base ms, median of per-round ratios); the order alternates so neither always follows

@@ -30,17 +30,6 @@ from fdlora.layers import hot  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
 
 
-def timed(fn):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    t = time.perf_counter()
-    fn()
-    host = (time.perf_counter() - t) * 1e3
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e), host
-
-
 def rounds(named: dict, n: int) -> dict:
     for f in named.values():
         f(), f()
@@ -48,7 +37,7 @@ def rounds(named: dict, n: int) -> dict:
     keys = list(named)
     for r in range(n):
         for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            t[k].append(timed(named[k]))
+            t[k].append(bf.cuda_step_ms(named[k]))
     return {k: {"ms": statistics.median(a for a, _ in v), "host_ms": statistics.median(h for _, h in v)}
             for k, v in t.items()}
 
