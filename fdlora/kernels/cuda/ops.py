@@ -105,8 +105,8 @@ def prepare_linear_rows(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | N
 def prepare_groups(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, jobs: list[int]):
     """Per-prompt groups of x's rows, each on its own merged weight, bound in C++: `run(x)` -> y. jobs: 5 ints per
     job (weight index, first row, rows, count, stride): count blocks of `rows` rows, `stride` rows apart, on one
-    weight (one cuBLASLt matmul planned at bind time, or one strided-batched cuBLAS GEMM). None for calls that must go through the dispatcher or weights that are
-    not contiguous in x's dtype on x's device."""
+    weight (one cuBLASLt matmul planned at bind time, or one strided-batched cuBLAS GEMM). None for calls that must
+    go through the dispatcher or weights that are not contiguous in x's dtype on x's device."""
     if (not (direct(x, *weights) and (bias is None or direct(bias)))
             or any(w.dtype != x.dtype or w.device != x.device or not w.is_contiguous() for w in weights)):
         return None
