@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from torch import nn
 import fdlora
 from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
+from fdlora.kernels import registry
 from fdlora.layers import shared
 from fdlora.layers.shared import ShrinkGroup
 
@@ -382,8 +384,9 @@ TRITON_CASES = [
 ]
 
 
-def _triton_case(dtype, mode, device):
-    with fdlora.use_backend("triton"):  # (other tests' CPU models in this process keep loading: calls-only refusal)
+def _triton_case(dtype, mode, device, monkeypatch):
+    monkeypatch.setattr(registry, "_layers", weakref.WeakSet())  # other tests' live models keep their backends
+    with fdlora.use_backend("triton"):
         net, group = qkv_model(dtype, Sub, K=40, N=(48, 24, 24), device=device)  # (pinned triton refuses a CPU bank)
         x = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(5)).to(device, dtype)
         layers = fdlora.handle(net).layers
@@ -415,17 +418,18 @@ def _triton_case(dtype, mode, device):
 
 @pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter's child process")
 @pytest.mark.parametrize("dtype,mode", TRITON_CASES)
-def test_triton_group_matches_oracle_interpreted(dtype, mode):
-    _triton_case(dtype, mode, "cpu")
+def test_triton_group_matches_oracle_interpreted(dtype, mode, monkeypatch):
+    _triton_case(dtype, mode, "cpu", monkeypatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,mode", TRITON_CASES)
-def test_triton_group_matches_oracle_cuda(dtype, mode):
+def test_triton_group_matches_oracle_cuda(dtype, mode, monkeypatch):
+    pytest.importorskip("triton")
     if mode == "rows":
         pytest.skip("on CUDA, per-row calls take eager decode's kept launch (fdlora.layers.decode)")
-    _triton_case(dtype, mode, "cuda")
+    _triton_case(dtype, mode, "cuda", monkeypatch)
 
 
 @pytest.mark.skipif(INTERPRET, reason="this process already interprets")

@@ -102,7 +102,7 @@ def _outputs(m) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def llama_ref(llama):
-    with torch.no_grad():
+    with torch.no_grad(), fdlora.use_backend("auto"):  # a CPU reference, whatever FDLORA_BACKEND pins
         return _outputs(_load(_fresh(llama), llama))
 
 
