@@ -164,13 +164,33 @@ def layer_host_us(backend: str) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="JSON file; with --shapes, its rows for other shapes are kept")
+    ap.add_argument("--shapes", help="comma-separated label prefixes to measure (default: all); skips the host table")
     args = ap.parse_args()
+    only = tuple(args.shapes.split(",")) if args.shapes else None
+    kept = json.loads(args.out.read_text()) if only and args.out and args.out.exists() else {}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     cuda_ops, triton_ops = registry.ops("cuda"), registry.ops("triton")
     print(f"library ready in {time.time() - t0:.1f} s", flush=True)
+    layer = kept.get("layer_host_us", {})
+    rows = [r for r in kept.get("ops", []) if not r["shape"].startswith(only or ())]
+    if only is None:
+        layer = host_table(cuda_ops)
+    for (label, M, K, N, S, R, ranks, weights, dtype, mode) in SHAPES:
+        if only is not None and not label.startswith(only):
+            continue
+        measure_shape(cuda_ops, triton_ops, label, M, K, N, S, R, ranks, weights, dtype, mode, rows, layer, args.out)
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                  ops=rows, layer_host_us=layer)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def host_table(cuda_ops) -> dict:
+    """Host us per layer call: the fused layer on each backend, nn.Linear / F.linear, the bound and unbound op."""
     layer = {b: layer_host_us(b) for b in ("cuda", "triton", "torch")}
     linear = torch.nn.Linear(256, 256).cuda().half()
     xs = torch.randn(64, 256, device="cuda", dtype=torch.float16)
@@ -184,38 +204,34 @@ def main() -> int:
             t["x"], t["W"], None, t["A"], t["B"], t["scale"], t["gw"], t["ranks"]))
     print("host us per layer call (eager blend, no merge cache):", {k: round(v, 1) for k, v in layer.items()},
           flush=True)
-    rows = []
-    for (label, M, K, N, S, R, ranks, weights, dtype, mode) in SHAPES:
-        d = inputs(M, K, N, S, R, ranks, weights, dtype, mode)
-        tiny = inputs(min(M, 16), 256, 256, S, R, ranks, weights, dtype, mode)
-        for name, call in calls(cuda_ops, d, mode).items():
-            if args.out:  # what was measured so far survives a time limit
-                args.out.write_text(json.dumps(dict(ops=rows, layer_host_us=layer), indent=1))
-            expected = reference(d, mode, name)
-            d["y"].zero_()
-            got = call()
-            got = d["y"] if got is None else got
-            scale = expected.abs().max().item() or 1.0
-            err = (got.double() - expected).abs().max().item() / scale
-            trit = calls(triton_ops, d, mode)[name]
-            d["y"].zero_()
-            t_got = trit()
-            t_got = d["y"] if t_got is None else t_got
-            t_err = (t_got.double() - expected).abs().max().item() / scale
-            row = dict(shape=label, op=name, rel_err_cuda=err, rel_err_triton=t_err, ms_cuda=gpu_ms(call),
-                       ms_triton=gpu_ms(trit), ms_cublas=gpu_ms(cublas(d, name)),
-                       host_us_cuda=host_us(calls(cuda_ops, tiny, mode)[name]),
-                       host_us_triton=host_us(calls(triton_ops, tiny, mode)[name]))
-            rows.append(row)
-            print(f"{label:48s} {name:16s} err {err:.1e}/{t_err:.1e}  ms cuda {row['ms_cuda']:.3f} triton "
-                  f"{row['ms_triton']:.3f} cublas {row['ms_cublas']:.3f}  host us {row['host_us_cuda']:.1f} / "
-                  f"{row['host_us_triton']:.1f}", flush=True)
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                  ops=rows, layer_host_us=layer)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-    return 0
+    return layer
+
+
+def measure_shape(cuda_ops, triton_ops, label, M, K, N, S, R, ranks, weights, dtype, mode, rows, layer, out) -> None:
+    d = inputs(M, K, N, S, R, ranks, weights, dtype, mode)
+    tiny = inputs(min(M, 16), 256, 256, S, R, ranks, weights, dtype, mode)
+    for name, call in calls(cuda_ops, d, mode).items():
+        if out:  # what was measured so far survives a time limit
+            out.write_text(json.dumps(dict(ops=rows, layer_host_us=layer), indent=1))
+        expected = reference(d, mode, name)
+        d["y"].zero_()
+        got = call()
+        got = d["y"] if got is None else got
+        scale = expected.abs().max().item() or 1.0
+        err = (got.double() - expected).abs().max().item() / scale
+        trit = calls(triton_ops, d, mode)[name]
+        d["y"].zero_()
+        t_got = trit()
+        t_got = d["y"] if t_got is None else t_got
+        t_err = (t_got.double() - expected).abs().max().item() / scale
+        row = dict(shape=label, op=name, rel_err_cuda=err, rel_err_triton=t_err, ms_cuda=gpu_ms(call),
+                   ms_triton=gpu_ms(trit), ms_cublas=gpu_ms(cublas(d, name)),
+                   host_us_cuda=host_us(calls(cuda_ops, tiny, mode)[name]),
+                   host_us_triton=host_us(calls(triton_ops, tiny, mode)[name]))
+        rows.append(row)
+        print(f"{label:48s} {name:16s} err {err:.1e}/{t_err:.1e}  ms cuda {row['ms_cuda']:.3f} triton "
+              f"{row['ms_triton']:.3f} cublas {row['ms_cublas']:.3f}  host us {row['host_us_cuda']:.1f} / "
+              f"{row['host_us_triton']:.1f}", flush=True)
 
 
 if __name__ == "__main__":
