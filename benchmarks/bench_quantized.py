@@ -1,0 +1,183 @@
+"""LoRA over quantized bases (issue 27): one full-size Flux-dev transformer step, quantized base alone vs the same
+base with fd-lora (1 adapter, a 4-blend), for torchao int8 / int4 / float8 weight-only and GGUF Q8_0.
+
+Per kind: the transformer is built in bf16 on the GPU (random weights, the real config), four r16 LoRAs on every
+Linear of its blocks are written with FluxPipeline.save_lora_weights (before quantizing), then the transformer is
+quantized in place (torchao `quantize_`; GGUF: every Linear whose rows fit Q8_0 blocks becomes diffusers' GGUFLinear,
+its bytes made on the GPU by `q8_0`, which equals gguf.quants.quantize bit for bit, checked in --smoke) and the
+adapters load with `load_fd_lora`. Each fd-lora step is verified first against an oracle that needs no LoRA
+library: forward hooks adding sum_i w_i (x A_i^T) B_i^T in fp32 to each quantized Linear's own output (rel err within
+the dtype's tolerance and below half the LoRA's effect), and the merged-weight cache must hold nothing (no
+dequantized copy). Then timed: medians of CUDA-event-timed steps; x_base is the ratio to the same quantized base.
+
+    python3 benchmarks/bench_quantized.py --out $OUT/breadth.json        # GPU; rows go under "quantized"
+    python3 benchmarks/bench_quantized.py --smoke                        # tiny Flux on CPU (int8, float8, Q8_0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fdlora  # noqa: E402
+from benchmarks.bench_breadth import BLEND, NAMES, TOL, build, lora_dirs, step, timed  # noqa: E402
+from fdlora.layers import quantized  # noqa: E402
+from fdlora.layers.fused import _FusedLora  # noqa: E402
+
+KINDS = ("torchao-int8", "torchao-int4", "torchao-float8", "gguf-Q8_0")
+TARGET = 1.10  # fd-lora 1 adapter vs the same quantized base
+
+
+def q8_0(w: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 bytes of `w` [N, K] (K % 32 == 0) on w's device: per block of 32, an fp16 scale then 32 int8, the
+    rounding of ggml-quants.c (half away from zero), as gguf.quants.quantize writes them."""
+    blocks = w.float().reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    n = blocks * inv
+    a = n.abs()
+    qs = (torch.sign(n) * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
+    out = torch.cat([d.to(torch.float16).view(torch.uint8), qs.view(torch.uint8)], dim=1)
+    return out.reshape(w.shape[0], -1)
+
+
+def gguf_q8_0(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Every Linear whose rows fit Q8_0 blocks becomes diffusers' GGUFLinear over q8_0 bytes (what from_single_file
+    with GGUFQuantizationConfig builds from a Q8_0 .gguf file)."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear
+
+    qt = gguf.GGMLQuantizationType.Q8_0
+    floats = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % 32 == 0}
+    sd = {n + ".weight": GGUFParameter(q8_0(m.weight.detach()), quant_type=qt) for n, m in floats.items()}
+    bias = {n: m.bias for n, m in floats.items()}
+    with torch.device("meta"):
+        _replace_with_gguf_linear(model, compute_dtype, sd)
+    for n in floats:
+        m = model.get_submodule(n)
+        m.weight = sd[n + ".weight"]
+        m.bias = None if bias[n] is None else nn.Parameter(bias[n].detach(), requires_grad=False)
+
+
+def quantize(model: nn.Module, kind: str, dt: torch.dtype) -> None:
+    lib, _, what = kind.partition("-")
+    if lib == "gguf":
+        return gguf_q8_0(model, dt)
+    from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    config = {"int8": Int8WeightOnlyConfig, "float8": Float8WeightOnlyConfig,
+              "int4": lambda: Int4WeightOnlyConfig(group_size=128)}[what]()
+    quantize_(model, config)
+
+
+def oracle_hooks(model: nn.Module, dirs: list[str], weights: list[float]) -> list:
+    """Forward hooks adding each adapter's fp32 delta (scale 1: no alpha in the files, so alpha = r) to its Linear."""
+    mods = dict(model.named_modules())
+    hooks, per_path = [], {}
+    for d, w in zip(dirs, weights):
+        sd = load_file(str(Path(d) / "pytorch_lora_weights.safetensors"))
+        for k, A in sd.items():
+            if k.endswith("lora_A.weight"):
+                path = k[len("transformer."):-len(".lora_A.weight")]
+                per_path.setdefault(path, []).append((A.float(), sd[k.replace("lora_A", "lora_B")].float(), w))
+    for path, terms in per_path.items():
+        dev = next(t for t in mods[path].parameters()).device
+        terms = [(A.to(dev), B.to(dev), w) for A, B, w in terms]
+
+        def hook(m, args, out, terms=terms):
+            x = args[0].float()
+            return (out.float() + sum(w * (x @ A.t()) @ B.t() for A, B, w in terms)).to(out.dtype)
+        hooks.append(mods[path].register_forward_hook(hook))
+    return hooks
+
+
+def bench_kind(kind: str, a) -> tuple[list[dict], list[str]]:
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    dt = torch.float32 if a.smoke else torch.bfloat16
+    pipe, inputs = build("flux", a.smoke, dev, dt)
+    x = inputs(1)
+    dirs = lora_dirs(pipe, a.rank)
+    tr = pipe.transformer
+    try:
+        quantize(tr, kind, dt)
+        base_y = step(tr, x)
+    except Exception as e:  # a kind this machine's torchao cannot run: the row says why
+        return [dict(kind=kind, case="base", error=f"{type(e).__name__}: {str(e)[:300]}")], []
+    n_quant = sum(quantized.kind(m) is not None for m in tr.modules() if isinstance(m, nn.Linear))
+    base_ms = timed(lambda: step(tr, x), dev, a.rounds)
+    rows = [dict(kind=kind, case="base", ms=base_ms, x_base=1.0, quantized_linears=n_quant)]
+    bad = []
+    for name, d in zip(NAMES, dirs):
+        pipe.load_fd_lora(d, adapter_name=name, max_rank=a.rank)
+    for case, k, w in (("fdlora_1", 1, [1.0]), ("fdlora_blend4", 4, BLEND)):
+        fdlora.set_adapters(tr, NAMES[:k], w)
+        y = step(tr, x)
+        fdlora.disable(tr)  # the quantized base alone, plus the oracle's hooks on each layer
+        hooks = oracle_hooks(tr, dirs[:k], w)
+        try:
+            ref = step(tr, x)
+        finally:
+            for h in hooks:
+                h.remove()
+            fdlora.enable(tr)
+        err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+        effect = float((ref.float() - base_y.float()).abs().max() / ref.float().abs().max())
+        copies = [m.path for m in tr.modules() if isinstance(m, _FusedLora) and quantized.kind(m.base)
+                  and (m.merged.buf is not None or m.merged.groups)]
+        ok = err < TOL[dt] and err < effect / 2 and not copies
+        ms = timed(lambda: step(tr, x), dev, a.rounds)
+        rows.append(dict(kind=kind, case=case, ms=ms, x_base=ms / base_ms, rel_err=err, lora_effect=effect,
+                         dequantized_copies=len(copies), merge_cache_bytes=fdlora.merge_cache_bytes(), ok=ok,
+                         **({"target": TARGET} if case == "fdlora_1" else {})))
+        if not ok:
+            bad.append(f"{kind} {case}: rel err {err:.3g} (effect {effect:.3g}), {len(copies)} dequantized copies")
+    pipe.transformer = None
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, bad
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", nargs="*", help=f"default: {' '.join(KINDS)} (smoke: no int4, which needs CUDA)")
+    p.add_argument("--smoke", action="store_true", help="tiny Flux on CPU (fp32)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=0)
+    p.add_argument("--out", help="breadth.json to write the rows into (under 'quantized'; other keys kept)")
+    a = p.parse_args()
+    a.rounds = a.rounds or (2 if a.smoke else 10)
+    if a.smoke:  # the GPU quantizer equals gguf's own, byte for byte
+        import gguf
+
+        w = torch.randn(64, 96) * torch.logspace(-3, 1, 96)
+        want = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        assert torch.equal(q8_0(w), torch.from_numpy(want)), "q8_0 differs from gguf.quants.quantize"
+    rows, bad = [], []
+    for kind in a.kinds or [k for k in KINDS if not (a.smoke and k == "torchao-int4")]:
+        r, b = bench_kind(kind, a)
+        rows, bad = rows + r, bad + b
+        for row in r:
+            print(f"{row['kind']:<16} {row['case']:<14} " + (f"{row['ms']:9.2f} ms  x{row['x_base']:.3f}"
+                  + ("" if row.get("ok", True) else "  WRONG") if "ms" in row else row["error"]), flush=True)
+    meta = {"device": "cpu (smoke)" if a.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "rank": a.rank, "rounds": a.rounds, "model": "Flux-dev transformer (19 + 38 blocks), bf16 compute"}
+    if a.out:
+        path = Path(a.out)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data["quantized"] = {"meta": meta, "rows": rows, "failures": bad}
+        path.write_text(json.dumps(data, indent=1))
+    for b in bad:
+        print("WRONG:", b, file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
