@@ -103,6 +103,17 @@ def file_reader() -> str:
     return raw if raw in ("auto", "pinned", "safetensors") else "auto"
 
 
+PREFETCH_READER_VAR = "FDLORA_PREFETCH_READER"
+
+
+def prefetch_reader() -> str:
+    """`FDLORA_PREFETCH_READER`: where a background load (`prefetch_fd_lora`) reads and converts a file: "process"
+    (default: fd-lora's reader process, fdlora.hub.worker, so the serving thread keeps the GIL) or "thread" (the
+    prefetch's own thread in this process: no extra process, but steps running meanwhile slow down)."""
+    raw = os.environ.get(PREFETCH_READER_VAR, "process").strip().lower()
+    return raw if raw in ("process", "thread") else "process"
+
+
 def accelerate_fsdp() -> bool:
     """`ACCELERATE_USE_FSDP=true`: what `accelerate launch --use_fsdp` (or an accelerate config with
     `distributed_type: FSDP`) sets; `fdlora train` then shards the base with FSDP (fdlora.training.fsdp)."""

@@ -148,6 +148,15 @@ class ModuleLora:
         extra = sum(t.nbytes for t in (self.bias, self.magnitude) if t is not None)
         return self.A.nbytes + self.B.nbytes + extra
 
+    @classmethod
+    def checked(cls, fields: dict) -> ModuleLora:
+        """A module from the fields of one that a constructor already checked (in fd-lora's reader process,
+        fdlora.hub.worker), without checking them again: a background load rebuilds ~700 of these on the thread
+        that shares the GIL with serving."""
+        m = cls.__new__(cls)
+        m.__dict__.update(fields)
+        return m
+
     def replace(self, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None,
                 magnitude: torch.Tensor | None = None, **kw) -> ModuleLora:
         """A copy with other tensors (moved, packed, cast, reshaped) and every other field kept."""

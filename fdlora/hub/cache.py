@@ -188,6 +188,13 @@ def span_of(adapter: LoraAdapter) -> tuple[int, int, int] | None:
     return got[2]
 
 
+def known_span(adapter: LoraAdapter, span: tuple[int, int, int]) -> LoraAdapter:
+    """Give `adapter` the span (buffer start, first byte, end byte) its maker knows (`span_of` would find it by
+    asking every tensor); returns `adapter`."""
+    adapter.__dict__["_span"] = (adapter.modules, len(adapter.modules), span)
+    return adapter
+
+
 def keep_span(old: LoraAdapter, new: LoraAdapter) -> LoraAdapter:
     """Give `new` (same module tensors as `old`, maybe other paths) `old`'s computed span; returns `new`."""
     got = old.__dict__.get("_span")

@@ -64,6 +64,7 @@ def load_adapters(
     cache: AdapterCache | str | None = DEFAULT,
     lora_conversion: str | None = None,
     family: Any = None,
+    in_process: bool = True,
 ) -> tuple[dict[str, LoraAdapter], LoadReport]:
     """Load a LoRA from a Hub repo id, a directory, a file or a state dict; returns ({component: adapter}, report).
 
@@ -77,7 +78,9 @@ def load_adapters(
     LyCORIS LoHa / LoKr / full-diff modules load exactly; `lora_conversion="svd:RANK"` turns them into plain
     LoRA of that rank instead (smaller banks) and the report's notes give the approximation error.
     `family` (fdlora.pipelines.diffusers.family.Family, given by pipeline loads) is asked first for the
-    format, with diffusers' converters of that pipeline family.
+    format, with diffusers' converters of that pipeline family. `in_process=False` runs a cache miss's read and
+    conversion in fd-lora's reader process (fdlora.hub.worker: background loads, which would otherwise take the
+    GIL from the serving thread); the result is the same.
     """
     t0 = time.perf_counter()
     svd_rank = lycoris.parse_conversion(lora_conversion)
@@ -98,10 +101,36 @@ def load_adapters(
             report.seconds = {"resolve": time.perf_counter() - t0}
             return _finish(adapters, report, name, strict, check_finite)
     t1 = time.perf_counter()
+    pin = ram.pin if isinstance(ram, AdapterCache) and key is not None else False
+    build = dict(force_download=force_download, hub_kw=hub_kw, allow_pickle=allow_pickle, config=config,
+                 metadata=metadata, pin=pin, family=family, component=component, layers_per_block=layers_per_block,
+                 svd_rank=svd_rank, dtype=dtype, name=name)
+    if in_process or r.kind == "memory":
+        adapters, report = build_adapters(r, **build)
+    else:
+        from .worker import build_elsewhere
+
+        adapters, report = build_elsewhere(build_adapters, r, pin=pin or torch.cuda.is_available(),
+                                           **{k: v for k, v in build.items() if k != "pin"})
+    if key is not None:
+        adapters = ram.put(key, adapters, report)
+    report.modules_of = {c: a.modules for c, a in adapters.items()}  # (the cached tensors once put)
+    report.seconds = {"resolve": t1 - t0, **report.seconds}
+    return _finish(adapters, report, name, strict, check_finite)
+
+
+def build_adapters(r: Resolved, *, force_download: bool, hub_kw: dict[str, Any], allow_pickle: bool, config,
+                   metadata, pin: bool, family: Any, component: str | None, layers_per_block: int,
+                   svd_rank: int | None, dtype: torch.dtype | None,
+                   name: str | None) -> tuple[dict[str, LoraAdapter], LoadReport]:
+    """What a RAM-cache miss of `load_adapters` does: fetch, read, detect, convert, cast; (adapters, report with
+    `seconds` for fetch / read / convert). Runs in the caller's process or in the reader process
+    (fdlora.hub.worker), so everything it takes pickles."""
+    t1 = time.perf_counter()
     r = fetch(r, force_download=force_download, **hub_kw)
     t2 = time.perf_counter()
     reader = env.file_reader()
-    pin = reader == "pinned" or (reader == "auto" and key is not None and ram.pin)
+    pin = reader == "pinned" or (reader == "auto" and pin)
     raw = _read(r, allow_pickle, config, metadata, pin=pin)
     t3 = time.perf_counter()
     fmt, why, others = formats.detect(raw, family)
@@ -124,16 +153,13 @@ def load_adapters(
         keys_total=len(raw.tensors), keys_matched=conv.matched, keys_unused=conv.unused,
         keys_dropped=conv.dropped, notes=conv.notes, dtype=str(dtype).removeprefix("torch.") if dtype else None,
         nbytes=sum(a.nbytes() for a in adapters.values()),
+        seconds={"fetch": t2 - t1, "read": t3 - t2, "convert": time.perf_counter() - t3},
     )
     if not adapters:
         reasons = {**conv.unused, **conv.dropped}
         raise FormatError(f"{raw.name}: detected as {fmt.name} ({why}) but no LoRA module could be built from its "
                           f"{len(raw.tensors)} keys: {dict(list(reasons.items())[:8])}.")
-    if key is not None:
-        adapters = ram.put(key, adapters, report)
-    report.modules_of = {c: a.modules for c, a in adapters.items()}  # (the cached tensors once put)
-    report.seconds = {"resolve": t1 - t0, "fetch": t2 - t1, "read": t3 - t2, "convert": time.perf_counter() - t3}
-    return _finish(adapters, report, name, strict, check_finite)
+    return adapters, report
 
 
 def load_many(sources: Mapping[str, Any] | Sequence[Any], *, progress: bool = True,

@@ -95,7 +95,7 @@ def _read_pinned(path: str, header: dict, start: int, entries: list[tuple]) -> t
         raise UnsafeFileError(f"{path}: the file changed size while being read; read it again.")
     typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype: two ops per tensor instead of three
     tensors = {}
-    for name, begin, stop, code, shape in entries:
+    for name, begin, stop, code, shape in sorted(entries):  # in name order, as the safetensors library gives them
         dtype = TORCH_DTYPES[code]
         begin, stop = begin + start, stop + start
         n = dtype.itemsize

@@ -1,7 +1,8 @@
 """The machinery of background loads (fdlora.pipelines.prefetch says what they do and promise).
 
 A `Prefetch` is the future a caller gets; `start` runs a job's read step on a daemon thread (at most
-`MAX_READERS` at once), then its publish step under the target's lock (fdlora.pipelines.scope.lock_of), unless it
+`MAX_READERS` at once; a pipeline job's file read and conversion run in the reader process,
+fdlora.hub.worker), then its publish step under the target's lock (fdlora.pipelines.scope.lock_of), unless it
 was cancelled by then. Pending jobs are registered per pipeline or model, so that calls naming an adapter still
 being prefetched say so (`unknown_error`) and deletes cancel it (`cancel_pending`). `pipeline_job` is the
 pipeline's job: load_fd_lora's read step plus a side-stream device copy, then its attach step without
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import env
 from ..errors import DuplicateAdapterError, FdLoraError, UnknownAdapterError
 from .scope import lock_of
 
@@ -167,7 +169,8 @@ def _pipeline_steps(pipe: Any, source: Any, kwargs: dict[str, Any]):
     t2 = attach_kw.get("load_into_transformer_2", False)
 
     def read(name):
-        adapters, report = pipe._fd_read(source, strict=strict, **kwargs)
+        adapters, report = pipe._fd_read(source, strict=strict, in_process=env.prefetch_reader() == "thread",
+                                         **kwargs)
         modules = pipe._fd_modules()
         devices = {c: _device_of(modules.get("transformer_2" if t2 and c == "transformer" else c)) for c in adapters}
         adapters, staged = _stage(adapters, devices, attach_kw.get("validate", True))

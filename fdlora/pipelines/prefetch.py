@@ -5,11 +5,13 @@
     job.result()                                       # the load report; raises the load's error
     pipe.set_adapters(["pixel"])                       # or pipe(..., fd_lora_adapters=["pixel"])
 
-How it overlaps. A background thread does everything that does not touch the model: resolve, read (into
-page-locked memory on CUDA), convert, check the format; on CUDA it then copies the packed adapter to the
-device on a side stream into one staging buffer (NaN-checked there, fdlora.hub.cache.stage) and waits for that
-copy's event. Only then does it take the lock a generation holds from start to end
-(fdlora.pipelines.scope.lock_of) and run the attach step of `load_fd_lora`: shapes checked against the
+How it overlaps. A background thread does everything that does not touch the model: resolve, then read,
+convert and check the format of a file or Hub source in fd-lora's reader process (fdlora.hub.worker: that
+Python work would otherwise take the GIL from the thread serving steps, which releases it at every torch op;
+FDLORA_PREFETCH_READER=thread keeps it here), the result landing in one page-locked buffer on CUDA; on CUDA it
+then copies the packed adapter to the device on a side stream into one staging buffer (NaN-checked there,
+fdlora.hub.cache.stage) and waits for that copy's event. Only then does it take the lock a generation holds
+from start to end (fdlora.pipelines.scope.lock_of) and run the attach step of `load_fd_lora`: shapes checked against the
 model, room made, the banks written from the staged copy in one device-to-device launch (fdlora.layers.bulk),
 the name registered. So a generation in flight never sees a half-written slot and never waits on the file or
 the PCIe transfer; what runs on the serving stream is that one device-to-device write (~0.1 ms for 225 MB on

@@ -7,7 +7,9 @@ extension's build or load. `warmup` pays them up front: the bulk bank writer of 
 count in `tokens`, in blend and per-sample modes, with an adapter already loaded. The model's adapters, active
 set and weights are as before afterwards (merged-weight caches may hold entries, as after a first request).
 
-On CPU nothing is compiled (the torch backend): warmup returns at once, and its report says so.
+It also starts the reader process of background loads (fdlora.hub.worker; its imports take a few seconds), so the
+first `prefetch_fd_lora` does not wait for them. On CPU nothing is compiled (the torch backend): warmup returns at
+once, and its report says so.
 Triton keeps compiled kernels on disk (TRITON_CACHE_DIR): running `warmup` once while building a serving
 image, with that folder inside the image, turns a cold start's compiles into loads.
 
@@ -53,6 +55,7 @@ class WarmupReport:
 def warmup(obj: Any, *, tokens: Sequence[int] = TOKENS, batch: int = 2) -> WarmupReport:
     """Build the kernels `obj` (a pipeline or a model with fd-lora layers) will launch; see the module docstring.
     `tokens`: the token counts per sample its layers see (the M of each linear is batch x tokens)."""
+    _start_reader()
     handles = _handles(obj)
     layers = [layer for h in handles for layer in h.layers.values()]
     if not layers:
@@ -98,6 +101,14 @@ def _before_first_load(obj: Any) -> WarmupReport:
                             "after it for the layers' kernels")
     logger.info("%s", report)
     return report
+
+
+def _start_reader() -> None:
+    from .. import env
+    from ..hub import worker
+
+    if env.prefetch_reader() == "process":
+        worker.start()
 
 
 def _handles(obj: Any) -> list:
