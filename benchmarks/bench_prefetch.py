@@ -10,7 +10,10 @@ loaded by `load_fd_lora`.
 Rows (written to benchmarks/results/<gpu>/prefetch.json):
   steps   median UNet step (batch 2, 1024^2 latents) idle, and while `prefetch_fd_lora` loads the adapter from
           disk (RAM cache off) in the background; ratio (target <= 1.05). Each step holds the pipeline's lock as
-          a generation does, so every prefetch publishes between two steps.
+          a generation does, so every prefetch publishes between two steps. The reader process (fdlora.hub.worker)
+          is started by an untimed prefetch first, as `fdlora.warmup` does in a server; `mean_ratio` counts the
+          steps a publication or the buffer's rebuild lands on, which the median may skip.
+          FDLORA_PREFETCH_READER=thread measures reads on the prefetch's own thread (what it did before).
   cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
           and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the bank
           writer) and between load and first step (the layers' kernels);
@@ -45,6 +48,7 @@ def args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="toy widths on CPU: checks the script, timings meaningless")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20, help="idle steps timed, and at least as many during prefetches")
+    ap.add_argument("--steps-only", action="store_true", help="the steps rows only (no cold-start processes)")
     ap.add_argument("--child", choices=["fd", "fd-warmup", "diffusers"], help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -167,6 +171,8 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
             unet(**inputs)
 
     with torch.inference_mode():
+        pipe.prefetch_fd_lora(folder, adapter_name="warm", cache=None).result()  # starts the reader process (as
+        pipe.delete_adapters("warm")  # fdlora.warmup does in a server), so no window below is its start-up
         for _ in range(1 if n < 3 else 3):
             timed(step, sync)
         idle = [timed(step, sync) for _ in range(n)]
@@ -182,7 +188,9 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
             rounds += 1
     med_idle, med_during = statistics.median(idle), statistics.median(during)
     return {"idle_ms": med_idle * 1e3, "during_prefetch_ms": med_during * 1e3, "ratio": med_during / med_idle,
-            "during_prefetch_max_ms": max(during) * 1e3, "steps_idle": len(idle), "steps_during": len(during),
+            "mean_ratio": statistics.mean(during) / statistics.mean(idle), "during_prefetch_max_ms": max(during) * 1e3,
+            "reader": os.environ.get("FDLORA_PREFETCH_READER", "process"), "steps_idle": len(idle),
+            "steps_during": len(during),
             "prefetches": len(loads), "prefetch_seconds": loads[:5]}
 
 
@@ -216,7 +224,7 @@ def main(argv=None) -> int:
     pipe.load_fd_lora(folder, "serving")  # the adapter the steps run with
     steps = serving(pipe, unet, inputs, folder, sync, 2 if a.smoke else a.steps)
     del pipe, unet
-    cold = {kind: fresh(kind, folder, a.smoke) for kind in ("fd", "fd-warmup", "diffusers")}
+    cold = {} if a.steps_only else {kind: fresh(kind, folder, a.smoke) for kind in ("fd", "fd-warmup", "diffusers")}
     env = environment(device)
     result = {**env, "adapter_mb": nbytes / 1e6, "rank": a.rank, "verified": "prefetch banks == load_fd_lora banks",
               "steps": steps, "cold": cold,

@@ -58,7 +58,9 @@ for stage in "$@"; do
     fullsize-cuda) for m in sdxl flux; do TAIL=12 FDLORA_BACKEND=cuda step 280 python3 benchmarks/bench_fullsize.py \
         --model $m --cases nocache_1,per_prompt_2,slider_every_step,cache_1 --out "$OUT/results/fullsize_cuda.json"; done ;;
     offload) step 400 python3 benchmarks/bench_offload.py --out "$OUT/results/offload.json" ;;
-    prefetch) step 400 python3 benchmarks/bench_prefetch.py --out "$OUT/results/prefetch.json" ;;
+    prefetch) step 400 python3 benchmarks/bench_prefetch.py --out "$OUT/results/prefetch.json"
+        FDLORA_PREFETCH_READER=thread step 200 python3 benchmarks/bench_prefetch.py --steps-only \
+        --out "$OUT/results/prefetch_thread_reader.json" ;;
     shared-shrink) step 300 python3 benchmarks/bench_shared_shrink.py --out "$OUT/results/shared_shrink.json" ;;
     pressure) cp benchmarks/results/reliability.json "$OUT/results/reliability.json"  # the CPU figures stay
         TAIL=40 step 400 python3 benchmarks/bench_pressure.py --out "$OUT/results/reliability.json" ;;
