@@ -95,6 +95,29 @@ def write_adapter(unet, rank: int, folder: str) -> int:
     return os.path.getsize(path)
 
 
+class GcClock:
+    """Seconds Python's garbage collector ran, by generation, while installed (a full collection over a process
+    holding diffusers and a model takes a few tenths of a second, and lands in whatever call triggers it)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds: dict[int, float] = {}
+        self._t = 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.seconds[g] = self.seconds.get(g, 0.0) + time.perf_counter() - self._t
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = {f"gen{g}": round(v, 4) for g, v in sorted(self.seconds.items())}, {}
+        return out
+
+
 def timed(fn, sync) -> float:
     sync()
     t = time.perf_counter()
@@ -112,15 +135,19 @@ def child(a: argparse.Namespace) -> None:
     out = {}
     with torch.inference_mode():
         if a.child == "diffusers":
+            clock = GcClock()
             out["first_load_s"] = timed(lambda: pipe.load_lora_weights(a.dir, weight_name=WEIGHTS, adapter_name="a"),
                                         sync)
+            out["first_load_gc_s"] = clock.take()
         else:
             import fdlora  # noqa: F401  (attaches load_fd_lora; its import is not part of the load)
             from fdlora.pipelines.warmup import warmup
 
             if a.child == "fd-warmup":  # the bank writer of the first load, before it
                 out["warmup_before_load_s"] = timed(lambda: warmup(pipe), sync)
+            clock = GcClock()
             out["first_load_s"] = timed(lambda: pipe.load_fd_lora(a.dir, "a"), sync)
+            out["first_load_gc_s"] = clock.take()
             if a.child == "fd-warmup":
                 tokens = (8, 64, 256) if a.smoke else (77, 1024, 4096)  # text, 32^2 and 64^2 latents (per sample)
                 out["warmup_s"] = timed(lambda: warmup(pipe, tokens=tokens), sync)
@@ -235,7 +262,8 @@ def main(argv=None) -> int:
     print(f"steps: idle {steps['idle_ms']:.1f} ms, during prefetch {steps['during_prefetch_ms']:.1f} ms "
           f"(x{steps['ratio']:.3f}, {steps['steps_during']} steps, {steps['prefetches']} prefetches)")
     for kind, row in cold.items():
-        print(f"cold {kind}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in row.items()))
+        print(f"cold {kind}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in row.items()))
     print(f"wrote {out}")
     return 0
 

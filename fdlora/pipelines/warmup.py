@@ -8,8 +8,10 @@ count in `tokens`, in blend and per-sample modes, with an adapter already loaded
 set and weights are as before afterwards (merged-weight caches may hold entries, as after a first request).
 
 It also starts the reader process of background loads (fdlora.hub.worker; its imports take a few seconds), so the
-first `prefetch_fd_lora` does not wait for them. On CPU nothing is compiled (the torch backend): warmup returns at
-once, and its report says so.
+first `prefetch_fd_lora` does not wait for them, and runs Python's full garbage collection: a fresh process that
+imported diffusers and built a model owes one (over ~640k objects: 0.3-0.4 s on our CPU box), and the first load,
+which allocates thousands of objects, would otherwise trigger it and pay it. On CPU nothing is compiled (the
+torch backend), and the report says so.
 Triton keeps compiled kernels on disk (TRITON_CACHE_DIR): running `warmup` once while building a serving
 image, with that folder inside the image, turns a cold start's compiles into loads.
 
@@ -21,6 +23,7 @@ image, with that folder inside the image, turns a cold start's compiles into loa
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -56,6 +59,7 @@ def warmup(obj: Any, *, tokens: Sequence[int] = TOKENS, batch: int = 2) -> Warmu
     """Build the kernels `obj` (a pipeline or a model with fd-lora layers) will launch; see the module docstring.
     `tokens`: the token counts per sample its layers see (the M of each linear is batch x tokens)."""
     _start_reader()
+    gc.collect()
     handles = _handles(obj)
     layers = [layer for h in handles for layer in h.layers.values()]
     if not layers:
