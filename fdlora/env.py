@@ -109,9 +109,11 @@ PREFETCH_READER_VAR = "FDLORA_PREFETCH_READER"
 def prefetch_reader() -> str:
     """`FDLORA_PREFETCH_READER`: where a background load (`prefetch_fd_lora`) reads and converts a file: "process"
     (default: fd-lora's reader process, fdlora.hub.worker, so the serving thread keeps the GIL) or "thread" (the
-    prefetch's own thread in this process: no extra process, but steps running meanwhile slow down)."""
-    raw = os.environ.get(PREFETCH_READER_VAR, "process").strip().lower()
-    return raw if raw in ("process", "thread") else "process"
+    prefetch's own thread in this process: no extra process, but steps running meanwhile slow down; the default
+    where the process cannot be started, off POSIX: it is handed its pipes by descriptor)."""
+    default = "process" if os.name == "posix" else "thread"
+    raw = os.environ.get(PREFETCH_READER_VAR, default).strip().lower()
+    return raw if raw in ("process", "thread") else default
 
 
 def accelerate_fsdp() -> bool:
