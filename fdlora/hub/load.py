@@ -108,10 +108,10 @@ def load_adapters(
     if in_process or r.kind == "memory":
         adapters, report = build_adapters(r, **build)
     else:
-        from .worker import build_elsewhere
+        from . import worker
 
-        adapters, report = build_elsewhere(build_adapters, r, pin=pin or torch.cuda.is_available(),
-                                           **{k: v for k, v in build.items() if k != "pin"})
+        adapters, report = worker.run(build_adapters, r, page_locked=pin or torch.cuda.is_available(),
+                                      **{**build, "pin": True})  # (pin there, without CUDA: the one-buffer reader)
     if key is not None:
         adapters = ram.put(key, adapters, report)
     report.modules_of = {c: a.modules for c, a in adapters.items()}  # (the cached tensors once put)

@@ -10,7 +10,7 @@ takes no GIL of ours. What comes back is one packed file of tensor bytes (read h
 with CUDA, by `safefile.read_into`'s threads, which release the GIL) plus a small index; rebuilding the adapter
 objects over views of that buffer is the only Python work left on this side.
 
-    adapters, report = build_elsewhere(build_adapters, resolved, pin=True, **options)  # as build_adapters(...)
+    adapters, report = run(build_adapters, resolved, page_locked=True, **options)  # as build_adapters(...) here
 
 The process is started on first use (`start()` does it ahead of time: fdlora.pipelines.warmup calls it), is reused
 by later loads (at most `MAX_WORKERS` at once), sees no GPU (`CUDA_VISIBLE_DEVICES` empty: it never makes a CUDA
@@ -38,8 +38,6 @@ import torch
 
 from ..errors import FdLoraError
 from .adapter import LoraAdapter, ModuleLora
-from .report import LoadReport
-from .resolve import Resolved
 
 ALIGN = 64  # bytes between packed tensors: every dtype's alignment divides it
 MAX_WORKERS = 2  # as many as background reads may run at once (fdlora.pipelines.background.MAX_READERS)
@@ -52,22 +50,22 @@ _slots = threading.BoundedSemaphore(MAX_WORKERS)
 _count = itertools.count()
 
 
-def build_elsewhere(build: Callable[..., tuple[dict[str, LoraAdapter], LoadReport]], r: Resolved, *, pin: bool,
-                    **options: Any) -> tuple[dict[str, LoraAdapter], LoadReport]:
-    """`build(r, **options)` (fdlora.hub.load.build_adapters: a module-level function, sent by name) run in a
-    reader process; the tensors come back as views into one host buffer (page-locked with `pin`), ready for one
-    device transfer (fdlora.hub.cache.stage)."""
+def run(fn: Callable[..., Any], *args: Any, page_locked: bool, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` run in a reader process (`fn` module-level: it is sent by name) and its result back.
+    Tensors in the result, loose or in LoraAdapters, within dicts, lists and tuples, come back as views into one
+    host buffer (page-locked with `page_locked` where CUDA is), an adapter's own tensors in one span of it, ready
+    for one device transfer (fdlora.hub.cache.stage); everything else in the result is pickled."""
     path = os.path.join(_blob_dir(), f"fdlora-read-{os.getpid()}-{next(_count)}.bin")
     try:
         with _slots:
             worker = _take()
             try:
-                index, report = worker.call(dict(build=build, r=r, options=options, path=path))
+                skeleton, size = worker.call(dict(fn=fn, args=args, kwargs=kwargs, path=path))
             except BaseException:
                 worker.close()  # a worker interrupted mid-answer is not reused
                 raise
             _give_back(worker)
-        return _unpack(path, index, pin), report
+        return _Unpacker(path, size, page_locked).tree(skeleton)
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -155,29 +153,62 @@ def _blob_dir() -> str:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
-def _unpack(path: str, index: dict[str, Any], pin: bool) -> dict[str, LoraAdapter]:
-    """The adapters `_pack` wrote, as views into one host buffer: per component and dtype, one split of the
-    buffer into every tensor of that group (a few C++ calls, not a Python slice per tensor)."""
-    from .cache import known_span
-    from .safefile import read_into
+class _Loose(tuple):
+    """(index,): a tensor of the result outside any adapter, by its place in the loose groups."""
 
-    size = index["size"]
-    buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
-    if read_into(path, buf) != size:
-        raise FdLoraError(f"{path}: the reader process's output is shorter than it said; load again.")
-    base = buf.data_ptr()
-    out = {}
-    for comp, (use_rslora, name, provenance, modules, groups, (lo, hi)) in index["components"].items():
-        tensors = []
+
+class _Adapter(tuple):
+    """(use_rslora, name, provenance, modules, groups, (first byte, end byte)) of a packed LoraAdapter."""
+
+
+class _Unpacker:
+    """Reads the packed file into one buffer and rebuilds the result over views into it: per dtype group, one split
+    of the buffer into every tensor of the group (a few C++ calls, not a Python slice per tensor); modules without
+    checking them again (their constructor ran in the reader process) and adapters with their span given."""
+
+    def __init__(self, path: str, size: int, page_locked: bool) -> None:
+        from .safefile import read_into
+
+        self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=page_locked and torch.cuda.is_available())
+        if read_into(path, self.buf) != size:
+            raise FdLoraError(f"{path}: the reader process's output is shorter than it said; load again.")
+        self.loose: list[torch.Tensor] | None = None
+
+    def tensors(self, groups: list[tuple]) -> list[torch.Tensor]:
+        out = []
         for dtype_name, offset, numels, shapes in groups:
             dtype = getattr(torch, dtype_name)
-            whole = buf[offset:offset + sum(numels) * dtype.itemsize].view(dtype)
-            tensors += [t.view(shape) for t, shape in zip(whole.split(numels), shapes)]
+            whole = self.buf[offset:offset + sum(numels) * dtype.itemsize].view(dtype)
+            out += [t.view(shape) for t, shape in zip(whole.split(numels), shapes)]
+        return out
+
+    def tree(self, obj: Any) -> Any:
+        if type(obj) is _Packed:
+            self.loose = self.tensors(obj[1])
+            return self.tree(obj[0])
+        if type(obj) is _Loose:
+            return self.loose[obj[0]]
+        if type(obj) is _Adapter:
+            return self.adapter(*obj)
+        if type(obj) is dict:
+            return {k: self.tree(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.tree(v) for v in obj)
+        return obj
+
+    def adapter(self, use_rslora, name, provenance, modules, groups, span) -> LoraAdapter:
+        from .cache import known_span
+
+        tensors = self.tensors(groups)
         mods = {p: ModuleLora.checked({**fields, **{f: None if i is None else tensors[i]
                                                     for f, i in zip(TENSOR_FIELDS, refs)}})
                 for p, (refs, fields) in modules.items()}
-        out[comp] = known_span(LoraAdapter(mods, use_rslora, name, provenance), (base, base + lo, base + hi))
-    return out
+        base = self.buf.data_ptr()
+        return known_span(LoraAdapter(mods, use_rslora, name, provenance), (base, base + span[0], base + span[1]))
+
+
+class _Packed(tuple):
+    """(skeleton, loose groups): the whole result as the reader process sends it."""
 
 
 # --- the reader process -----------------------------------------------------------------------------------------
@@ -199,7 +230,7 @@ def serve(rfd: int, wfd: int, preload: list[str] = ()) -> None:
         except (EOFError, OSError):
             return
         try:
-            payload = ("ok", _build_packed(**request))
+            payload = ("ok", _run_packed(**request))
         except BaseException as e:  # the load's own error, raised on the other side
             payload = ("error", _sendable(e))
         try:
@@ -208,44 +239,65 @@ def serve(rfd: int, wfd: int, preload: list[str] = ()) -> None:
             return
 
 
-def _build_packed(build, r: Resolved, options: dict[str, Any], path: str) -> tuple[dict[str, Any], LoadReport]:
-    adapters, report = build(r, pin=True, **options)  # (pin without CUDA: the one-buffer file reader)
-    return _pack(adapters, path), report
-
-
-def _pack(adapters: dict[str, LoraAdapter], path: str) -> dict[str, Any]:
-    """Write every tensor of `adapters` to `path`: per component, per dtype, back to back (each group starting at an
-    ALIGN-ed offset); returns the index `_unpack` reads (tensors are referred to by their place in their component's
-    groups, in group order)."""
-    offset = 0
-    components = {}
+def _run_packed(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], path: str) -> tuple[_Packed, int]:
     with open(path, "wb") as f:
-        def write(data) -> None:
-            nonlocal offset
-            view = memoryview(data)
-            f.write(view)
-            offset += view.nbytes
+        packer = _Packer(f)
+        skeleton = packer.tree(fn(*args, **kwargs))
+        return _Packed((skeleton, packer.groups(packer.loose))), packer.offset
 
-        for comp, a in adapters.items():
-            by_dtype: dict[torch.dtype, list[tuple[tuple[str, int], torch.Tensor]]] = {}
-            for p, m in a.modules.items():
-                for i, fname in enumerate(TENSOR_FIELDS):
-                    t = getattr(m, fname)
-                    if t is not None:
-                        by_dtype.setdefault(t.dtype, []).append(((p, i), t))
-            start, refs, groups = offset, {}, []
-            for dtype, items in by_dtype.items():
-                write(bytes(-offset % ALIGN))
-                groups.append((str(dtype).removeprefix("torch."), offset, [t.numel() for _, t in items],
-                               [tuple(t.shape) for _, t in items]))
-                for where, t in items:
-                    refs[where] = len(refs)
-                    write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-            modules = {p: (tuple(refs.get((p, i)) for i in range(len(TENSOR_FIELDS))),
-                           {k: v for k, v in vars(m).items() if k not in TENSOR_FIELDS})
-                       for p, m in a.modules.items()}
-            components[comp] = (a.use_rslora, a.name, a.provenance, modules, groups, (start, offset))
-    return {"size": offset, "components": components}
+
+class _Packer:
+    """Writes the tensors of a result to a file: each LoraAdapter's in one span (per dtype, back to back, each
+    group ALIGN-ed), the loose ones last, grouped the same way; `tree` returns the result with placeholders."""
+
+    def __init__(self, f) -> None:
+        self.f, self.offset = f, 0
+        self.loose: list[torch.Tensor] = []
+
+    def write(self, data) -> None:
+        view = memoryview(data)
+        self.f.write(view)
+        self.offset += view.nbytes
+
+    def groups(self, tensors: list[torch.Tensor]) -> list[tuple]:
+        """Write `tensors` grouped by dtype (first seen first, each group in the given order); (dtype, offset,
+        numels, shapes) per group."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        out = []
+        for dtype, items in by_dtype.items():
+            self.write(bytes(-self.offset % ALIGN))
+            out.append((str(dtype).removeprefix("torch."), self.offset, [t.numel() for t in items],
+                        [tuple(t.shape) for t in items]))
+            for t in items:
+                self.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return out
+
+    def tree(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.loose.append(obj)
+            return _Loose((len(self.loose) - 1,))
+        if isinstance(obj, LoraAdapter):
+            return self.adapter(obj)
+        if type(obj) is dict:
+            return {k: self.tree(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.tree(v) for v in obj)
+        return obj
+
+    def adapter(self, a: LoraAdapter) -> _Adapter:
+        where = [(p, i, getattr(m, f)) for p, m in a.modules.items() for i, f in enumerate(TENSOR_FIELDS)
+                 if getattr(m, f) is not None]
+        dtypes = list(dict.fromkeys(t.dtype for *_, t in where))
+        order = [j for d in dtypes for j, w in enumerate(where) if w[2].dtype == d]  # the order `groups` writes
+        start = self.offset
+        groups = self.groups([where[j][2] for j in order])
+        refs = {(where[j][0], where[j][1]): n for n, j in enumerate(order)}
+        modules = {p: (tuple(refs.get((p, i)) for i in range(len(TENSOR_FIELDS))),
+                       {k: v for k, v in vars(m).items() if k not in TENSOR_FIELDS})
+                   for p, m in a.modules.items()}
+        return _Adapter((a.use_rslora, a.name, a.provenance, modules, groups, (start, self.offset)))
 
 
 def _sendable(e: BaseException) -> BaseException:

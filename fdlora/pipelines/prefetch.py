@@ -38,8 +38,13 @@ Semantics (what differs from `load_fd_lora`):
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
+
+from .. import env
+from ..hub import worker
 from .background import Prefetch, cancel_all, cancel_pending, check_kwargs, pending, pipeline_job, start
 
 __all__ = ["Prefetch", "cancel_all", "cancel_pending", "pending", "prefetch"]
@@ -50,7 +55,8 @@ def prefetch(obj: Any, source: Any, adapter_name: str | None = None, **kwargs: A
 
     `obj`: a diffusers pipeline (as `pipe.prefetch_fd_lora`), a diffusers model (as `fdlora.load_fd_lora(model,
     ...)`: its `family` / `prefix` keywords too) or a Transformers model (a PEFT adapter, as the Transformers
-    `load_fd_lora`; there the weights are read off the lock and written under it, without a side stream).
+    `load_fd_lora`; there the files are read in the reader process, checked against the model and converted off
+    the lock, and written under it, without a side stream).
     Keywords are the matching `load_fd_lora`'s; the adapter is never activated (see the module docstring).
     """
     from .diffusers.model import is_diffusers_model
@@ -76,11 +82,16 @@ def _transformers_steps(model: Any, source: Any, kwargs: dict[str, Any]):
     from .transformers.attach import attach
     from .transformers.model import enable
     from .transformers.quantized import check_quantized
-    from .transformers.read import read as read_peft
+    from .transformers.read import adapter_from_state, read_peft
+    from .transformers.read import read as read_load
 
     def read(name):
         check_quantized(model)
-        return read_peft(model, source, name, **kwargs), {}
+        if isinstance(source, (str, os.PathLike)) and env.prefetch_reader() == "process":
+            # the files are read in the reader process (fdlora.hub.worker); the model is checked here
+            config, tensors, prov = worker.run(read_peft, source, page_locked=torch.cuda.is_available(), **kwargs)
+            return adapter_from_state(model, config, tensors, name, prov), {}
+        return read_load(model, source, name, **kwargs), {}
 
     def publish(load, staged, name):
         attach(model, [(name, load)], activate=None)

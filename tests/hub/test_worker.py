@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
-from support.loras import diffusers_files, make_lora
+from support.loras import diffusers_files, make_lora, peft_files
 
 from fdlora import errors
 from fdlora.hub import load_adapters, worker
@@ -42,7 +42,13 @@ def files(tmp_path_factory):
     te = make_lora({"layers.0.q_proj": (16, 16)}, rank=3, seed=2, dtype=torch.float16)
     for name, data in diffusers_files({"unet": unet, "text_encoder": te}).items():
         (d / name).write_bytes(data)
-    return {"mixed": str(d / "mixed.safetensors"), "diffusers": str(d / "pytorch_lora_weights.safetensors")}
+    peft = d / "peft"
+    peft.mkdir()
+    for name, data in peft_files(make_lora({"layers.0.q_proj": (16, 24), "layers.0.o_proj": (24, 16)}, rank=4,
+                                           seed=3, dtype=torch.bfloat16)).items():
+        (peft / name).write_bytes(data)
+    return {"mixed": str(d / "mixed.safetensors"), "diffusers": str(d / "pytorch_lora_weights.safetensors"),
+            "peft": str(peft)}
 
 
 def without_seconds(report):
@@ -78,6 +84,19 @@ def test_reader_process_equals_in_process(files, which):
         assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for m in a.modules.values()
                    for t in (getattr(m, f) for f in worker.TENSOR_FIELDS) if t is not None)
     assert not glob.glob(os.path.join(worker._blob_dir(), f"fdlora-read-{os.getpid()}-*"))
+
+
+def test_any_result_comes_back_with_its_loose_tensors(files):
+    """A result that is not adapters (a Transformers prefetch's read: LoraConfig, PEFT's state dict, provenance)
+    comes back equal, its tensors in one buffer, in the dict's own order."""
+    from fdlora.pipelines.transformers.read import read_peft
+
+    config, tensors, prov = read_peft(files["peft"])
+    config2, tensors2, prov2 = worker.run(read_peft, files["peft"], page_locked=False)
+    assert (config2.to_dict(), prov2) == (config.to_dict(), prov)
+    assert list(tensors2) == list(tensors)
+    assert all(t.dtype == tensors[k].dtype and torch.equal(t, tensors[k]) for k, t in tensors2.items())
+    assert len({t.untyped_storage().data_ptr() for t in tensors2.values()}) == 1
 
 
 def test_the_loads_own_error_comes_back_as_itself(files, tmp_path):
