@@ -10,7 +10,7 @@
 #           tests-fast (GPU-marked tests, 6 workers: ~3 min; .whl must hold pytest-xdist + execnet), tests-cuda (the same
 #           under FDLORA_BACKEND=cuda), tests-notriton (triton's package moved away for the run, then back),
 #           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py), quantized
-#           (bench_quantized.py: Flux over torchao / GGUF bases, rows added under "quantized" to a copy of the committed H200 breadth.json),
+#           (bench_quantized.py: Flux over torchao / GGUF bases, rows added under "quantized" to this GPU's committed breadth.json),
 #           fullsize-sdxl / fullsize-flux / fullsize-llama (the headline table, one model per call: each takes minutes),
 #           fullsize-profile (Llama per-row decode and the SDXL cached step: torch.profiler ops, then cProfile's Python
 #           functions per step and per fused layer), fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
@@ -36,7 +36,8 @@ for stage in "$@"; do
     train) step 500 python3 benchmarks/bench_train.py --out "$OUT/results/train.json" ;;
     breadth) step 300 python3 benchmarks/bench_breadth.py --out "$OUT/results/breadth.json"
         step 200 python3 benchmarks/bench_breadth_lycoris.py --out "$OUT/results/breadth.json" ;;
-    quantized) cp benchmarks/results/nvidia-h200/breadth.json "$OUT/results/breadth.json" 2>/dev/null  # rows kept
+    quantized) GPU_DIR=benchmarks/results/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+        cp "$GPU_DIR/breadth.json" "$OUT/results/breadth.json" 2>/dev/null  # this GPU's committed rows are kept
         step 400 python3 benchmarks/bench_quantized.py --out "$OUT/results/breadth.json" ;;
     layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines/transformers ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
