@@ -41,6 +41,10 @@ def lines() -> list[str]:
     for name, b in registry.backends().items():
         reason = b.unavailable()
         out.append(f"  {name:<9} {'available' if reason is None else reason}")
+    from .. import env
+
+    where = {"process": "fd-lora's reader process", "thread": "the prefetch's own thread"}[env.prefetch_reader()]
+    out.append(f"prefetch    files read in {where} ({env.PREFETCH_READER_VAR})")
     return out
 
 

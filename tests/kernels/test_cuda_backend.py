@@ -71,6 +71,7 @@ def test_env_command_reports_each_backend_and_why(monkeypatch, tmp_path, capsys)
     assert set(lines) == set(registry.backends())
     assert lines["torch"].split(None, 1)[1] == "available"
     assert "not built: nvcc not found" in lines["cuda"]
+    assert "prefetch    files read in fd-lora's reader process (FDLORA_PREFETCH_READER)" in out
     monkeypatch.setattr(cuda, "_probed", False)
 
 
