@@ -189,6 +189,7 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
     """Idle step times, then step times while prefetches of the adapter (from disk) run, until n such steps."""
     import torch
 
+    from fdlora import env
     from fdlora.pipelines.scope import lock_of
 
     lock = lock_of(pipe)
@@ -216,7 +217,7 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
     med_idle, med_during = statistics.median(idle), statistics.median(during)
     return {"idle_ms": med_idle * 1e3, "during_prefetch_ms": med_during * 1e3, "ratio": med_during / med_idle,
             "mean_ratio": statistics.mean(during) / statistics.mean(idle), "during_prefetch_max_ms": max(during) * 1e3,
-            "reader": os.environ.get("FDLORA_PREFETCH_READER", "process"), "steps_idle": len(idle),
+            "reader": env.prefetch_reader(), "steps_idle": len(idle),
             "steps_during": len(during),
             "prefetches": len(loads), "prefetch_seconds": loads[:5]}
 

@@ -38,8 +38,9 @@ import torch
 
 from ..errors import FdLoraError
 from .adapter import LoraAdapter, ModuleLora
+from .cache import ALIGN, known_span
+from .safefile import read_into
 
-ALIGN = 64  # bytes between packed tensors: every dtype's alignment divides it
 MAX_WORKERS = 2  # as many as background reads may run at once (fdlora.pipelines.background.MAX_READERS)
 TENSOR_FIELDS = ("A", "B", "bias", "magnitude")
 PRELOAD = ("fdlora.hub.load", "peft", "diffusers.loaders.lora_pipeline", "diffusers.loaders.lora_conversion_utils")
@@ -60,12 +61,12 @@ def run(fn: Callable[..., Any], *args: Any, page_locked: bool, **kwargs: Any) ->
         with _slots:
             worker = _take()
             try:
-                skeleton, size = worker.call(dict(fn=fn, args=args, kwargs=kwargs, path=path))
+                skeleton, loose, size = worker.call(dict(fn=fn, args=args, kwargs=kwargs, path=path))
             except BaseException:
                 worker.close()  # a worker interrupted mid-answer is not reused
                 raise
             _give_back(worker)
-        return _Unpacker(path, size, page_locked).tree(skeleton)
+        return _Unpacker(path, size, page_locked, loose).tree(skeleton)
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -154,11 +155,13 @@ def _blob_dir() -> str:
 
 
 class _Loose(tuple):
-    """(index,): a tensor of the result outside any adapter, by its place in the loose groups."""
+    """(index,): a tensor of the result outside any adapter, by its place in the result (the loose tensors' groups
+    and their positions there come beside the skeleton)."""
 
 
 class _Adapter(tuple):
-    """(use_rslora, name, provenance, modules, groups, (first byte, end byte)) of a packed LoraAdapter."""
+    """(use_rslora, name, provenance, modules, groups, (first byte, end byte)) of a packed LoraAdapter; a module's
+    tensors are referred to by their position in the adapter's groups."""
 
 
 class _Unpacker:
@@ -166,13 +169,13 @@ class _Unpacker:
     of the buffer into every tensor of the group (a few C++ calls, not a Python slice per tensor); modules without
     checking them again (their constructor ran in the reader process) and adapters with their span given."""
 
-    def __init__(self, path: str, size: int, page_locked: bool) -> None:
-        from .safefile import read_into
-
+    def __init__(self, path: str, size: int, page_locked: bool, loose: tuple[list[tuple], list[int]]) -> None:
         self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=page_locked and torch.cuda.is_available())
         if read_into(path, self.buf) != size:
             raise FdLoraError(f"{path}: the reader process's output is shorter than it said; load again.")
-        self.loose: list[torch.Tensor] | None = None
+        groups, positions = loose
+        written = self.tensors(groups)
+        self.loose = [written[p] for p in positions]
 
     def tensors(self, groups: list[tuple]) -> list[torch.Tensor]:
         out = []
@@ -183,9 +186,6 @@ class _Unpacker:
         return out
 
     def tree(self, obj: Any) -> Any:
-        if type(obj) is _Packed:
-            self.loose = self.tensors(obj[1])
-            return self.tree(obj[0])
         if type(obj) is _Loose:
             return self.loose[obj[0]]
         if type(obj) is _Adapter:
@@ -197,18 +197,12 @@ class _Unpacker:
         return obj
 
     def adapter(self, use_rslora, name, provenance, modules, groups, span) -> LoraAdapter:
-        from .cache import known_span
-
         tensors = self.tensors(groups)
         mods = {p: ModuleLora.checked({**fields, **{f: None if i is None else tensors[i]
                                                     for f, i in zip(TENSOR_FIELDS, refs)}})
                 for p, (refs, fields) in modules.items()}
         base = self.buf.data_ptr()
         return known_span(LoraAdapter(mods, use_rslora, name, provenance), (base, base + span[0], base + span[1]))
-
-
-class _Packed(tuple):
-    """(skeleton, loose groups): the whole result as the reader process sends it."""
 
 
 # --- the reader process -----------------------------------------------------------------------------------------
@@ -239,11 +233,12 @@ def serve(rfd: int, wfd: int, preload: list[str] = ()) -> None:
             return
 
 
-def _run_packed(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], path: str) -> tuple[_Packed, int]:
+def _run_packed(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], path: str) -> tuple[Any, tuple, int]:
+    """(the result's skeleton, its loose tensors' (groups, positions), the file's bytes)."""
     with open(path, "wb") as f:
         packer = _Packer(f)
         skeleton = packer.tree(fn(*args, **kwargs))
-        return _Packed((skeleton, packer.groups(packer.loose))), packer.offset
+        return skeleton, packer.groups(packer.loose), packer.offset
 
 
 class _Packer:
@@ -259,20 +254,21 @@ class _Packer:
         self.f.write(view)
         self.offset += view.nbytes
 
-    def groups(self, tensors: list[torch.Tensor]) -> list[tuple]:
-        """Write `tensors` grouped by dtype (first seen first, each group in the given order); (dtype, offset,
-        numels, shapes) per group."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        out = []
+    def groups(self, tensors: list[torch.Tensor]) -> tuple[list[tuple], list[int]]:
+        """Write `tensors` grouped by dtype (first seen first, each group in the given order); ((dtype, offset,
+        numels, shapes) per group, each tensor's position in the written order)."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        out, positions, n = [], [0] * len(tensors), 0
         for dtype, items in by_dtype.items():
             self.write(bytes(-self.offset % ALIGN))
-            out.append((str(dtype).removeprefix("torch."), self.offset, [t.numel() for t in items],
-                        [tuple(t.shape) for t in items]))
-            for t in items:
-                self.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        return out
+            out.append((str(dtype).removeprefix("torch."), self.offset, [tensors[i].numel() for i in items],
+                        [tuple(tensors[i].shape) for i in items]))
+            for i in items:
+                self.write(tensors[i].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                positions[i], n = n, n + 1
+        return out, positions
 
     def tree(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -289,11 +285,9 @@ class _Packer:
     def adapter(self, a: LoraAdapter) -> _Adapter:
         where = [(p, i, getattr(m, f)) for p, m in a.modules.items() for i, f in enumerate(TENSOR_FIELDS)
                  if getattr(m, f) is not None]
-        dtypes = list(dict.fromkeys(t.dtype for *_, t in where))
-        order = [j for d in dtypes for j, w in enumerate(where) if w[2].dtype == d]  # the order `groups` writes
         start = self.offset
-        groups = self.groups([where[j][2] for j in order])
-        refs = {(where[j][0], where[j][1]): n for n, j in enumerate(order)}
+        groups, positions = self.groups([t for *_, t in where])
+        refs = {(p, i): n for (p, i, _), n in zip(where, positions)}
         modules = {p: (tuple(refs.get((p, i)) for i in range(len(TENSOR_FIELDS))),
                        {k: v for k, v in vars(m).items() if k not in TENSOR_FIELDS})
                    for p, m in a.modules.items()}
