@@ -38,13 +38,9 @@ Semantics (what differs from `load_fd_lora`):
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import torch
-
 from .. import env
-from ..hub import worker
 from .background import Prefetch, cancel_all, cancel_pending, check_kwargs, pending, pipeline_job, start
 
 __all__ = ["Prefetch", "cancel_all", "cancel_pending", "pending", "prefetch"]
@@ -82,16 +78,11 @@ def _transformers_steps(model: Any, source: Any, kwargs: dict[str, Any]):
     from .transformers.attach import attach
     from .transformers.model import enable
     from .transformers.quantized import check_quantized
-    from .transformers.read import adapter_from_state, read_peft
-    from .transformers.read import read as read_load
+    from .transformers.read import read as read_peft
 
     def read(name):
         check_quantized(model)
-        if isinstance(source, (str, os.PathLike)) and env.prefetch_reader() == "process":
-            # the files are read in the reader process (fdlora.hub.worker); the model is checked here
-            config, tensors, prov = worker.run(read_peft, source, page_locked=torch.cuda.is_available(), **kwargs)
-            return adapter_from_state(model, config, tensors, name, prov), {}
-        return read_load(model, source, name, **kwargs), {}
+        return read_peft(model, source, name, in_process=env.prefetch_reader() == "thread", **kwargs), {}
 
     def publish(load, staged, name):
         attach(model, [(name, load)], activate=None)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ...errors import FdLoraError, FormatError, UnsupportedFeatureError
+from ...hub import worker
 from ...hub.adapter import LoraAdapter, Provenance
 from ...hub.resolve import fetch, resolve
 from ...hub.safefile import read_weights
@@ -66,12 +67,19 @@ def read_peft(source: str | os.PathLike, *, subfolder: str | None = None, revisi
     return config, tensors, Provenance(source=r.source, revision=r.sha, file=r.file, format="peft")
 
 
-def read(model: nn.Module, source: str | os.PathLike | LoraAdapter, name: str, **hub_kwargs) -> PeftLoad:
-    """The read step: a PEFT folder / Hub repo id (checked against `model`) or a ready LoraAdapter."""
+def read(model: nn.Module, source: str | os.PathLike | LoraAdapter, name: str, *, in_process: bool = True,
+         **hub_kwargs) -> PeftLoad:
+    """The read step: a PEFT folder / Hub repo id (checked against `model`) or a ready LoraAdapter.
+    `in_process=False` reads the files in fd-lora's reader process (fdlora.hub.worker: background loads, off the
+    serving thread's GIL); the check against the model and the conversion stay here."""
     if isinstance(source, LoraAdapter):
         return PeftLoad(source, None)
     if isinstance(source, (str, os.PathLike)):
-        config, tensors, prov = read_peft(source, **hub_kwargs)
+        if in_process:
+            config, tensors, prov = read_peft(source, **hub_kwargs)
+        else:
+            config, tensors, prov = worker.run(read_peft, source, page_locked=torch.cuda.is_available(),
+                                               **hub_kwargs)
         return adapter_from_state(model, config, tensors, name, prov)
     raise FdLoraError(f"load_fd_lora takes a PEFT adapter directory, a Hub repo id or a LoraAdapter; got "
                       f"{type(source).__name__}. For a state dict use model.load_adapter(peft_config=..., "
