@@ -41,7 +41,7 @@ from .adapter import LoraAdapter, ModuleLora
 from .cache import ALIGN, known_span
 from .safefile import read_into
 
-MAX_WORKERS = 2  # as many as background reads may run at once (fdlora.pipelines.background.MAX_READERS)
+MAX_WORKERS = 2  # reader processes at once; also how many prefetches read at once (pipelines.background)
 TENSOR_FIELDS = ("A", "B", "bias", "magnitude")
 PRELOAD = ("fdlora.hub.load", "peft", "diffusers.loaders.lora_pipeline", "diffusers.loaders.lora_conversion_utils")
 _idle: list[_Worker] = []

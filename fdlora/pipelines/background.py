@@ -22,9 +22,10 @@ import torch
 
 from .. import env
 from ..errors import DuplicateAdapterError, FdLoraError, UnknownAdapterError
+from ..hub.worker import MAX_WORKERS
 from .scope import lock_of
 
-MAX_READERS = 2  # prefetches reading / converting at once: each holds its adapter's bytes, and the GIL in turns
+MAX_READERS = MAX_WORKERS  # prefetches reading at once (each holds its adapter's bytes): a reader process each
 _readers = threading.BoundedSemaphore(MAX_READERS)
 _pending: weakref.WeakKeyDictionary[Any, dict[str, Prefetch]] = weakref.WeakKeyDictionary()
 _registry = threading.Lock()
