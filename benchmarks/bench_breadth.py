@@ -252,7 +252,10 @@ def main() -> int:
             "git_sha": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                       cwd=ROOT).stdout.strip()}
     if a.out:
-        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows, "failures": bad}, indent=1))
+        path = Path(a.out)  # other keys of an existing file (quantized, lycoris rows) are kept
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data.update(meta=meta, rows=rows, failures=bad)
+        path.write_text(json.dumps(data, indent=1) + "\n")
     for b in bad:
         print("WRONG:", b, file=sys.stderr)
     return 1 if bad else 0

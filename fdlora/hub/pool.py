@@ -35,7 +35,9 @@ _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class AdapterPool:
     def __init__(self, handle, *, pin: bool | None = None) -> None:
-        self.handle = handle
+        # weak: `_pools` is keyed weakly by the handle, and a value holding its key strongly keeps both (and the
+        # model's GPU weights) alive for the life of the process
+        self._handle = weakref.ref(handle)
         self._host: dict[str, LoraAdapter] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident names, least recently used first
         self._names: frozenset[str] | None = None  # module paths of the model, for path alignment
@@ -51,6 +53,10 @@ class AdapterPool:
         if pool is None:
             pool = _pools[handle] = cls(handle)
         return pool
+
+    @property
+    def handle(self):
+        return self._handle()
 
     @property
     def capacity(self) -> int:

@@ -22,10 +22,14 @@ from ..layers import FdLoraHandle, registry_of_models
 
 @dataclass(eq=False)
 class Session:
-    handle: FdLoraHandle
+    handle_ref: weakref.ref[FdLoraHandle]  # weak: `_sessions` is keyed weakly by the model, which the handle holds
     configs: dict[str, object] = field(default_factory=dict)
     saved: dict[str, nn.Module] = field(default_factory=dict)
     sample_names: Sequence[str | None] | None = None
+
+    @property
+    def handle(self) -> FdLoraHandle:
+        return self.handle_ref()
 
     @property
     def alive(self) -> bool:
@@ -44,5 +48,5 @@ def session_of(model: nn.Module, create: bool = True) -> Session | None:
     if s is None or s.handle is not h:
         if not create:
             return None
-        s = _sessions[model] = Session(h)  # type: ignore[arg-type]
+        s = _sessions[model] = Session(weakref.ref(h))
     return s
