@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import platform
 import statistics
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fdlora  # noqa: E402
+from fdlora import env  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
 from fdlora.testing import median_ms  # noqa: E402
 
@@ -272,8 +274,15 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
         err = max(float((p.float() - q.float()).abs().max() / q.float().abs().max()) for p, q in zip(a, b))
         t_fd = median_ms(fd, repeats, dev.type)
         t_torch = median_ms(torch_path, repeats, dev.type)
-        rows.append({"M": M, "K": K, "N": N, "r": 16, "dtype": str(dtype).split(".")[-1], "fd_ms": t_fd,
-                     "torch_ms": t_torch, "layer_x_torch": t_fd / t_torch, "rel_err_vs_torch": err})
+        row = {"M": M, "K": K, "N": N, "r": 16, "dtype": str(dtype).split(".")[-1], "fd_ms": t_fd,
+               "torch_ms": t_torch, "layer_x_torch": t_fd / t_torch, "rel_err_vs_torch": err,
+               "fd_backward": env.train_backward() if dev.type == "cuda" else "reference"}
+        if dev.type == "cuda" and importlib.util.find_spec("triton") is not None:  # the opt-in fused kernels too
+            from fdlora.kernels.triton.lora_backward import lora_backward
+
+            t_tri = median_ms(lambda a=(gy, x, h, None, A, B, s): lora_backward(*a), repeats, dev.type)
+            row.update(triton_ms=t_tri, triton_x_torch=t_tri / t_torch)
+        rows.append(row)
     return rows
 
 
@@ -325,7 +334,9 @@ def main(argv=None) -> int:
             result["layer"] = layer_microbench(dev, a.smoke, 3 if a.smoke else 50)
             for r in result["layer"]:
                 print(f"layer M={r['M']} K={r['K']} N={r['N']}: fd {r['fd_ms']:.3f} ms, torch {r['torch_ms']:.3f} ms"
-                      f" ({r['layer_x_torch']:.2f}x, target <= {TARGETS['layer_x_torch']})", flush=True)
+                      f" ({r['layer_x_torch']:.2f}x, target <= {TARGETS['layer_x_torch']}; {r['fd_backward']})"
+                      + (f"; triton kernels {r['triton_ms']:.3f} ms ({r['triton_x_torch']:.2f}x)" if "triton_ms" in r
+                         else ""), flush=True)
             continue
         row = run_case(name, dev, a.smoke, steps)
         result["cases"].append(row)

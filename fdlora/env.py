@@ -116,6 +116,18 @@ def prefetch_reader() -> str:
     return raw if raw in ("process", "thread") else default
 
 
+TRAIN_BACKWARD_VAR = "FDLORA_TRAIN_BACKWARD"
+
+
+def train_backward() -> str:
+    """`FDLORA_TRAIN_BACKWARD`: how a trainable layer's LoRA backward runs on CUDA: "blas" (default: four cuBLAS
+    GEMMs in the activations' dtype, fdlora.kernels.reference.lora_train.lora_train_linear_backward_blas) or
+    "triton" (the two-pass fused kernels of fdlora.kernels.triton.lora_backward, slower on an H200 at every
+    measured Llama-3-8B layer shape: benchmarks/results/nvidia-h200/train.json)."""
+    raw = os.environ.get(TRAIN_BACKWARD_VAR, "blas").strip().lower()
+    return raw if raw in ("blas", "triton") else "blas"
+
+
 def accelerate_fsdp() -> bool:
     """`ACCELERATE_USE_FSDP=true`: what `accelerate launch --use_fsdp` (or an accelerate config with
     `distributed_type: FSDP`) sets; `fdlora train` then shards the base with FSDP (fdlora.training.fsdp)."""

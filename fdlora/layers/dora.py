@@ -15,18 +15,23 @@ so inside the norm. Per-sample and per-row batches (PEFT refuses ``adapter_names
 what its adapters give as a blend alone, applied in slot order (the order they were loaded in, unless a delete
 freed an earlier slot).
 
-g_s is computed once per (slot, c_s, bank write, weight edit) and kept; a call costs the base GEMM plus the
-low-rank products of the active slots (one fused path: no merged-weight cache, no kernels — layers with a DoRA
-slot take this eager path in every mode). Fusing merges W + Σ_s [(g_s − 1) W + g_s c_s ΔW_s] (`delta_weight`).
+g_s is computed once per (slot, c_s, bank write, weight edit) and kept. In eager blend mode on a plain nn.Linear /
+nn.Conv2d base with room in the merged-weight cache (fdlora.layers.merged: its budget, its key), a call is one base
+GEMM on W' = W + `delta_weight` (what fusing adds), re-merged here in torch when the blend, the bank or W changes:
+DoRA at merged speed. Every other call (per-sample and per-row batches, no room, a lora bias, compiled or frozen
+models, autograd) costs the base GEMM plus the low-rank products of the active slots, eagerly in fp32 (no kernels).
+Layers with a DoRA slot never join the kernels' model-wide re-merge (fdlora.layers.remerge.cacheable).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import FdLoraError
 from . import quantized
+from .merged import merged_key
 from .state import Mode
 
 MAX_KEPT = 64  # gains kept per layer (slot x weight pairs); beyond that the oldest go
@@ -115,8 +120,38 @@ def _apply(layer, y: torch.Tensor, x: torch.Tensor, ynb: torch.Tensor, c: list[f
     return y
 
 
+def merged_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """W' = W + delta_weight for this eager blend call, from the layer's merged-weight buffer (merged again when the
+    key moved), or None when the call may not use one."""
+    st, base = layer.state, layer.base
+    if (st.mode is not Mode.BLEND or st.static or torch.compiler.is_compiling() or type(base) not in (nn.Linear,
+            nn.Conv2d) or layer.bank._buffers["bias"] is not None or not layer.plain_now()):
+        return None
+    W = base._parameters["weight"]
+    if ((torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    m, key = layer.merged, merged_key(layer, W)
+    if m.buf is not None and m.key == key:
+        return m.buf
+    buf = m._buffer(W)
+    if buf is None:
+        return None
+    m._mark_stale()  # the kernels' device stamp no longer describes the buffer
+    scale, gw = layer._weights(x, 1)
+    S = layer.bank.slots
+    with torch.no_grad():
+        buf.copy_(W.float() + delta_weight(layer, gw[0, :S] * scale[:S]))
+    m.key = key
+    return buf
+
+
 def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
     """The layer's output for every mode (blend, per-sample, per-row), DoRA slots included."""
+    if not (args or kwargs or layer._skip()):
+        w = merged_weight(layer, x)
+        if w is not None:
+            return layer._weight_fn(w, layer.base._parameters["bias"])(x)
     y = layer.base(x, *args, **kwargs)
     if layer._skip():
         return y

@@ -81,6 +81,24 @@ def lora_train_linear_backward(
     return grad_u.to(u.dtype), grad_A, grad_B
 
 
+def lora_train_linear_backward_blas(
+    gy: torch.Tensor, u: torch.Tensor, h: torch.Tensor, W: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+    scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`lora_train_linear_backward` in the activations' dtype: four BLAS GEMMs, the work autograd does for PEFT's
+    lora_B(lora_A(x)) * s (g = s gy B rounded once to that dtype, h rounded to it for grad_B, every product
+    accumulated in fp32 by the BLAS), gradients returned in fp32. What CUDA runs for half-precision activations
+    (fdlora.env.train_backward); fp32 and CPU inputs take the reference above."""
+    dt = u.dtype
+    g = gy @ (B.float() * scale).to(dt)  # [M, r]
+    grad_B = (gy.t() @ h.to(dt)).float() * scale
+    grad_A = (g.t() @ u).float()
+    grad_u = g @ A.to(dt)
+    if W is not None:
+        grad_u = torch.addmm(grad_u, gy, W.to(dt))
+    return grad_u, grad_A, grad_B
+
+
 def lora_train_conv2d(
     u: torch.Tensor,  # [Bt, C, H, W] LoRA input (x or dropout(x))
     y0: torch.Tensor,  # [Bt, N, H', W'] base output

@@ -61,3 +61,35 @@ def test_from_peft_and_saved_folder_equal_peft(tmp_path):
     fdlora.set_adapters(loaded, ["default"], [1.0])
     got = _logits(loaded, ids)
     assert (got - want["default"]).abs().max() <= 1e-5 * want["default"].abs().max()
+
+
+@pytest.fixture
+def merge_cache():
+    fdlora.set_merge_cache(1 << 28)  # off on CPU by default
+    yield
+    fdlora.set_merge_cache("auto")
+
+
+def test_blends_on_the_merged_weight_cache_equal_the_eager_path_and_peft(merge_cache):
+    """With room in the merged-weight cache a DoRA blend runs one GEMM on W' = W + delta_weight
+    (fdlora.layers.dora.merged_weight), merged again when the blend moves: the logits of the eager per-call path, and
+    PEFT's for a single adapter."""
+    base = _llama()
+    pm = _peft_dora(base)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    pm.set_adapter("default")
+    peft_default = _logits(pm, ids)
+    model = fdlora.from_peft(copy.deepcopy(pm))
+    for names, w in ((["default"], [1.0]), (["default", "second"], [0.7, 0.5]), (["second", "default"], [1.2, 0.3]),
+                     (["default"], [1.0])):
+        fdlora.set_adapters(model, names, w)
+        got = _logits(model, ids)
+        assert fdlora.merge_cache_bytes("cpu") > 0, "the DoRA layers took no merged copy"
+        fdlora.set_merge_cache(0)
+        eager = _logits(model, ids)
+        fdlora.set_merge_cache(1 << 28)
+        assert (got - eager).abs().max() <= 1e-5 * eager.abs().max(), (names, w)
+        if names == ["default"]:
+            assert (got - peft_default).abs().max() <= 1e-5 * peft_default.abs().max()
+    again = _logits(model, ids)  # the key holds: the kept W' serves the call unchanged
+    assert torch.equal(again, got)
