@@ -68,6 +68,16 @@ class _Passthrough(nn.Module):
             return getattr(inner, name)
 
 
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype while autocast is on for its device: what the wrapped nn.Linear / nn.Conv2d and PEFT's
+    lora_A would compute in. The ops are custom ops, which autocast leaves alone; without this, the fp32 output of
+    an autocast LayerNorm / GroupNorm made every base and LoRA GEMM of the layer an fp32 one."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
 class _TrainableLora(_Passthrough):
     kind = "linear"
 
@@ -111,6 +121,7 @@ class _TrainableLora(_Passthrough):
         return [n for n in self.state.active if n in self.lora_A]
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        x = _autocast_input(x)
         st = self.state
         if st.samples is None:
             names = self._active()

@@ -162,3 +162,53 @@ def test_trainable_from_live_peft_model_keeps_values_and_trains_like_peft():
         assert rel(B.grad, theirs[path].lora_B["default"].weight.grad) < 1e-5
     head = fdlora.training.saved_modules(fm, "default")["classifier"]
     assert rel(head.weight.grad, ref.base_model.model.classifier.modules_to_save["default"].weight.grad) < 1e-5
+
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-sd15"])
+def test_bf16_autocast_computes_in_bf16_like_peft(model_name):
+    """Under autocast a trainable layer computes in autocast's dtype, as the nn.Linear / nn.Conv2d it wraps and PEFT's
+    lora_A do. Its ops are custom ops, which autocast does not cast, and a backward runs without autocast: the fp32
+    output of an autocast norm layer used to reach the backward as fp32 (fp32 GEMMs on CUDA). Every layer's output
+    has PEFT's dtype, its backward op gets bf16 activations, and the gradients are no further from the fp32 step's
+    than PEFT's bf16-autocast ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Backwards(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "lora_train" in str(func) and "backward" in str(func):
+                self.dtypes.add(args[1].dtype)  # u, the LoRA input the forward saved
+            return func(*args, **(kwargs or {}))
+
+    targets = "all-linear" if model_name == "tiny-llama" else ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"]
+    pm, fm = pair(model_name, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    exact = copy.deepcopy(pm)
+    task = tiny.TASKS[model_name]
+    paths = list(fdlora.lora_parameters(fm, "default"))
+    dtypes = {}
+    hooks = [m.register_forward_hook(lambda m, a, y, p=p, k=k: dtypes.setdefault((k, p), y.dtype) and None)
+             for k, mods in (("peft", peft_lora_modules(pm)), ("fd", {p: fm.get_submodule(p) for p in paths}))
+             for p, m in mods.items()]
+    batch = tiny.synthetic_batch(task, fm, 2, 0)
+    tiny.loss_of(task, exact, batch).backward()
+    for m in (pm, fm):
+        with torch.autocast("cpu", dtype=torch.bfloat16), Backwards() as seen:
+            tiny.loss_of(task, m, batch).backward()
+    for h in hooks:
+        h.remove()
+    assert {dtypes["fd", p] for p in paths} == {torch.bfloat16} == {dtypes["peft", p] for p in paths}
+    assert seen.dtypes == {torch.bfloat16}, seen.dtypes
+
+    def worst(grads):
+        ref = peft_lora_modules(exact)
+        return max(max(rel(A, ref[p].lora_A["default"].weight.grad), rel(B, ref[p].lora_B["default"].weight.grad))
+                   for p, (A, B) in grads.items())
+
+    theirs = peft_lora_modules(pm)
+    peft_err = worst({p: (m.lora_A["default"].weight.grad, m.lora_B["default"].weight.grad) for p, m in theirs.items()})
+    fd_err = worst({p: (A.grad, B.grad) for p, (A, B) in fdlora.lora_parameters(fm, "default").items()})
+    assert fd_err <= 1.5 * peft_err + 1e-3, (fd_err, peft_err)
