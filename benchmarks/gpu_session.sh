@@ -23,7 +23,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && 
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name --format=csv,noheader
-step() { local t=$1 s=$SECONDS; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[transformers\]\|Warning\|warnings.warn" | tee -a "$OUT/log.txt" | tail -${TAIL:-40}; echo "== took $((SECONDS - s)) s"; }
+step() { local t=$1 s=$SECONDS; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v "^\[transformers\]\|Warning\|warnings.warn" | tee -a "$OUT/log.txt" | tail -${TAIL:-40}; local rc=${PIPESTATUS[0]}; echo "== took $((SECONDS - s)) s (exit ${rc/#137/137: killed, host memory?})"; }
 for stage in "$@"; do
   case $stage in
     layer) TAIL=3 step 120 python3 benchmarks/probes/profile_layer.py --out "$OUT/results/layer_host.json" ;;

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FdLoraError
-from . import quantized
+from . import offload, quantized
 from .merged import merged_key
 from .state import Mode
 
@@ -125,7 +125,8 @@ def merged_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
     key moved), or None when the call may not use one."""
     st, base = layer.state, layer.base
     if (st.mode is not Mode.BLEND or st.static or torch.compiler.is_compiling() or type(base) not in (nn.Linear,
-            nn.Conv2d) or layer.bank._buffers["bias"] is not None or not layer.plain_now()):
+            nn.Conv2d) or layer.bank._buffers["bias"] is not None or not layer.plain_now()
+            or not offload.current(layer)):  # as the kernels' cache (fdlora.layers.remerge.cacheable)
         return None
     W = base._parameters["weight"]
     if ((torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))
