@@ -35,8 +35,7 @@ _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class AdapterPool:
     def __init__(self, handle, *, pin: bool | None = None) -> None:
-        # weak: `_pools` is keyed weakly by the handle, and a value holding its key strongly keeps both (and the
-        # model's GPU weights) alive for the life of the process
+        self._owned = handle  # a pool made directly owns its handle; `of` drops this (see there)
         self._handle = weakref.ref(handle)
         self._host: dict[str, LoraAdapter] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident names, least recently used first
@@ -52,11 +51,14 @@ class AdapterPool:
         pool = _pools.get(handle)
         if pool is None:
             pool = _pools[handle] = cls(handle)
+            # weak from here: `_pools` is keyed weakly by the handle, and a value that held its key would keep both
+            # (and the model's GPU weights) alive for the life of the process
+            pool._owned = None
         return pool
 
     @property
     def handle(self):
-        return self._handle()
+        return self._owned if self._owned is not None else self._handle()
 
     @property
     def capacity(self) -> int:
