@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call; GPU results land in $OUT/results/*.json (copy them to benchmarks/results/<gpu>/).
 #   bash benchmarks/gpu_session.sh tests pipeline profile     # stages, in order
+#   carry .whl: diffusers==0.42.1 importlib_metadata gguf torchao lycoris-lora toml bitsandbytes (pip download --no-deps,
+#   ~53 MB; the device image has pytest-xdist, execnet, hypothesis, accelerate, peft, transformers)
 #   stages: tests (GPU-marked tests), layers (GPU-marked layer + transformers tests), pipeline (SDXL + Flux steps), profile / profile-percall (SDXL step
 #           host/GPU profile, merged-weight cache on / off), llm (decode / prefill), llm-profile (the same
 #           + host profiles of eager decode steps), layer (host time of one fused layer's eager forward), load (SDXL-size adapter load), fused / fused-measure
@@ -9,7 +11,8 @@
 #           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call),
 #           tests-fast (GPU-marked tests, 6 workers: ~3 min; .whl must hold pytest-xdist + execnet), tests-cuda (the same
 #           under FDLORA_BACKEND=cuda), tests-notriton (triton's package moved away for the run, then back),
-#           cuda-backend (per-op table + layer host time), train (bench_train.py), breadth (bench_breadth*.py), quantized
+#           cuda-backend (per-op table + layer host time), train (bench_train.py), train-profile (profile_train.py: SDXL and ViT
+#           training steps, fd-lora vs PEFT, torch.profiler top ops), breadth (bench_breadth*.py), quantized
 #           (bench_quantized.py: Flux over torchao / GGUF bases, rows added under "quantized" to this GPU's committed breadth.json),
 #           fullsize-sdxl / fullsize-flux / fullsize-llama (the headline table, one model per call: each takes minutes),
 #           fullsize-profile (Llama per-row decode and the SDXL cached step: torch.profiler ops, then cProfile's Python
@@ -34,6 +37,8 @@ for stage in "$@"; do
         TAIL=15 step 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 tests; mv /tmp/triton_hidden "$T" ;;
     cuda-backend) step 300 python3 benchmarks/bench_cuda_backend.py --out "$OUT/results/cuda_backend.json" ;;
     train) step 500 python3 benchmarks/bench_train.py --out "$OUT/results/train.json" ;;
+    train-profile) for c in sdxl vit; do TAIL=60 step 200 python3 benchmarks/probes/profile_train.py --case $c \
+        --out "$OUT/results/profile_train_$c.json"; done ;;
     breadth) GPU_DIR=benchmarks/results/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
         cp "$GPU_DIR/breadth.json" "$OUT/results/breadth.json" 2>/dev/null  # this GPU's committed rows are kept
         step 330 python3 benchmarks/bench_breadth.py --out "$OUT/results/breadth.json"
