@@ -17,7 +17,8 @@
 #           fullsize-sdxl / fullsize-flux / fullsize-llama (the headline table, one model per call: each takes minutes),
 #           fullsize-profile (Llama per-row decode and the SDXL cached step: torch.profiler ops, then cProfile's Python
 #           functions per step and per fused layer), fullsize-cuda (the per-call cases again under FDLORA_BACKEND=cuda), offload (bench_offload.py),
-#           gpu-memory (tests/reliability/test_gpu_memory.py), pressure (bench_pressure.py: full-size SDXL steps
+#           gpu-memory (tests/reliability/test_gpu_memory.py), prefetch-stall (probe_prefetch_stall.py: which piece of a
+#           background load slows the steps), pressure (bench_pressure.py: full-size SDXL steps
 #           at 3 / 2 / 1.5 / 1 GiB free, fd-lora vs diffusers+PEFT: reliability.json with a "gpu" key, to copy back), prefetch (bench_prefetch.py), shared-shrink
 #           (bench_shared_shrink.py), build-cuda (the extension, before anything that should
 #           run on the triton+cuda backend auto takes once it is built)
@@ -72,6 +73,7 @@ for stage in "$@"; do
     prefetch) step 400 python3 benchmarks/bench_prefetch.py --out "$OUT/results/prefetch.json"
         FDLORA_PREFETCH_READER=thread step 200 python3 benchmarks/bench_prefetch.py --steps-only \
         --out "$OUT/results/prefetch_thread_reader.json" ;;
+    prefetch-stall) TAIL=12 step 300 python3 benchmarks/probes/probe_prefetch_stall.py --out "$OUT/results/prefetch_stall.json" ;;
     shared-shrink) step 300 python3 benchmarks/bench_shared_shrink.py --out "$OUT/results/shared_shrink.json" ;;
     pressure) cp benchmarks/results/reliability.json "$OUT/results/reliability.json"  # the CPU figures stay
         TAIL=40 step 400 python3 benchmarks/bench_pressure.py --out "$OUT/results/reliability.json" ;;

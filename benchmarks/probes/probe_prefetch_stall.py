@@ -1,0 +1,125 @@
+"""Which part of a background adapter load slows the serving steps (issue 26: 1.87x on an H100 with the reader
+process, target 1.05x): step times of the full-size SDXL UNet (bench_prefetch's setup) while one background thread
+repeats one piece of what a prefetch does in the serving process, each piece alone:
+
+    none           nothing (the idle steps)
+    gil            pure Python in a thread (the GIL switching cost a busy Python thread puts on the steps)
+    pin_alloc      torch.empty(adapter bytes, pin_memory=True), every buffer kept (a fresh cudaHostAlloc each time,
+                   as the reader process's result buffer is: the RAM cache keeps every adapter)
+    read_pageable  safefile.read_into of the adapter-sized file in /dev/shm into a pageable buffer
+    read_pinned    the same into one page-locked buffer allocated once
+    h2d            page-locked buffer -> GPU on a side stream, waited for with an event (bench's staging copy)
+    reader         load_adapters(in_process=False): the file read and converted in the reader process, its result
+                   unpacked into one page-locked buffer here (what a prefetch's reading stage does)
+
+    python benchmarks/probes/probe_prefetch_stall.py --out $OUT/results/prefetch_stall.json     # GPU
+    python benchmarks/probes/probe_prefetch_stall.py --smoke                                   # CPU, toy widths
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_prefetch as bp  # noqa: E402
+
+from fdlora.hub import safefile, worker  # noqa: E402
+
+
+def pieces(path: str, nbytes: int, cuda: bool) -> dict:
+    kept: list[torch.Tensor] = []
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    side = torch.cuda.Stream() if cuda else None
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda") if cuda else None
+
+    def gil():
+        s = 0
+        for i in range(200_000):
+            s += i
+
+    def pin_alloc():
+        if len(kept) < 24:
+            kept.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda))
+        else:
+            time.sleep(0.01)
+
+    def h2d():
+        with torch.cuda.stream(side):
+            dev.copy_(pinned, non_blocking=True)
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(side)
+        ev.synchronize()
+
+    def reader():
+        from fdlora.hub import load_adapters
+
+        load_adapters(path, cache=None, in_process=False)
+
+    out = {"none": None, "gil": gil, "pin_alloc": pin_alloc,
+           "read_pageable": lambda: safefile.read_into(path, pageable),
+           "read_pinned": lambda: safefile.read_into(path, pinned), "reader": reader}
+    if cuda:
+        out["h2d"] = h2d
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    pipe, unet, inputs, device, sync = bp.setup(a.smoke)
+    folder = tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    nbytes = bp.write_adapter(unet, 4 if a.smoke else 32, folder)
+    path = str(Path(folder) / bp.WEIGHTS)
+    worker.start()
+    rows = {}
+    with torch.inference_mode():
+        for _ in range(3):
+            unet(**inputs)
+        for name, fn in pieces(path, nbytes, device == "cuda").items():
+            stop = threading.Event()
+            runs = [0]
+
+            def loop(fn=fn, stop=stop, runs=runs):
+                while not stop.is_set():
+                    fn()
+                    runs[0] += 1
+
+            t = None
+            if fn is not None:
+                fn()  # once untimed: first-use costs (the reader's imports, the stream)
+                t = threading.Thread(target=loop, daemon=True)
+                t.start()
+                time.sleep(0.05)
+            ms = [bp.timed(lambda: unet(**inputs), sync) * 1e3 for _ in range(a.steps)]
+            stop.set()
+            if t is not None:
+                t.join()
+            rows[name] = {"step_ms": statistics.median(ms), "max_ms": max(ms), "runs": runs[0]}
+            rows[name]["ratio"] = rows[name]["step_ms"] / rows["none"]["step_ms"]
+            print(f"{name:14} {rows[name]['step_ms']:8.1f} ms  x{rows[name]['ratio']:.2f}  (max {max(ms):.1f}, "
+                  f"{runs[0]} runs)", flush=True)
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+              "adapter_bytes": nbytes, "steps": a.steps, "rows": rows}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
