@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FdLoraError
-from . import offload, quantized
+from . import quantized, remerge
 from .merged import merged_key
 from .state import Mode
 
@@ -123,10 +123,9 @@ def _apply(layer, y: torch.Tensor, x: torch.Tensor, ynb: torch.Tensor, c: list[f
 def merged_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
     """W' = W + delta_weight for this eager blend call, from the layer's merged-weight buffer (merged again when the
     key moved), or None when the call may not use one."""
-    st, base = layer.state, layer.base
-    if (st.mode is not Mode.BLEND or st.static or torch.compiler.is_compiling() or type(base) not in (nn.Linear,
-            nn.Conv2d) or layer.bank._buffers["bias"] is not None or not layer.plain_now()
-            or not offload.current(layer)):  # as the kernels' cache (fdlora.layers.remerge.cacheable)
+    base = layer.base
+    if (layer.state.static or torch.compiler.is_compiling() or type(base) not in (nn.Linear, nn.Conv2d)
+            or not remerge.mergeable(layer, layer.bank.A.device)):
         return None
     W = base._parameters["weight"]
     if ((torch.is_grad_enabled() and (W.requires_grad or x.requires_grad))

@@ -22,14 +22,19 @@ from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, merged_key
 from .state import Mode, to_device
 
 
-def cacheable(layer, device: torch.device) -> bool:
-    """Whether the eager cache serves this layer now: blend mode, a plain base in the bank's dtype on `device`,
-    something loaded, no lora bias (the cached GEMM adds none), no DoRA slot (fdlora.layers.dora)."""
+def mergeable(layer, device: torch.device) -> bool:
+    """Whether a merged copy of W may serve this layer now, whoever merges it: blend mode, a plain base in the
+    bank's dtype on `device`, something loaded, no lora bias (the cached GEMM adds none), not offloaded."""
     bank = layer.bank
     return (layer.plain_now() and bank.A.device == device and bank._buffers["bias"] is None and True in bank.used
-            and bank._buffers["magnitude"] is None
             and layer.state.mode is Mode.BLEND
             and offload.current(layer))  # not offloaded behind the layer's back (fdlora.layers.offload)
+
+
+def cacheable(layer, device: torch.device) -> bool:
+    """Whether the eager cache of the kernels' merge (W + Σ s B A) serves this layer now: `mergeable` and no DoRA
+    slot (fdlora.layers.dora merges its own W')."""
+    return mergeable(layer, device) and layer.bank._buffers["magnitude"] is None
 
 
 def entry(layer, out: torch.Tensor, W: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
