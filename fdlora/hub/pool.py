@@ -20,7 +20,7 @@ import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,8 +35,7 @@ _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class AdapterPool:
     def __init__(self, handle, *, pin: bool | None = None) -> None:
-        self._owned = handle  # a pool made directly owns its handle; `of` drops this (see there)
-        self._handle = weakref.ref(handle)
+        self._handle: Callable[[], Any] = lambda: handle  # a pool made directly owns its handle; `of` makes it weak
         self._host: dict[str, LoraAdapter] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident names, least recently used first
         self._names: frozenset[str] | None = None  # module paths of the model, for path alignment
@@ -53,12 +52,12 @@ class AdapterPool:
             pool = _pools[handle] = cls(handle)
             # weak from here: `_pools` is keyed weakly by the handle, and a value that held its key would keep both
             # (and the model's GPU weights) alive for the life of the process
-            pool._owned = None
+            pool._handle = weakref.ref(handle)
         return pool
 
     @property
     def handle(self):
-        return self._owned if self._owned is not None else self._handle()
+        return self._handle()
 
     @property
     def capacity(self) -> int:
