@@ -9,7 +9,10 @@ PEFT-style torch path (four GEMMs and a scale: grad_B, g, grad_A, grad_x) at Lla
 
 Each case verifies first (one step's LoRA gradients of fd-lora vs PEFT on a small batch, relative error reported and
 bounded), then times `--steps` optimizer steps of each (median ms) and the peak memory they allocate above what is
-resident before the loop (activations, gradients, optimizer state). Targets (issue 23): step time <= 0.75x PEFT's,
+resident before the loop (activations, gradients, optimizer state). Then the floor: the same base model with no
+adapter at all, frozen, its forward and the backward every LoRA training step needs (the input gradient through every
+layer, from the first targeted block's input; no weight gradient, no optimizer). No LoRA implementation can step
+faster than that, so `floor_x_peft` > 0.75 means the step target is out of reach on that case. Targets (issue 23): step time <= 0.75x PEFT's,
 peak memory <= PEFT's, layer backward <= 0.6x the torch path. `--smoke` runs every code path on toy shapes on CPU.
 
     python benchmarks/bench_train.py --out benchmarks/results/<gpu>/train.json
@@ -91,14 +94,15 @@ def _verify(pm, fm, loss_fn, small, autocast) -> float:
 def _time(model, loss_fn, batch, steps, dev, autocast) -> tuple[float, float]:
     """(median step ms, peak GiB allocated above the resident baseline) of AdamW steps."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
+    opt = torch.optim.AdamW(params, lr=1e-5) if params else None  # the floor: no parameter to train
 
     def step():
         with autocast():
             loss = loss_fn(model, batch)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     step()  # warm-up: optimizer state, kernels compiled
     _sync(dev)
@@ -136,7 +140,7 @@ def llama_case(dev, smoke):
     ids = torch.randint(0, cfg["vocab_size"], (B, T), device=dev)
     batch, small = {"input_ids": ids, "labels": ids}, {"input_ids": ids[:1, :128], "labels": ids[:1, :128]}
     return build, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), batch, small, \
-        lambda m, b: m(**b).loss, dtype
+        lambda m, b: m(**b).loss, dtype, lambda m: m.model.embed_tokens
 
 
 def vit_case(dev, smoke):
@@ -162,7 +166,7 @@ def vit_case(dev, smoke):
     y = torch.randint(0, cfg.num_labels, (B,), device=dev)
     return build, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "fc1", "fc2"]), \
         {"pixel_values": x, "labels": y}, {"pixel_values": x[:2], "labels": y[:2]}, lambda m, b: m(**b).loss, \
-        torch.float32 if smoke else torch.bfloat16
+        torch.float32 if smoke else torch.bfloat16, lambda m: m.vit.embeddings
 
 
 def sdxl_case(dev, smoke):
@@ -182,14 +186,27 @@ def sdxl_case(dev, smoke):
         return F.mse_loss(m(**b).sample.float(), target.float())
 
     return build, LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]), inputs, \
-        inputs, loss, dtype
+        inputs, loss, dtype, lambda m: m.conv_in
 
 
 CASES = {"llama": llama_case, "vit": vit_case, "sdxl": sdxl_case}
 
 
+def floor_ms(build, first, loss_fn, batch, steps, dev, autocast) -> float:
+    """Step ms of the base alone (no adapter, every weight frozen) with the input gradient flowing back from `first`'s
+    output through every layer after it: the forward and backward any LoRA training step of this model must run."""
+    model = build().to(dev).train()
+    model.requires_grad_(False)
+    first(model).register_forward_hook(lambda mod, args, out: out.requires_grad_(True))
+    ms, _ = _time(model, loss_fn, batch, steps, dev, autocast)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return ms
+
+
 def run_case(name, dev, smoke, steps) -> dict:
-    build, lora_cfg, batch, small, loss_fn, dtype = CASES[name](dev, smoke)
+    build, lora_cfg, batch, small, loss_fn, dtype, first = CASES[name](dev, smoke)
     pm, fm = _pair(build, lora_cfg, dev)
     pm.train(), fm.train()
 
@@ -210,6 +227,9 @@ def run_case(name, dev, smoke, steps) -> dict:
     del pm, fm
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    row["floor_ms"] = floor_ms(build, first, loss_fn, batch, steps, dev, autocast)
+    row["floor_x_peft"] = row["floor_ms"] / peft_ms
+    row["fd_x_floor"] = fd_ms / row["floor_ms"]
     return row
 
 
@@ -220,7 +240,7 @@ def ddp_case(name, smoke, steps) -> dict | None:
 
     acc = Accelerator(cpu=not torch.cuda.is_available())
     dev = acc.device
-    build, lora_cfg, batch, _, loss_fn, dtype = CASES[name](dev, smoke)
+    build, lora_cfg, batch, _, loss_fn, dtype, _ = CASES[name](dev, smoke)
     model = fdlora.add_trainable_adapter(build(), "default", lora_cfg).to(dev).train()
     opt = torch.optim.AdamW(fdlora.trainable_parameters(model), lr=1e-5)
     dmodel, opt = acc.prepare(model, opt)
@@ -343,7 +363,8 @@ def main(argv=None) -> int:
         print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
               f"({row['step_x_peft']:.2f}x); "
               f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; "
-              f"grads vs PEFT {row['grad_rel_err']:.1e} ({'ok' if row['checked'] else 'MISMATCH'})", flush=True)
+              f"grads vs PEFT {row['grad_rel_err']:.1e} ({'ok' if row['checked'] else 'MISMATCH'}); "
+              f"floor (no LoRA) {row['floor_ms']:.1f} ms = {row['floor_x_peft']:.2f}x PEFT", flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1))

@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
-    build, cfg, batch, _, loss_fn, dtype = bt.CASES[a.case](dev, a.smoke)
+    build, cfg, batch, _, loss_fn, dtype, _ = bt.CASES[a.case](dev, a.smoke)
     pm, fm = bt._pair(build, cfg, dev)
     pm.train(), fm.train()
     result = {}
