@@ -1,6 +1,7 @@
 """benchmarks/bench_quantized.py --smoke: on a tiny Flux over torchao int8 / float8 and GGUF Q8_0 (CPU), every
-fd-lora step equals the hook oracle on the same quantized base, the merge cache holds no dequantized copy, and the
-rows land in the JSON beside its other keys (the full-size GPU run is the lead's)."""
+fd-lora step equals the hook oracle on the same quantized base, the merge cache holds no dequantized copy, GGUF rows
+say which path their layers took, and the rows land in the JSON beside its other keys (the full-size GPU run is the
+lead's)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,8 @@ def test_smoke_checks_every_kind_and_keeps_the_files_other_rows(tmp_path):
     for r in q["rows"]:
         if r["case"] != "base":
             assert r["ok"] and r["dequantized_copies"] == 0 and r["rel_err"] < r["lora_effect"] / 2, r
+        if r["kind"].startswith("gguf") and r["case"] != "base":  # which path the GGUF layers took (fdlora.layers.gguf)
+            assert sum(r["gguf_paths"].values()) > 0 and set(r["gguf_paths"]) <= {
+                "fused-dequant-merge", "torch-dequant-merge", "base+delta"}, r
+            assert r["gguf_path"] == (next(iter(r["gguf_paths"])) if len(r["gguf_paths"]) == 1 else "mixed"), r
+    assert q["gguf_kernel"] == []  # the kernel's own timings need CUDA

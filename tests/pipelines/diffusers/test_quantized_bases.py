@@ -311,3 +311,50 @@ def test_layerwise_fp8_casting_on_a_locon_conv(merge_cache_on):
     assert model[0].base.weight.dtype == FP8
     assert F.close(got, want) < REL
     assert check_no_dequantized_copy(model) == 1 and fdlora.merge_cache_bytes() == 0
+
+
+@needs_gguf
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_blends_merge_into_the_dequantized_weight(qtype, merge_cache_on, monkeypatch):
+    """Blend calls over GGUF layers run F.linear on W' = diffusers' per-call dequantized W + the blend
+    (fdlora.layers.gguf): one adapter and a 2-blend equal diffusers' load_lora_weights on the same quantized model and
+    fd-lora's base(x) + delta path; the tiny model's many-row layers took the merge (on CPU: diffusers' dequantization
+    + addmm_), the few-row ones kept the delta; no dequantized copy is kept; a per-prompt batch takes the regular
+    path and still equals diffusers."""
+    from collections import Counter
+
+    from fdlora.layers import gguf as layer_gguf
+
+    base = F.build("flux")
+    dirs = {n: F.save(type(base), *F.peft_lora(base.transformer, seed=s)) for n, s in (("a", 1), ("b", 2))}
+    ref, fd, qbase = (quantize(copy.deepcopy(base), f"gguf-{qtype}") for _ in range(3))
+    for n, d in dirs.items():
+        ref.load_lora_weights(d, adapter_name=n)
+        fd.load_fd_lora(d, adapter_name=n)
+    x = F.SPECS["flux"].inputs(2)
+    wants = {}
+    for names, weights in ((["a"], [1.0]), (["a", "b"], [0.7, -0.4])):
+        ref.set_adapters(names, weights)
+        fd.set_adapters(names, weights)
+        want = wants[len(names)] = F.run(ref.transformer, x)
+        for lay in layers(fd.transformer):
+            lay.__dict__["gguf_path"] = None
+        got = F.run(fd.transformer, x)
+        assert F.close(got, want) < REL, (names, F.close(got, want))
+        taken = Counter(lay.__dict__.get("gguf_path") for lay in layers(fd.transformer) if any(lay.bank.used))
+        assert taken[layer_gguf.TORCH] > 0 and taken[layer_gguf.DELTA] > 0, taken
+        assert set(taken) <= {layer_gguf.TORCH, layer_gguf.DELTA}, taken  # every LoRA layer is GGUF: each decided
+        with monkeypatch.context() as m:
+            m.setattr(layer_gguf, "forward", lambda layer, x: None)
+            assert F.close(F.run(fd.transformer, x), got) < REL
+        assert check_no_dequantized_copy(fd.transformer) == len(layers(fd.transformer))
+        assert fdlora.merge_cache_bytes() == 0
+    fd.set_adapters(["a"], [1.0])
+    h = registry_of_models[fd.transformer]
+    for lay in layers(fd.transformer):
+        lay.__dict__["gguf_path"] = None
+    with h.per_sample({2: ["a", None]}):
+        per = F.run(fd.transformer, x)
+    assert all(lay.__dict__["gguf_path"] is None for lay in layers(fd.transformer))
+    base_y = F.run(qbase.transformer, x)
+    assert F.close(per[:1], wants[1][:1]) < REL and F.close(per[1:], base_y[1:]) < REL
