@@ -186,7 +186,11 @@ def verify(pipe, folder: str) -> None:
 
 
 def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
-    """Idle step times, then step times while prefetches of the adapter (from disk) run, until n such steps."""
+    """Idle step times, then step times while prefetches of the adapter (from disk) run, until n such steps; then
+    the same window again after `gc.freeze()` (a server's usual move: the collector stops walking the model's and
+    the libraries' objects). Each step is filed under the prefetch stage it started and ended in."""
+    import gc
+
     import torch
 
     from fdlora import env
@@ -198,28 +202,43 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
         with lock:  # what a generation holds: a prefetch publishes only between steps
             unet(**inputs)
 
+    def window(tag: str) -> tuple[list[float], dict]:
+        during, loads, rounds, by_stage, clock = [], [], 0, {}, GcClock()
+        while len(during) < n and rounds < 50:
+            job = pipe.prefetch_fd_lora(folder, adapter_name=f"bg{tag}{rounds}", cache=None)
+            t = time.perf_counter()
+            while not job.done():
+                seen = job.stage
+                during.append(timed(step, sync))
+                by_stage.setdefault(f"{seen} -> {job.stage}", []).append(during[-1] * 1e3)
+            job.result()
+            loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()}})
+            pipe.delete_adapters(f"bg{tag}{rounds}")
+            rounds += 1
+        gc.callbacks.remove(clock._tick)
+        return during, {"prefetches": len(loads), "prefetch_seconds": loads[:5], "gc_seconds": clock.take(),
+                        "steps_by_stage": {k: {"steps": len(v), "median_ms": statistics.median(v), "max_ms": max(v)}
+                                           for k, v in by_stage.items()}}
+
     with torch.inference_mode():
         pipe.prefetch_fd_lora(folder, adapter_name="warm", cache=None).result()  # starts the reader process (as
         pipe.delete_adapters("warm")  # fdlora.warmup does in a server), so no window below is its start-up
         for _ in range(1 if n < 3 else 3):
             timed(step, sync)
         idle = [timed(step, sync) for _ in range(n)]
-        during, loads, rounds = [], [], 0
-        while len(during) < n and rounds < 50:
-            job = pipe.prefetch_fd_lora(folder, adapter_name=f"bg{rounds}", cache=None)
-            t = time.perf_counter()
-            while not job.done():
-                during.append(timed(step, sync))
-            job.result()
-            loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()}})
-            pipe.delete_adapters(f"bg{rounds}")
-            rounds += 1
+        during, detail = window("")
+        gc.freeze()
+        try:
+            frozen, frozen_detail = window("f")
+        finally:
+            gc.unfreeze()
     med_idle, med_during = statistics.median(idle), statistics.median(during)
     return {"idle_ms": med_idle * 1e3, "during_prefetch_ms": med_during * 1e3, "ratio": med_during / med_idle,
             "mean_ratio": statistics.mean(during) / statistics.mean(idle), "during_prefetch_max_ms": max(during) * 1e3,
-            "reader": env.prefetch_reader(), "steps_idle": len(idle),
-            "steps_during": len(during),
-            "prefetches": len(loads), "prefetch_seconds": loads[:5]}
+            "reader": env.prefetch_reader(), "steps_idle": len(idle), "steps_during": len(during), **detail,
+            "gc_frozen": {"during_prefetch_ms": statistics.median(frozen) * 1e3,
+                          "ratio": statistics.median(frozen) / med_idle,
+                          "mean_ratio": statistics.mean(frozen) / statistics.mean(idle), **frozen_detail}}
 
 
 def environment(device: str) -> dict:
@@ -261,7 +280,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"steps: idle {steps['idle_ms']:.1f} ms, during prefetch {steps['during_prefetch_ms']:.1f} ms "
-          f"(x{steps['ratio']:.3f}, {steps['steps_during']} steps, {steps['prefetches']} prefetches)")
+          f"(x{steps['ratio']:.3f}, {steps['steps_during']} steps, {steps['prefetches']} prefetches); after gc.freeze "
+          f"x{steps['gc_frozen']['ratio']:.3f}; gc during: {steps['gc_seconds']}")
+    for stage, row in steps["steps_by_stage"].items():
+        print(f"  {stage:45} {row['steps']:3} steps  median {row['median_ms']:.1f} ms  max {row['max_ms']:.1f} ms")
     for kind, row in cold.items():
         print(f"cold {kind}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in row.items()))
