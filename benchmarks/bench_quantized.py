@@ -13,7 +13,8 @@ GGUF rows also say which path the layers' blend calls took (fdlora.layers.gguf: 
 Triton kernel that writes the dequantized weight with the LoRA merged in; "torch-dequant-merge" diffusers'
 dequantization + addmm_; "base+delta" the per-call delta).
 
-With GGUF Q8_0 on CUDA, "gguf_kernel" rows time that kernel alone on Flux's Linear shapes (bf16, r16, CUDA events):
+With GGUF Q8_0 on CUDA, "gguf_kernel" rows time that kernel alone on Flux's Linear shapes (bf16, r16, GPU time of
+CUDA-graph replays):
 diffusers' `dequantize_gguf_tensor(w).to(bf16)` (what GGUFLinear does per call), the kernel without the LoRA
 (LORA=False: the dequantization alone) and with one r16 adapter / a 4-blend, so the LoRA's own cost on top of
 dequantizing is told apart from the kernel's speed-up of the dequantization itself. Each is verified first: without
@@ -98,14 +99,17 @@ def gguf_paths(model: nn.Module) -> dict[str, int]:
 
 
 def kernel_us(fn, reps: int = 20, rounds: int = 7) -> float:
-    """Median over `rounds` of the mean CUDA-event time of `reps` back-to-back calls, in us."""
-    fn()
+    """GPU time of one call of `fn` in us: `reps` calls captured in a CUDA graph, the median over `rounds` replays
+    (eager launches of the smaller shapes are host-bound: ~35 us of host time per launch on the H100 host)."""
+    from fdlora.kernels.eager import graphed, warm_up
+
+    warm_up(fn)
+    graph, _ = graphed(lambda: [fn() for _ in range(reps)])
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(reps):
-            fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)

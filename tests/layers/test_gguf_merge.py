@@ -80,6 +80,7 @@ class Case:
     ranks: tuple[int, ...]  # live rank per slot, 0 = empty
     scales: tuple[float, ...]  # blend scale per slot, 0 = inactive
     dtype: str  # output and A / B dtype
+    b_scale: float = 1.0  # B's size: the LoRA must stand out above the dtype's rounding of W (up to ~50 here)
 
 
 CASES = [
@@ -90,10 +91,11 @@ CASES = [
     Case("N24-K96-all-scales-zero-fp32", 24, 96, 16, (16, 8), (0.0, 0.0), "fp32"),
 ]
 GPU_CASES = [
-    Case("N72-K416-ranks16.7-S2-bf16", 72, 416, 16, (16, 7), (0.9, -0.4), "bf16"),
-    Case("flux-N3072-K3072-r16-S4-blend-bf16", 3072, 3072, 16, (16, 16, 16, 16), (0.7, 0.5, 0.3, 0.2), "bf16"),
+    Case("N72-K416-ranks16.7-S2-bf16", 72, 416, 16, (16, 7), (0.9, -0.4), "bf16", b_scale=8),
+    Case("flux-N3072-K3072-r16-S4-blend-bf16", 3072, 3072, 16, (16, 16, 16, 16), (0.7, 0.5, 0.3, 0.2), "bf16",
+         b_scale=32),
     Case("flux-N3072-K12288-r16-S4-one-active-bf16", 3072, 12288, 16, (16, 16, 16, 16), (1.0, 0.0, 0.0, 0.0),
-         "bf16"),
+         "bf16", b_scale=32),
 ]
 
 
@@ -102,7 +104,7 @@ def bank(c: Case, device: str):
     g = torch.Generator().manual_seed(7)
     S, dt = len(c.ranks), DTYPES[c.dtype]
     A = torch.randn(S, c.R, c.K, generator=g) / c.K ** 0.5
-    B = torch.randn(c.N, S, c.R, generator=g) * (8 if c.dtype == "bf16" else 1)  # visible above bf16's rounding
+    B = torch.randn(c.N, S, c.R, generator=g) * c.b_scale
     seen_A, seen_B = A.clone(), B.clone()
     for s, (r, sc) in enumerate(zip(c.ranks, c.scales)):
         A[s, r:], B[:, s, r:] = 0, 0  # the bank's zero padding

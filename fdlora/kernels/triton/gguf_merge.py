@@ -6,14 +6,19 @@ Q8_0 stores each row as blocks of 32 values, 34 bytes a block: the fp16 scale d 
 int8 q. diffusers' GGUFLinear.forward_native dequantizes the whole weight on every call (d * q, computed in fp16),
 casts it to the compute dtype and runs F.linear; a LoRA on top then costs a second pass over the activations (the
 per-call delta re-reads x and reads and writes y). Here the dequantization writes W' instead of W: the LoRA costs a
-rank-r tl.dot per output tile (a few % of the bytes the dequantization moves anyway) and nothing is kept (W' is as
-transient as diffusers' own W). Numerics: the product d * q is rounded to fp16 first, as diffusers computes it, then
-the LoRA term is added in fp32 and the sum rounded once to the output dtype; with no LoRA (LORA=False, or every
-scale 0) the output equals diffusers' `dequantize_gguf_tensor(w).to(dtype)` bit for bit. With a LoRA it differs
-from diffusers' base + delta by that one rounding of W' (the merged-weight cache's numerics, lora_merge.py).
+rank-r tl.dot per output tile (its operands are a few % of the bytes the dequantization moves anyway), no pass over
+x or y, and nothing is kept (W' is as transient as diffusers' own W).
+Numerics: the product d * q is rounded to fp16 first, as diffusers computes it, then the LoRA term is added in fp32
+and the sum rounded once to the output dtype; with no LoRA (LORA=False, or every scale 0) the output equals
+diffusers' `dequantize_gguf_tensor(w).to(dtype)` bit for bit. With a LoRA it differs from diffusers' base + delta by
+that one rounding of W' (the merged-weight cache's numerics, lora_merge.py).
 
-One program per BN x BK tile of W' (BK a multiple of 32: whole Q8_0 blocks); the blend's live slots are packed onto
-one rank axis as lora_merge does (tiles.py: inactive slots and rank padding are never read).
+One program per BN x BK tile of W' (BK a multiple of 32: whole Q8_0 blocks; each block's d loaded once, its 32 q
+as one contiguous run); the blend's live slots are packed onto one rank axis as lora_merge does (tiles.py: inactive
+slots and rank padding are never read). On an H100 the dequantization alone moves ~2.5 TB/s (bytes read + written)
+and one r16 adds ~50% to it (bench_quantized's gguf_kernel rows; the tile [64, 128] / 4 warps is the best of a sweep
+over 32-128 x 64-256 tiles, 4-8 warps). The LoRA's own accumulator, 2-D byte gathers instead of [BN, NB, 32] blocks,
+and the fp16 tile as the dot's accumulator input were each no faster.
 Idea: LoRA weight merging (PEFT merge_and_unmerge) folded into GGUF's on-the-fly dequantization (ggml, city96's
 ComfyUI-GGUF and diffusers' GGUFLinear dequantize per call): the merge rides on a pass the base already pays for.
 """
@@ -113,8 +118,8 @@ def gguf_q8_0_merge(
 ) -> torch.Tensor | tuple[torch.Tensor, C.Prepared | None]:  # [N, K]
     """W' = dequant(Wq) + sum_s scale[s] B_s A_s in `dtype`: an eager launch (the GGUF layer path runs only outside
     torch.compile and CUDA-graph capture, fdlora.layers.gguf), so no torch.library registration. Kept, a launch
-    replays with a new `out` for ~1/5 of the host time of this call (operand checks, Triton's binder: ~50 us on an
-    H100 host, more than the kernel runs at 3072 x 3072)."""
+    replays with a new `out` for ~13 us of host time instead of this call's ~35 (operand checks, Triton's binder; an
+    H100 host), which is more than the kernel runs at 3072 x 3072 (~17 us with r16)."""
     N, K = check(Wq, A, B)
     S, R, _ = A.shape
     if out is None:
