@@ -12,8 +12,9 @@ bounded), then times `--steps` optimizer steps of each (median ms) and the peak 
 resident before the loop (activations, gradients, optimizer state). Then the floor: the same base model with no
 adapter at all, frozen, its forward and the backward every LoRA training step needs (the input gradient through every
 layer, from the first targeted block's input; no weight gradient, no optimizer). No LoRA implementation can step
-faster than that, so `floor_x_peft` > 0.75 means the step target is out of reach on that case. Targets (issue 23): step time <= 0.75x PEFT's,
-peak memory <= PEFT's, layer backward <= 0.6x the torch path. `--smoke` runs every code path on toy shapes on CPU.
+faster than that, so `floor_x_peft` > 0.75 means the step target is out of reach on that case. Targets (issue 23):
+step time <= 0.75x PEFT's, peak memory <= PEFT's, layer backward <= 0.6x the torch path. `--smoke` runs every
+code path on toy shapes on CPU.
 
     python benchmarks/bench_train.py --out benchmarks/results/<gpu>/train.json
     python benchmarks/bench_train.py --smoke --out /tmp/train.json

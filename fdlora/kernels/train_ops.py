@@ -16,6 +16,12 @@ the layers never branch on it.
 
 W and bias are frozen by contract (the layer passes a base weight only when it does not require grad): the formula
 returns no gradient for them, nor for the scale.
+
+The layers call `train_linear` / `train_conv2d`: under torch.compile those are the registered ops; in eager they are a
+plain torch.autograd.Function over the same implementations (the same device choice, the same saved tensors, the same
+formula). torch.library's Python dispatch of a custom op and its autograd wrapper cost about 110 us of host time per
+layer per training step on a CPU host, twice PEFT's whole LoRA layer (session 20); eager SDXL training steps are
+host-bound (560 LoRA layers), so that was the difference between fd-lora's step and PEFT's.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ def lora_train_linear_backward(gy: Tensor, u: Tensor, h: Tensor, W: Tensor | Non
 
 
 @lora_train_linear_backward.register_kernel("cuda")
-def _(gy, u, h, W, A, B, scale):
+def _cuda_linear_backward(gy, u, h, W, A, B, scale):
     if env.train_backward() == "triton":
         try:
             from .triton.lora_backward import lora_backward
@@ -73,12 +79,12 @@ def _linear_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(x if u is None else u, output[1], W, A, B, scale)
 
 
-def _linear_backward(ctx, gy, _gh):
+def _linear_backward(ctx, gy, _gh, backward=None):
     u, h, W, A, B, scale = ctx.saved_tensors
     gy = gy.contiguous()
     gy_u = gy.to(u.dtype)
     # grad_x = gy W + grad_u in one result when the LoRA input is x itself; after dropout they are two inputs
-    grad_u, grad_A, grad_B = torch.ops.fdlora.lora_train_linear_backward(
+    grad_u, grad_A, grad_B = (backward or torch.ops.fdlora.lora_train_linear_backward)(
         gy_u, u, h, W if ctx.u_is_x else None, A, B, scale)
     if ctx.u_is_x:
         grad_x, grad_u = grad_u, None
@@ -120,11 +126,61 @@ def _conv_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(u, output[1], A, B, scale)
 
 
-def _conv_backward(ctx, gy, _gh):
+def _conv_backward(ctx, gy, _gh, backward=None):
     u, h, A, B, scale = ctx.saved_tensors
-    grad_u, grad_A, grad_B = torch.ops.fdlora.lora_train_conv2d_backward(
+    grad_u, grad_A, grad_B = (backward or torch.ops.fdlora.lora_train_conv2d_backward)(
         gy.contiguous(), u, h, A, B, scale, ctx.stride, ctx.padding)
     return grad_u, gy.to(ctx.y0_dtype), grad_A.to(A.dtype), grad_B.to(B.dtype), None, None, None
 
 
 lora_train_conv2d.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+# --- the eager entry points ---------------------------------------------------------------------------------------
+def _eager_linear_backward(gy, u, h, W, A, B, scale):
+    """What the registered backward op runs on gy's device, called directly."""
+    if gy.is_cuda:
+        return _cuda_linear_backward(gy, u, h, W, A, B, scale)
+    return ref.lora_train_linear_backward(gy, u, h, W, A, B, scale)
+
+
+class _Linear(torch.autograd.Function):  # forward(ctx, ...): a setup_context Function binds its signature per call
+    @staticmethod
+    def forward(ctx, x, u, y0, W, bias, A, B, scale):
+        out = ref.lora_train_linear(x, x if u is None else u, y0, W, bias, A, B, scale)
+        _linear_setup(ctx, (x, u, y0, W, bias, A, B, scale), out)
+        ctx.mark_non_differentiable(out[1])
+        return out
+
+    @staticmethod
+    def backward(ctx, gy, gh):
+        return _linear_backward(ctx, gy, gh, _eager_linear_backward)
+
+
+class _Conv2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, y0, A, B, scale, stride, padding):
+        out = ref.lora_train_conv2d(u, y0, A, B, scale, stride, padding)
+        _conv_setup(ctx, (u, y0, A, B, scale, stride, padding), out)
+        ctx.mark_non_differentiable(out[1])
+        return out
+
+    @staticmethod
+    def backward(ctx, gy, gh):
+        return _conv_backward(ctx, gy, gh, ref.lora_train_conv2d_backward)
+
+
+def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | None, bias: Tensor | None, A: Tensor,
+                 B: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """fdlora::lora_train_linear: the registered op while torch.compile traces, its eager Function otherwise."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fdlora.lora_train_linear(x, u, y0, W, bias, A, B, scale)
+    return _Linear.apply(x, u, y0, W, bias, A, B, scale)
+
+
+def train_conv2d(u: Tensor, y0: Tensor, A: Tensor, B: Tensor, scale: Tensor, stride: list[int],
+                 padding: list[int]) -> tuple[Tensor, Tensor]:
+    """fdlora::lora_train_conv2d: the registered op while torch.compile traces, its eager Function otherwise."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fdlora.lora_train_conv2d(u, y0, A, B, scale, stride, padding)
+    return _Conv2d.apply(u, y0, A, B, scale, stride, padding)
