@@ -212,7 +212,8 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
                 during.append(timed(step, sync))
                 by_stage.setdefault(f"{seen} -> {job.stage}", []).append(during[-1] * 1e3)
             job.result()
-            loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()}})
+            loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()},
+                          "cpu": {k: round(v, 4) for k, v in job.cpu_seconds.items()}})
             pipe.delete_adapters(f"bg{tag}{rounds}")
             rounds += 1
         gc.callbacks.remove(clock._tick)

@@ -9,8 +9,10 @@ repeats one piece of what a prefetch does in the serving process, each piece alo
     read_pageable  safefile.read_into of the adapter-sized file in /dev/shm into a pageable buffer
     read_pinned    the same into one page-locked buffer allocated once
     h2d            page-locked buffer -> GPU on a side stream, waited for with an event (bench's staging copy)
+    stage          a reader-process result (page-locked) copied to the GPU on a side stream and NaN-checked there
+                   (fdlora.pipelines.background._stage, the end of a prefetch's reading stage), waited for
     reader         load_adapters(in_process=False): the file read and converted in the reader process, its result
-                   unpacked into one page-locked buffer here (what a prefetch's reading stage does)
+                   unpacked into one page-locked buffer here (what a prefetch's reading stage does first)
 
     python benchmarks/probes/probe_prefetch_stall.py --out $OUT/results/prefetch_stall.json     # GPU
     python benchmarks/probes/probe_prefetch_stall.py --smoke                                   # CPU, toy widths
@@ -68,10 +70,23 @@ def pieces(path: str, nbytes: int, cuda: bool) -> dict:
 
         load_adapters(path, cache=None, in_process=False)
 
+    staged_from = []
+
+    def stage():  # a prefetch's side-stream copy of a reader-process result (page-locked): H2D, NaN check on the device
+        from fdlora.hub import load_adapters
+        from fdlora.pipelines.background import _stage
+
+        if not staged_from:
+            staged_from.append(load_adapters(path, cache=None, in_process=False)[0])
+        adapters = {c: a for c, a in staged_from[0].items()}
+        with torch.inference_mode():
+            _stage(adapters, {c: torch.device("cuda") for c in adapters}, True)
+
     out = {"none": None, "pin_alloc": pin_alloc, "read_pageable": lambda: safefile.read_into(path, pageable),
            "read_pinned": lambda: safefile.read_into(path, pinned)}
     if cuda:
         out["h2d"] = h2d
+        out["stage"] = stage
     out["reader"] = reader
     out["gil"] = gil  # last: a busy Python thread can slow the steps by far more than the others (session 20's run
     return out        # stalled here for minutes), and each piece is capped in time anyway

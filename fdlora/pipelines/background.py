@@ -40,13 +40,17 @@ class _Cancelled(Exception):
 class Prefetch:
     """A background load (a future): `done()`, `result(timeout)`, `exception(timeout)`, `cancel()`; `stage` says
     where it is ("queued"; "reading": resolve, read, convert and on CUDA the side-stream copy; "waiting for the
-    pipeline"; "publishing"; then "done", "failed" or "cancelled") and `seconds` how long each stage took."""
+    pipeline"; "publishing"; then "done", "failed" or "cancelled"), `seconds` how long each stage took and
+    `cpu_seconds` how much of that the prefetch's thread spent on a CPU (its own Python and C++, not the reader
+    process's or a copy engine's: what it may take from the serving thread)."""
 
     def __init__(self, name: str, source: Any) -> None:
         self.name = name
         self.source = source if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__") else "<in memory>"
         self.stage = "queued"
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+        self._cpu: float | None = None  # the job thread's CPU clock at its last stage change
         self._done = threading.Event()
         self._state = threading.Lock()
         self._cancelled = self._publishing = False
@@ -94,14 +98,23 @@ class Prefetch:
                 return
         fn(self)
 
+    def _clock_cpu(self) -> None:  # called on the job's thread only
+        now = time.thread_time()
+        if self._cpu is not None:
+            self.cpu_seconds[self.stage] = self.cpu_seconds.get(self.stage, 0.0) + now - self._cpu
+        self._cpu = now
+
     def _step(self, stage: str) -> None:
         now = time.perf_counter()
+        self._clock_cpu()
         self.seconds[self.stage] = self.seconds.get(self.stage, 0.0) + now - self._t
         self.stage, self._t = stage, now
         if self._cancelled:
             raise _Cancelled
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        if self._cpu is not None:
+            self._clock_cpu()
         with self._state:
             self._result, self._error = result, error
             self.seconds[self.stage] = self.seconds.get(self.stage, 0.0) + time.perf_counter() - self._t
