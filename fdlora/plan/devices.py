@@ -72,9 +72,11 @@ def _time(fn, reps: int, sync) -> float:
     return best
 
 
-def calibrate(name: str | None = None, shapes: tuple[int, ...] = (256, 512), out: Path | None = None) -> Path:
-    """Time square matmuls and a copy on this machine's device; write peak TFLOP/s and bandwidth as JSON."""
+def calibrate(name: str | None = None, shapes: tuple[int, ...] | None = None, out: Path | None = None) -> Path:
+    """Time square matmuls and a copy on this machine's device; write peak TFLOP/s and bandwidth as JSON. Default
+    shapes: 2048-8192 on a GPU (smaller ones measure launch latency, not the tensor cores), 256-512 on a CPU."""
     cuda = torch.cuda.is_available()
+    shapes = shapes or ((2048, 4096, 8192) if cuda else (256, 512))
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -84,7 +86,7 @@ def calibrate(name: str | None = None, shapes: tuple[int, ...] = (256, 512), out
         a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
         us = _time(lambda a=a, b=b: a @ b, 5, sync)
         peak = max(peak, 2.0 * n**3 / us / 1e6)
-    x = torch.randn(max(shapes) * 64, max(shapes), device=dev, dtype=dtype)
+    x = torch.randn(min(max(shapes) * 64, (64 << 20) // max(shapes)), max(shapes), device=dev, dtype=dtype)
     y = torch.empty_like(x)
     us = _time(lambda: y.copy_(x), 5, sync)
     gbs = 2.0 * x.numel() * x.element_size() / us / 1e3
