@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import AdapterShapeError, FdLoraError
 from ..hub.adapter import ModuleLora
 from ..kernels import registry
-from . import decode, dora, gguf, hot, offload, quantized, remerge
+from . import decode, dequant, dora, gguf, hot, offload, quantized, remerge
 from . import merged as _merged
 from .bank import AdapterBank
 from .merged import MergedWeight, merged_key
@@ -346,7 +346,8 @@ class FusedLoraLinear(_FusedLora):
         # the backend computes base GEMM + LoRA in one op (fdlora.kernels.triton.lora_linear): nn.Linear only
         self._whole = linear and self._plain and self.selection.name != "torch" and hasattr(self._ops, "lora_linear")
         offload.note(self)  # under offload hooks: neither plain nor whole (fdlora.layers.offload)
-        self._gguf = gguf.route(self)  # a diffusers GGUF base: blend calls merge into its dequantized W
+        # a base that dequantizes W per call (diffusers GGUF, torchao weight-only): blend calls merge into that W
+        self._dequant = gguf.route(self) or dequant.route(self)
 
     def _on_device_cache(self, x: torch.Tensor) -> bool:
         """Blend calls that may not branch on the host (compiled, frozen, being captured) use the merged-weight
@@ -470,8 +471,9 @@ class FusedLoraLinear(_FusedLora):
             y = self._grouped_forward(x)
             if y is not None:
                 return y
-        y = gguf.forward(self, x) if self.__dict__.get("_gguf") and not (skip or args or kwargs) else None
-        if y is not None:  # a GGUF base's blend call: the LoRA merged into the W diffusers dequantizes (layers.gguf)
+        route = self.__dict__.get("_dequant")
+        y = route.family.forward(self, x) if route and not (skip or args or kwargs) else None
+        if y is not None:  # a blend call on the W the base dequantizes anyway, the LoRA merged in (layers.dequant)
             return y
         if not skip and mode is not Mode.OFF:
             y = decode.forward(self, x, args, kwargs)  # eager decode: one kept-ready launch

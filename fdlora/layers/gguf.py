@@ -19,12 +19,10 @@ bf16, r16): the step runs at 0.81-0.90x the GGUF base's for one adapter and 0.83
 because the kernel also replaces diffusers' dequantization (~5x faster without the LoRA, ~3.4x with one r16); the
 LoRA itself adds ~50% to the dequantizing kernel (+25 us at 3072 x 12288), not to the step's GEMMs.
 
-When (`forward`, from FusedLoraLinear.forward, blend mode only): an eager call (not compiling, not frozen, not being
-captured in a CUDA graph, no autograd through x or the bank) with some adapter active, no lora bias in the bank
-(DoRA slots never get here: fdlora.layers.dora serves them), on a base that diffusers would run through
-forward_native (its module-level `ops` is None, or the weight or input is not on CUDA) and that no hook manages
-(accelerate's `_hf_hook`, diffusers' `_diffusers_hook`: offload, layerwise casting) and that is not offloaded
-(fdlora.layers.offload). Per-sample and per-row calls, and anything else, take the regular paths.
+When (`forward`, from FusedLoraLinear.forward, blend mode only): the eager blend calls of fdlora.layers.dequant (the
+gate, the byte rule and the kept launch shared with torchao's weight-only bases), on a base that diffusers would run
+through forward_native (its module-level `ops` is None, or the weight or input is not on CUDA). Per-sample and
+per-row calls, and anything else, take the regular paths.
 
 This is the one module of fdlora.layers that reads diffusers, lazily and only for a base that already is diffusers'
 GGUFLinear: what it replaces is diffusers' own per-call computation, so it must follow diffusers' dispatch and
@@ -33,15 +31,14 @@ dequantization exactly.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 from . import quantized
-from .state import Mode
+from .dequant import DELTA, KERNEL, TORCH, Route, blend_addmm, eager_blend, kept, merge_pays  # KERNEL here: Q8_0
 
-KERNEL = "fused-dequant-merge"  # Q8_0 through the Triton kernel
-TORCH = "torch-dequant-merge"  # diffusers' dequantization + addmm_
-DELTA = "base+delta"  # the merge would move more bytes than the delta: the regular path
 _TRITON = ("triton", "triton+cuda")  # backends whose layers may launch Triton kernels
 _UTILS: list = []  # diffusers.quantizers.gguf.utils, once imported (None where it cannot be)
 
@@ -56,11 +53,11 @@ def _utils():
     return _UTILS[0]
 
 
-def route(layer) -> str | None:
+def route(layer) -> Route | None:
     """How `layer`'s blend calls merge into its GGUF base (KERNEL or TORCH), or None when the base is not diffusers'
-    GGUFLinear itself (then nothing here applies); FusedLoraLinear.select_backend keeps it as `_gguf`. Also drops the
-    layer's kept launch: select_backend runs whenever the weight object, the device or the bank changed."""
-    layer.__dict__.pop("_gguf_kept", None)
+    GGUFLinear itself (then nothing here applies); FusedLoraLinear.select_backend keeps it as `_dequant`. Also drops
+    the layer's kept launch: select_backend runs whenever the weight object, the device or the bank changed."""
+    layer.__dict__.pop("_dequant_kept", None)
     base = layer.base
     kind = quantized.kind(base)
     if not (kind and kind.startswith("gguf ")):
@@ -68,62 +65,38 @@ def route(layer) -> str | None:
     utils = _utils()
     if utils is None or type(base) is not utils.GGUFLinear or not isinstance(base.compute_dtype, torch.dtype):
         return None  # a subclass may compute otherwise; without a compute dtype forward_native keeps fp16
+    this = sys.modules[__name__]
     if kind == "gguf Q8_0" and layer.selection.name in _TRITON and base.in_features % 32 == 0:
-        return KERNEL
-    return TORCH
-
-
-def merge_pays(M: int, N: int, K: int) -> bool:
-    """Whether merging the blend into W (read and write N*K) moves fewer elements than the delta (read x, M*K; read
-    and write y, 2*M*N). Large M (diffusion images) merges; text streams and decode keep the delta."""
-    return 2 * N * K < M * K + 2 * M * N
+        return Route(KERNEL, this)
+    return Route(TORCH, this)
 
 
 def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The layer's output on W' for a blend call (see the module docstring), or None when this call takes the regular
-    path. The path a blend call took is noted as `layer.gguf_path` (benchmarks and tests read it)."""
-    st, base, bank = layer.state, layer.base, layer.bank
-    bd, w = base.__dict__, base._parameters.get("weight")
-    if (st.mode is not Mode.BLEND or st.static or torch.compiler.is_compiling() or not st.active or w is None
-            or layer.__dict__.get("offloaded") or bd.get("_hf_hook") is not None
-            or bd.get("_diffusers_hook") is not None or bank._buffers["bias"] is not None
-            or (torch.is_grad_enabled() and (x.requires_grad or bank.A.requires_grad or bank.B.requires_grad))):
+    path. The path a blend call took is noted as `layer.gguf_path` and `layer.merge_path` (benchmarks and tests read
+    them)."""
+    base, w = layer.base, layer.base._parameters.get("weight")
+    if w is None or not eager_blend(layer, x):
         return None
     raw = torch.Tensor._make_subclass(torch.Tensor, w, False)  # the bytes (GGUFParameter's ops are slow to call)
-    if x.is_cuda and (torch._C._cuda_isCurrentStreamCapturing() or (raw.is_cuda and _utils().ops is not None)):
-        return None  # being captured; or diffusers' forward_cuda (its fused GGUF matmul): no W to merge into
-    A = bank._buffers["A"]
+    if x.is_cuda and raw.is_cuda and _utils().ops is not None:
+        return None  # diffusers' forward_cuda (its fused GGUF matmul): no W to merge into
+    A = layer.bank._buffers["A"]
     if x.device != raw.device or A.device != raw.device:
         return None
     K, N = layer.in_features, layer.out_features
     dtype = base.compute_dtype
-    if layer._gguf == KERNEL:
-        W = _kernel_merged(layer, raw, A, dtype)
-        layer.__dict__["gguf_path"] = KERNEL
+    if layer._dequant.how == KERNEL:
+        W, how = _kernel_merged(layer, raw, A, dtype), KERNEL
     elif merge_pays(x.numel() // K, N, K):
-        W = _torch_merged(layer, w, raw, dtype)
-        layer.__dict__["gguf_path"] = TORCH
+        W, how = _torch_merged(layer, w, raw, dtype), TORCH
     else:
-        layer.__dict__["gguf_path"] = DELTA
+        W, how = None, DELTA
+    layer.__dict__.update(gguf_path=how, merge_path=how)
+    if W is None:
         return None
     bias = base._parameters.get("bias")
     return F.linear(x, W, None if bias is None else bias.to(dtype))
-
-
-class _Kept:
-    """A layer's kept kernel launch and the addresses it was made for. Derived state: copies and pickles start
-    without one (it holds the weight's bytes and the bank, which a copy must not duplicate)."""
-
-    __slots__ = ("key", "ready")
-
-    def __init__(self) -> None:
-        self.key = self.ready = None
-
-    def __deepcopy__(self, memo) -> _Kept:
-        return _Kept()
-
-    def __reduce__(self):
-        return _Kept, ()
 
 
 def _kernel_merged(layer, raw: torch.Tensor, A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,27 +108,15 @@ def _kernel_merged(layer, raw: torch.Tensor, A: torch.Tensor, dtype: torch.dtype
     bank = layer.bank
     S = bank.slots
     B, ranks, scale, gw = bank._buffers["B"], bank._buffers["ranks"], layer.scale_blend[:S], layer.blend_weight[:, :S]
-    out = torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=raw.device)
     key = (raw.data_ptr(), A.data_ptr(), B.data_ptr(), ranks.data_ptr(), scale.data_ptr(), gw.data_ptr(), dtype,
            raw.device)
-    kept = layer.__dict__.get("_gguf_kept")
-    if kept is not None and kept.key == key and kept.ready is not None and kept.ready(out):
-        return out
-    kept = layer.__dict__["_gguf_kept"] = _Kept()
-    _, kept.ready = gguf_merge.gguf_q8_0_merge(raw, A, B, scale, gw, ranks, dtype, out=out, keep=True)
-    kept.key = key
-    return out
+    return kept(layer, key, torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=raw.device),
+                lambda out: gguf_merge.gguf_q8_0_merge(raw, A, B, scale, gw, ranks, dtype, out=out, keep=True))
 
 
 def _torch_merged(layer, w: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """diffusers' dequantization of `w` in `dtype`, plus the blend in one addmm_ over the live slots' ranks side by
-    side (inactive slots have scale 0; the bank's rank padding is zeros)."""
+    """diffusers' dequantization of `w` in `dtype`, plus the blend (dequant.blend_addmm)."""
     W = _utils().dequantize_gguf_tensor(w).to(dtype)
     if W.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
         W = W.clone()  # (never the stored weight itself: W is written in place below)
-    bank = layer.bank
-    S, R = bank.extent()
-    K = W.shape[1]
-    A = bank.A[:S, :R].reshape(S * R, K)
-    B = (bank.B[:, :S, :R].float() * layer.scale_blend[:S, None]).reshape(-1, S * R)
-    return W.addmm_(B.to(dtype), A.to(dtype))
+    return blend_addmm(layer, W)

@@ -33,6 +33,7 @@ from torch import nn
 import fdlora
 from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
+from fdlora.layers import dequant
 from fdlora.layers import gguf as layer_gguf
 from fdlora.testing import bound, max_err
 
@@ -272,8 +273,8 @@ def test_blend_merges_into_the_dequantized_weight(qtype, device, weights, monkey
             no_delta(m, model)
             y = model(x)
     for layer in model:
-        assert layer._gguf == expected_route(layer, qtype)
-        assert layer.gguf_path == layer._gguf, layer.path
+        assert layer._dequant == (expected_route(layer, qtype), layer_gguf)
+        assert layer.gguf_path == layer.merge_path == layer._dequant.how, layer.path
         assert layer.merged.buf is None and not layer.merged.groups
     assert fdlora.merge_cache_bytes() == 0
     assert all(torch.equal(layer.base.weight.as_tensor(), s) for layer, s in zip(model, stored))
@@ -300,7 +301,7 @@ def test_few_rows_keep_the_delta_unless_the_kernel_merges(device):
     with torch.no_grad():
         y = model(x)
     for layer in model:
-        assert layer.gguf_path == (layer_gguf.KERNEL if layer._gguf == layer_gguf.KERNEL else layer_gguf.DELTA)
+        assert layer.gguf_path == (layer_gguf.KERNEL if layer._dequant.how == layer_gguf.KERNEL else layer_gguf.DELTA)
     assert rel(y, oracle(model, x, {"a": 1.0})) < 1e-5
     assert not layer_gguf.merge_pays(2, 96, 64) and layer_gguf.merge_pays(80, 96, 64)
 
@@ -355,16 +356,16 @@ def test_an_adapter_switch_and_a_disabled_model_follow(device):
 def test_the_kept_launch_is_not_copied():
     """The launch a layer keeps (bound to its weight's bytes and its bank) is derived state: copies and pickles of a
     layer start without it (diffusers' GGUFParameter itself does not deep-copy, so the holder is checked alone)."""
-    kept = layer_gguf._Kept()
+    kept = dequant.Kept()
     kept.key, kept.ready = (1, 2), object()
     for twin in (copy.deepcopy(kept), pickle.loads(pickle.dumps(kept))):
-        assert type(twin) is layer_gguf._Kept and twin.key is None and twin.ready is None
+        assert type(twin) is dequant.Kept and twin.key is None and twin.ready is None
 
 
-def test_plain_layers_take_no_gguf_route():
+def test_plain_layers_take_no_merge_route():
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
     fdlora.inject(model, PATHS)
-    assert all(layer._gguf is None for layer in model)
+    assert all(layer._dequant is None for layer in model)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -15,9 +15,10 @@ that one rounding of W' (the merged-weight cache's numerics, lora_merge.py).
 
 One program per BN x BK tile of W' (BK a multiple of 32: whole Q8_0 blocks; each block's d loaded once, its 32 q
 as one contiguous run); the blend's live slots are packed onto one rank axis as lora_merge does (tiles.py: inactive
-slots and rank padding are never read). On an H100 the dequantization alone moves ~2.5 TB/s (bytes read + written)
-and one r16 adds ~50% to it (bench_quantized's gguf_kernel rows; the tile [64, 128] / 4 warps is the best of a sweep
-over 32-128 x 64-256 tiles, 4-8 warps). The LoRA's own accumulator, 2-D byte gathers instead of [BN, NB, 32] blocks,
+slots and rank padding are never read) by dequant_merge.lora_tile, which torchao's int8 / float8 weights share.
+On an H100 the dequantization alone moves ~2.5 TB/s (bytes read + written) and one r16 adds ~50% to it
+(bench_quantized's gguf_kernel rows; the tile [64, 128] / 4 warps is the best of a sweep over 32-128 x 64-256 tiles,
+4-8 warps). The LoRA's own accumulator, 2-D byte gathers instead of [BN, NB, 32] blocks,
 and the fp16 tile as the dot's accumulator input were each no faster.
 Idea: LoRA weight merging (PEFT merge_and_unmerge) folded into GGUF's on-the-fly dequantization (ggml, city96's
 ComfyUI-GGUF and diffusers' GGUFLinear dequantize per call): the merge rides on a pass the base already pays for.
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import config as C
-from .tiles import mma, pack_block, packed_columns
+from .dequant_merge import lora_tile
 
 QK = 32  # values per Q8_0 block
 QBYTES = 34  # bytes per Q8_0 block: fp16 d, then QK int8
@@ -73,17 +74,8 @@ def gguf_q8_0_merge_kernel(
     kk = (tl.program_id(0) % n_k) * BK + tl.arange(0, BK)
     k_in = kk < K
     if LORA:
-        grp = tl.zeros((16,), dtype=tl.int64)  # every "row" of the pack is the one group
-        _, end, width, rk, sc, total = pack_block(
-            scale_ptr, gw_ptr, ranks_ptr, grp, grp >= 0, S, R, 1, ssc, 0, sgs, True, S_PAD)
-        for c0 in range(0, total, RC):
-            slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-            slot64 = slot.to(tl.int64)
-            bt = tl.load(b_ptr + nn[:, None] * sbn + slot64[None, :] * sbs + r[None, :] * sbr,
-                         mask=n_in[:, None] & ok[None, :], other=0.0)  # [BN, RC]
-            at = tl.load(a_ptr + slot64[:, None] * sas + r[:, None] * sar + kk[None, :] * sak,
-                         mask=ok[:, None] & k_in[None, :], other=0.0)  # [RC, BK]
-            acc = mma((bt.to(tl.float32) * scj[None, :]).to(a_ptr.dtype.element_ty), at, acc, UPCAST, IEEE)
+        acc = lora_tile(acc, nn, n_in, kk, k_in, a_ptr, b_ptr, scale_ptr, gw_ptr, ranks_ptr,
+                        S, R, sas, sar, sak, sbn, sbs, sbr, ssc, sgs, S_PAD, RC, UPCAST, IEEE)
     op = out_ptr + nn[:, None] * son + kk[None, :] * sok
     tl.store(op, acc.to(out_ptr.dtype.element_ty), mask=n_in[:, None] & k_in[None, :])
 

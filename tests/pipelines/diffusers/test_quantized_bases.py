@@ -358,3 +358,53 @@ def test_gguf_blends_merge_into_the_dequantized_weight(qtype, merge_cache_on, mo
     assert all(lay.__dict__["gguf_path"] is None for lay in layers(fd.transformer))
     base_y = F.run(qbase.transformer, x)
     assert F.close(per[:1], wants[1][:1]) < REL and F.close(per[1:], base_y[1:]) < REL
+
+
+@needs_torchao
+@pytest.mark.parametrize("what", ["int8", "float8"])
+def test_torchao_blends_merge_into_the_dequantized_weight(what, merge_cache_on, monkeypatch):
+    """Blend calls over torchao weight-only layers run F.linear on W' = torchao's per-call dequantized W + the blend
+    (fdlora.layers.dequant): one adapter and a 2-blend equal diffusers' load_lora_weights on the same quantized model
+    and fd-lora's base(x) + delta path; the tiny model's many-row layers took the merge (on CPU: torchao's dequantize
+    + addmm_), the few-row ones kept the delta; no dequantized copy is kept and the quantized values are untouched; a
+    per-prompt batch takes the regular path and still equals diffusers."""
+    from collections import Counter
+
+    from fdlora.layers import dequant
+
+    base = F.build("flux")
+    dirs = {n: F.save(type(base), *F.peft_lora(base.transformer, seed=s)) for n, s in (("a", 1), ("b", 2))}
+    ref, fd, qbase = (quantize(copy.deepcopy(base), f"torchao-{what}") for _ in range(3))
+    for n, d in dirs.items():
+        ref.load_lora_weights(d, adapter_name=n)
+        fd.load_fd_lora(d, adapter_name=n)
+    values = [(lay.base.weight.qdata.clone(), lay.base.weight.scale.clone()) for lay in layers(fd.transformer)]
+    x = F.SPECS["flux"].inputs(2)
+    wants = {}
+    for names, weights in ((["a"], [1.0]), (["a", "b"], [0.7, -0.4])):
+        ref.set_adapters(names, weights)
+        fd.set_adapters(names, weights)
+        want = wants[len(names)] = F.run(ref.transformer, x)
+        for lay in layers(fd.transformer):
+            lay.__dict__["merge_path"] = None
+        got = F.run(fd.transformer, x)
+        assert F.close(got, want) < REL, (names, F.close(got, want))
+        taken = Counter(lay.__dict__.get("merge_path") for lay in layers(fd.transformer) if any(lay.bank.used))
+        assert taken[dequant.TORCH] > 0 and taken[dequant.DELTA] > 0, taken
+        assert set(taken) <= {dequant.TORCH, dequant.DELTA}, taken  # every LoRA layer is torchao: each decided
+        with monkeypatch.context() as m:
+            m.setattr(dequant, "forward", lambda layer, x: None)
+            assert F.close(F.run(fd.transformer, x), got) < REL
+        assert check_no_dequantized_copy(fd.transformer) == len(layers(fd.transformer))
+        assert fdlora.merge_cache_bytes() == 0
+    assert all(torch.equal(lay.base.weight.qdata.view(torch.uint8), q.view(torch.uint8))
+               and torch.equal(lay.base.weight.scale, s) for lay, (q, s) in zip(layers(fd.transformer), values))
+    fd.set_adapters(["a"], [1.0])
+    h = registry_of_models[fd.transformer]
+    for lay in layers(fd.transformer):
+        lay.__dict__["merge_path"] = None
+    with h.per_sample({2: ["a", None]}):
+        per = F.run(fd.transformer, x)
+    assert all(lay.__dict__["merge_path"] is None for lay in layers(fd.transformer))
+    base_y = F.run(qbase.transformer, x)
+    assert F.close(per[:1], wants[1][:1]) < REL and F.close(per[1:], base_y[1:]) < REL
