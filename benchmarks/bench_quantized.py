@@ -9,9 +9,11 @@ adapters load with `load_fd_lora`. Each fd-lora step is verified first against a
 library: forward hooks adding sum_i w_i (x A_i^T) B_i^T in fp32 to each quantized Linear's own output (rel err within
 the dtype's tolerance and below half the LoRA's effect), and the merged-weight cache must hold nothing (no
 dequantized copy). Then timed: medians of CUDA-event-timed steps; x_base is the ratio to the same quantized base.
-GGUF rows also say which path the layers' blend calls took (fdlora.layers.gguf: "fused-dequant-merge" is the Q8_0
-Triton kernel that writes the dequantized weight with the LoRA merged in; "torch-dequant-merge" diffusers'
-dequantization + addmm_; "base+delta" the per-call delta).
+Rows say which path the layers' blend calls took, as `merge_path` / `merge_paths` (fdlora.layers.dequant; GGUF rows
+also as `gguf_path` / `gguf_paths`): "fused-dequant-merge" is the Triton kernel that writes the dequantized weight
+with the LoRA merged in (GGUF Q8_0: gguf_merge; torchao int8 / float8 per row or per tensor: dequant_merge);
+"torch-dequant-merge" the base's own dequantization + addmm_; "base+delta" the per-call delta; "none" a layer whose
+base no route applies to (torchao int4).
 
 With GGUF Q8_0 on CUDA, "gguf_kernel" rows time that kernel alone on Flux's Linear shapes (bf16, r16, GPU time of
 CUDA-graph replays):
@@ -19,6 +21,10 @@ diffusers' `dequantize_gguf_tensor(w).to(bf16)` (what GGUFLinear does per call),
 (LORA=False: the dequantization alone) and with one r16 adapter / a 4-blend, so the LoRA's own cost on top of
 dequantizing is told apart from the kernel's speed-up of the dequantization itself. Each is verified first: without
 the LoRA the kernel equals diffusers' weight bit for bit, with it the fp32 sum within bf16's rounding.
+With torchao int8 / float8 on CUDA, "torchao_kernel" rows do the same for dequant_merge over torchao's own per-row
+weights: against torchao's per-call weight conversion (int8: `qdata.t().to(bf16)`, what its weight-only linear does
+before the mm, without its scale and bias passes over y, which depend on M; float8: `dequantize()`), the kernel
+without the LoRA (equal to torchao's `dequantize(bf16)` bit for bit) and with r16 / a 4-blend.
 
     python3 benchmarks/bench_quantized.py --out $OUT/breadth.json        # GPU; rows go under "quantized"
     python3 benchmarks/bench_quantized.py --smoke                        # tiny Flux on CPU (int8, float8, Q8_0)
@@ -92,10 +98,20 @@ def quantize(model: nn.Module, kind: str, dt: torch.dtype) -> None:
     quantize_(model, config)
 
 
+def merge_paths(model: nn.Module) -> dict[str, int]:
+    """Path of each quantized LoRA layer's last blend call (fdlora.layers.dequant) -> how many layers took it."""
+    return dict(Counter(m.__dict__.get("merge_path") or "none" for m in model.modules() if isinstance(m, _FusedLora)
+                        and quantized.kind(m.base) and any(m.bank.used)))
+
+
 def gguf_paths(model: nn.Module) -> dict[str, int]:
     """Path of each GGUF LoRA layer's last blend call (fdlora.layers.gguf) -> how many layers took it."""
     return dict(Counter(m.__dict__.get("gguf_path") or "none" for m in model.modules() if isinstance(m, _FusedLora)
                         and (quantized.kind(m.base) or "").startswith("gguf ") and any(m.bank.used)))
+
+
+def one_path(paths: dict[str, int]) -> str:
+    return next(iter(paths)) if len(paths) == 1 else "mixed"
 
 
 def kernel_us(fn, reps: int = 20, rounds: int = 7) -> float:
@@ -156,6 +172,49 @@ def gguf_kernel_row(K: int, N: int, rank: int) -> dict:
                 ok=exact and err < TOL[dt] / 10)
 
 
+def torchao_kernel_row(what: str, K: int, N: int, rank: int) -> dict:
+    """dequant_merge against torchao's own per-call weight conversion on one [N, K] weight quantized by torchao's
+    quantize_ (per row, bf16; the module docstring says what each time is), verified first."""
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    from fdlora.kernels.triton import dequant_merge
+
+    dev, dt, S = torch.device("cuda"), torch.bfloat16, len(BLEND)
+    g = torch.Generator(dev).manual_seed(K + N)
+    lin = nn.Linear(K, N, bias=False, device=dev, dtype=dt)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g, device=dev, dtype=dt) * 0.02)
+    quantize_(lin, {"int8": Int8WeightOnlyConfig, "float8": Float8WeightOnlyConfig}[what]())
+    w = lin.weight
+    q, qs = w.qdata, w.scale
+    A = torch.randn(S, rank, K, generator=g, device=dev, dtype=dt) / K ** .5
+    B = torch.randn(N, S, rank, generator=g, device=dev, dtype=dt) * 0.1
+    ranks = torch.full((S,), rank, dtype=torch.int32, device=dev)
+    ones = torch.ones(1, S, device=dev)
+    one = torch.tensor([1.0] + [0.0] * (S - 1), device=dev)  # 1 adapter active of the 4 loaded (the step's case)
+    blend = torch.tensor(BLEND, device=dev)
+    out = torch.empty(N, K, device=dev, dtype=dt)
+
+    def merge(scale, lora=True):
+        return dequant_merge.dequant_merge(q, qs, A, B, scale, ones, ranks, dt, out=out, lora=lora)
+
+    base = w.dequantize(dt)
+    exact = torch.equal(merge(one, lora=False), base)
+    want = base.float() + (B.float() * blend[None, :, None]).reshape(N, -1) @ A.float().reshape(-1, K)
+    err = float((merge(blend).float() - want).abs().max() / want.abs().max())
+    convert = (lambda: q.t().to(dt)) if what == "int8" else (lambda: w.dequantize())
+    t = {"torchao_convert": kernel_us(convert), "kernel_nolora": kernel_us(lambda: merge(one, lora=False)),
+         "kernel_r16": kernel_us(lambda: merge(one)), "kernel_blend4": kernel_us(lambda: merge(blend))}
+    moved = N * K * (q.element_size() + 2)  # read the values, write W' (bf16)
+    return dict(quant=what, K=K, N=N, rank=rank, **{f"{k}_us": v for k, v in t.items()},
+                lora_r16_us=t["kernel_r16"] - t["kernel_nolora"],
+                lora_r16_pct=100 * (t["kernel_r16"] / t["kernel_nolora"] - 1),
+                lora_blend4_us=t["kernel_blend4"] - t["kernel_nolora"],
+                convert_speedup=t["torchao_convert"] / t["kernel_nolora"],
+                nolora_gbps=moved / t["kernel_nolora"] / 1e3, nolora_equals_torchao=exact, rel_err_blend4=err,
+                ok=exact and err < TOL[dt] / 10)
+
+
 def oracle_hooks(model: nn.Module, dirs: list[str], weights: list[float]) -> list:
     """Forward hooks adding each adapter's fp32 delta (scale 1: no alpha in the files, so alpha = r) to its Linear."""
     mods = dict(model.named_modules())
@@ -198,7 +257,8 @@ def bench_kind(kind: str, a) -> tuple[list[dict], list[str]]:
     for case, k, w in (("fdlora_1", 1, [1.0]), ("fdlora_blend4", 4, BLEND)):
         fdlora.set_adapters(tr, NAMES[:k], w)
         y = step(tr, x)
-        paths = gguf_paths(tr) if kind.startswith("gguf") else None
+        paths = merge_paths(tr)
+        gpaths = gguf_paths(tr) if kind.startswith("gguf") else None
         fdlora.disable(tr)  # the quantized base alone, plus the oracle's hooks on each layer
         hooks = oracle_hooks(tr, dirs[:k], w)
         try:
@@ -216,8 +276,9 @@ def bench_kind(kind: str, a) -> tuple[list[dict], list[str]]:
         row = dict(kind=kind, case=case, ms=ms, x_base=ms / base_ms, rel_err=err, lora_effect=effect,
                    dequantized_copies=len(copies), merge_cache_bytes=fdlora.merge_cache_bytes(), ok=ok,
                    **({"target": TARGET} if case == "fdlora_1" else {}))
-        if paths is not None:
-            row.update(gguf_path=next(iter(paths)) if len(paths) == 1 else "mixed", gguf_paths=paths)
+        row.update(merge_path=one_path(paths), merge_paths=paths)
+        if gpaths is not None:
+            row.update(gguf_path=one_path(gpaths), gguf_paths=gpaths)
         rows.append(row)
         if not ok:
             bad.append(f"{kind} {case}: rel err {err:.3g} (effect {effect:.3g}), {len(copies)} dequantized copies")
@@ -242,7 +303,7 @@ def main() -> int:
         w = torch.randn(64, 96) * torch.logspace(-3, 1, 96)
         want = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
         assert torch.equal(q8_0(w), torch.from_numpy(want)), "q8_0 differs from gguf.quants.quantize"
-    rows, bad, kernel_rows = [], [], []
+    rows, bad, kernel_rows, ao_rows = [], [], [], []
     kinds = a.kinds or [k for k in KINDS if not (a.smoke and k == "torchao-int4")]
     if "gguf-Q8_0" in kinds and not a.smoke:  # CUDA only: the Triton kernel on Flux's shapes
         kernel_rows = [gguf_kernel_row(K, N, a.rank) for K, N in FLUX_SHAPES]
@@ -253,19 +314,31 @@ def main() -> int:
                   f"kernel {r['kernel_nolora_us']:7.1f} us ({r['nolora_gbps']:.0f} GB/s)  +r16 "
                   f"{r['lora_r16_us']:+6.1f} us ({r['lora_r16_pct']:+.1f}%)  +blend4 {r['lora_blend4_us']:+6.1f} us"
                   + ("" if r["ok"] else "  WRONG"), flush=True)
+    for what in ("int8", "float8"):  # CUDA only: dequant_merge on Flux's shapes over torchao's own weights
+        if f"torchao-{what}" in kinds and not a.smoke:
+            ao = [torchao_kernel_row(what, K, N, a.rank) for K, N in FLUX_SHAPES]
+            bad += [f"torchao {what} kernel K={r['K']} N={r['N']}: equal to torchao without LoRA: "
+                    f"{r['nolora_equals_torchao']}, rel err {r['rel_err_blend4']:.3g}" for r in ao if not r["ok"]]
+            for r in ao:
+                print(f"torchao {what:<6} kernel K={r['K']:<5} N={r['N']:<5} torchao {r['torchao_convert_us']:7.1f} us "
+                      f"kernel {r['kernel_nolora_us']:7.1f} us ({r['nolora_gbps']:.0f} GB/s)  +r16 "
+                      f"{r['lora_r16_us']:+6.1f} us ({r['lora_r16_pct']:+.1f}%)  +blend4 {r['lora_blend4_us']:+6.1f} us"
+                      + ("" if r["ok"] else "  WRONG"), flush=True)
+            ao_rows += ao
     for kind in kinds:
         r, b = bench_kind(kind, a)
         rows, bad = rows + r, bad + b
         for row in r:
             print(f"{row['kind']:<16} {row['case']:<14} " + (f"{row['ms']:9.2f} ms  x{row['x_base']:.3f}"
                   + ("" if row.get("ok", True) else "  WRONG") if "ms" in row else row["error"])
-                  + (f"  {row['gguf_path']}" if "gguf_path" in row else ""), flush=True)
+                  + (f"  {row['merge_path']}" if "merge_path" in row else ""), flush=True)
     meta = {"device": "cpu (smoke)" if a.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
             "rank": a.rank, "rounds": a.rounds, "model": "Flux-dev transformer (19 + 38 blocks), bf16 compute"}
     if a.out:
         path = Path(a.out)
         data = json.loads(path.read_text()) if path.exists() else {}
-        data["quantized"] = {"meta": meta, "rows": rows, "gguf_kernel": kernel_rows, "failures": bad}
+        data["quantized"] = {"meta": meta, "rows": rows, "gguf_kernel": kernel_rows, "torchao_kernel": ao_rows,
+                             "failures": bad}
         path.write_text(json.dumps(data, indent=1))
     for b in bad:
         print("WRONG:", b, file=sys.stderr)
