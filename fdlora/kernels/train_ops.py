@@ -91,7 +91,9 @@ def _linear_backward(ctx, gy, _gh, backward=None):
     else:
         grad_x = gy_u @ W.to(gy_u.dtype) if ctx.has_W else None
     grad_y0 = gy.to(ctx.y0_dtype) if ctx.has_y0 else None
-    return grad_x, grad_u, grad_y0, None, None, grad_A.to(A.dtype), grad_B.to(B.dtype), None
+    # (the eager half path saved A and B cast to half: the parameters' own dtypes are kept on ctx)
+    return (grad_x, grad_u, grad_y0, None, None, grad_A.to(getattr(ctx, "a_dtype", A.dtype)),
+            grad_B.to(getattr(ctx, "b_dtype", B.dtype)), None)
 
 
 lora_train_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -147,14 +149,24 @@ def _eager_linear_backward(gy, u, h, W, A, B, scale):
 class _Linear(torch.autograd.Function):  # forward(ctx, ...): a setup_context Function binds its signature per call
     @staticmethod
     def forward(ctx, x, u, y0, W, bias, A, B, scale):
-        out = ref.lora_train_linear(x, x if u is None else u, y0, W, bias, A, B, scale)
-        _linear_setup(ctx, (x, u, y0, W, bias, A, B, scale), out)
+        lora_in = x if u is None else u
+        ctx.half = (lora_in.is_cuda and lora_in.dtype in (torch.float16, torch.bfloat16)
+                    and env.train_backward() != "triton")  # the cuBLAS backward: h, A and s B kept in half precision
+        if ctx.half:
+            y, h, As, Bs = ref.lora_train_linear_half(x, lora_in, y0, W, bias, A, B, scale)
+            out = (y, h)
+            _linear_setup(ctx, (x, u, y0, W, bias, As, Bs, scale), out)
+            ctx.a_dtype, ctx.b_dtype = A.dtype, B.dtype
+        else:
+            out = ref.lora_train_linear(x, lora_in, y0, W, bias, A, B, scale)
+            _linear_setup(ctx, (x, u, y0, W, bias, A, B, scale), out)
         ctx.mark_non_differentiable(out[1])
         return out
 
     @staticmethod
     def backward(ctx, gy, gh):
-        return _linear_backward(ctx, gy, gh, _eager_linear_backward)
+        return _linear_backward(ctx, gy, gh, ref.lora_train_linear_backward_half if ctx.half
+                                else _eager_linear_backward)
 
 
 class _Conv2d(torch.autograd.Function):

@@ -94,3 +94,27 @@ def test_inductor_compiled_step_matches_eager():
     fm.zero_grad()
     torch.compile(lambda: fm(**batch).loss, fullgraph=True)().backward()
     assert all(rel(p.grad, w) < 1e-4 for p, w in zip(fdlora.trainable_parameters(fm), want))
+
+
+@pytest.mark.parametrize("with_W", [True, False], ids=["plain-base", "outside-base"])
+def test_eager_function_matches_the_registered_op(with_W):
+    """Eager steps run fdlora.kernels.train_ops' autograd Function (half precision: h, A and s B kept cast), compiled
+    ones the registered op: same outputs and gradients on CUDA bf16, up to the op's fp32 weight-gradient output."""
+    from fdlora.kernels import train_ops
+
+    g = torch.Generator("cuda").manual_seed(0)
+    M, K, N, r = 300, 256, 384, 16
+    x0 = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    W = (torch.randn(N, K, device="cuda", generator=g) / 16).bfloat16() if with_W else None
+    y0 = None if with_W else torch.randn(M, N, device="cuda", generator=g).bfloat16()
+    A0, B0 = torch.randn(r, K, device="cuda", generator=g) / 16, torch.randn(N, r, device="cuda", generator=g)
+    gy, scale = torch.randn(M, N, device="cuda", generator=g).bfloat16(), torch.tensor(0.5, device="cuda")
+    out = []
+    for fn in (train_ops.train_linear, torch.ops.fdlora.lora_train_linear):
+        x, A, B = x0.clone().requires_grad_(), A0.clone().requires_grad_(), B0.clone().requires_grad_()
+        y, _ = fn(x, None, y0, W, None, A, B, scale)
+        y.backward(gy)
+        out.append((y, x.grad, A.grad, B.grad))
+    for name, a, b in zip(("y", "grad_x", "grad_A", "grad_B"), *out):
+        assert a.dtype == b.dtype, name
+        assert rel(a, b) < 2e-2, (name, rel(a, b))

@@ -28,3 +28,33 @@ def test_cuda_op(case):
     import fdlora.kernels.train_ops  # noqa: F401
 
     _check(case, "cuda", torch.ops.fdlora.lora_train_linear_backward)
+
+
+@pytest.mark.parametrize("case", HALF, ids=[c[0] for c in HALF])
+def test_half_pair_cpu(case):
+    """The eager half-precision pair (forward keeps h, A and s B in half precision; backward reuses them) against
+    the float64 oracle: the forward's y and h, then the backward from what the forward returned."""
+    _, M, K, N, r, dtype, with_W, strided, _ = case
+    g = torch.Generator().manual_seed(M + K + N)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    if strided:
+        x = torch.randn(M, 2 * K, generator=g).to(dtype)[:, ::2]
+    A, B = torch.randn(r, K, generator=g) / K ** 0.5, torch.randn(N, r, generator=g)
+    W = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype) if with_W else None
+    y0 = None if with_W else torch.randn(M, N, generator=g).to(dtype)
+    scale, gy = torch.tensor(0.75), torch.randn(M, N, generator=g).to(dtype)
+    y, h, As, Bs = ref.lora_train_linear_half(x, x, y0, W, None, A, B, scale)
+    want_y, want_h = ref.lora_train_linear(*[t.double() if t is not None else None
+                                             for t in (x, x, y0, W, None, A, B, scale)])
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for name, a, b in (("y", y, want_y), ("h", h, want_h)):
+        if b.numel():
+            assert ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() < tol, name
+    assert h.dtype == As.dtype == dtype and Bs.dtype == y.dtype
+    got = ref.lora_train_linear_backward_half(gy, x, h, W, As, Bs, scale)
+    want = ref.lora_train_linear_backward(*[t.double() if t is not None else None for t in (gy, x, h, W, A, B, scale)])
+    for name, a, b in zip(("grad_u", "grad_A", "grad_B"), got, want):
+        assert a.shape == b.shape and not torch.isnan(a).any(), name
+        if b.numel():
+            assert ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() < tol, name
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32

@@ -99,6 +99,54 @@ def lora_train_linear_backward_blas(
     return grad_u, grad_A, grad_B
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of half-precision inputs returned in fp32: one GEMM writing fp32 on CUDA (out_dtype), a GEMM and a cast
+    elsewhere (CPU BLAS has no such output)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def lora_train_linear_half(
+    x: torch.Tensor, u: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias: torch.Tensor | None,
+    A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # y, h [M, r] in u's dtype, As, Bs
+    """`lora_train_linear` for half-precision activations, as eager CUDA steps run it: the same products and roundings
+    (h = u As^T rounded to the activations' dtype, as the fp32 h of the op holds it; the delta added by the expand
+    GEMM with s folded into B), keeping h in that dtype and returning As = A and Bs = s B cast once, which the
+    backward reuses: 6 launches for a plain base, against 8 (eager steps of many small layers are host-bound)."""
+    dt = u.dtype
+    As = A.to(dt)
+    h = u @ As.t()
+    out = y0.dtype if y0 is not None else x.dtype
+    base = None
+    if W is not None:
+        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out)
+    if y0 is not None:
+        base = y0 if base is None else base + y0
+    Bs = (B.float() * scale).to(out)
+    if base is None:
+        return h.to(out) @ Bs.t(), h, As, Bs
+    return torch.addmm(base, h.to(out), Bs.t()), h, As, Bs
+
+
+def lora_train_linear_backward_half(
+    gy: torch.Tensor, u: torch.Tensor, h: torch.Tensor, W: torch.Tensor | None, As: torch.Tensor, Bs: torch.Tensor,
+    scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad_u (u's dtype), grad_A fp32, grad_B fp32
+    """The backward of `lora_train_linear_half` from its saved h, As and Bs: g = gy Bs, grad_B = s gy^T h,
+    grad_A = g^T u, grad_u = g As (+ gy W), the weight gradients accumulated and returned in fp32 by the GEMM itself on
+    CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`."""
+    dt = u.dtype
+    g = gy @ Bs.to(dt)  # [M, r]
+    grad_B = _mm_f32(gy.t(), h) * scale
+    grad_A = _mm_f32(g.t(), u)
+    grad_u = g @ As
+    if W is not None:
+        grad_u = torch.addmm(grad_u, gy, W.to(dt))
+    return grad_u, grad_A, grad_B
+
+
 def lora_train_conv2d(
     u: torch.Tensor,  # [Bt, C, H, W] LoRA input (x or dropout(x))
     y0: torch.Tensor,  # [Bt, N, H', W'] base output
