@@ -74,11 +74,13 @@ CASES = [
     Case("int8-row-N24-K96-all-scales-zero-fp16", 24, 96, 16, (16, 8), (0.0, 0.0), "int8", "row", "fp16"),
 ]
 GPU_CASES = [
-    Case("int8-row-N72-K416-ranks16.7-S2-bf16", 72, 416, 16, (16, 7), (0.9, -0.4), "int8", "row", "bf16", b_scale=8),
+    # (b_scale: the largest W is ~1.3 (int8) / ~1.6 (e4m3), so bf16's allowed error is ~0.05-0.06; the LoRA's largest
+    # entry must clear twice that, and with A ~ 1/sqrt(K) it shrinks as K grows)
+    Case("int8-row-N72-K416-ranks16.7-S2-bf16", 72, 416, 16, (16, 7), (0.9, -0.4), "int8", "row", "bf16", b_scale=100),
     Case("int8-row-flux-N3072-K3072-r16-S4-blend-bf16", 3072, 3072, 16, (16, 16, 16, 16), (0.7, 0.5, 0.3, 0.2),
-         "int8", "row", "bf16", b_scale=32),
+         "int8", "row", "bf16", b_scale=128),
     Case("e4m3-row-flux-N3072-K12288-r16-S4-one-active-bf16", 3072, 12288, 16, (16, 16, 16, 16), (1.0, 0.0, 0.0, 0.0),
-         "e4m3", "row", "bf16", b_scale=32),
+         "e4m3", "row", "bf16", b_scale=128),
     Case("e4m3-tensor-N100-K200-r16-bf16", 100, 200, 16, (16,), (0.6,), "e4m3", "tensor", "bf16", b_scale=8),
 ]
 
