@@ -38,6 +38,17 @@ def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def _base(x: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias: torch.Tensor | None,
+          out: torch.dtype) -> torch.Tensor | None:
+    """The base part of y: x W^T + bias for a plain base, plus an outside base output y0; None when neither."""
+    base = None
+    if W is not None:
+        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out)
+    if y0 is not None:
+        base = y0 if base is None else base + y0
+    return base
+
+
 def lora_train_linear(
     x: torch.Tensor,  # [M, K]
     u: torch.Tensor,  # [M, K] LoRA input (x or dropout(x))
@@ -52,11 +63,7 @@ def lora_train_linear(
     so no [M, N] fp32 temporary exists; the scale is folded into B ([N, r], tiny)."""
     h = _mm32(u, A.t())
     out = y0.dtype if y0 is not None else x.dtype
-    base = None
-    if W is not None:
-        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out)
-    if y0 is not None:
-        base = y0 if base is None else base + y0
+    base = _base(x, y0, W, bias, out)
     Bs = (B.to(h.dtype) * scale.to(h.dtype)).to(out)
     if base is None:
         return h.to(out) @ Bs.t(), h
@@ -119,11 +126,7 @@ def lora_train_linear_half(
     As = A.to(dt)
     h = u @ As.t()
     out = y0.dtype if y0 is not None else x.dtype
-    base = None
-    if W is not None:
-        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out)
-    if y0 is not None:
-        base = y0 if base is None else base + y0
+    base = _base(x, y0, W, bias, out)
     Bs = (B.float() * scale).to(out)
     if base is None:
         return h.to(out) @ Bs.t(), h, As, Bs

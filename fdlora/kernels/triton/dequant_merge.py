@@ -101,13 +101,18 @@ def check(Wq: torch.Tensor, qscale: torch.Tensor, A: torch.Tensor, B: torch.Tens
     if n not in (N, 1) or not qscale.is_floating_point():
         raise C.FdLoraError(f"dequant_merge: the scale must hold one float per row ({N}) or one for the tensor; got "
                             f"{qscale.dtype} {tuple(qscale.shape)} (per-group scales: use torchao's dequantize()).")
+    check_bank("dequant_merge", "a weight", A, B, N, K)
+    return N, K, 0 if n == 1 or N == 1 else qscale.reshape(-1).stride(0)
+
+
+def check_bank(who: str, what: str, A: torch.Tensor, B: torch.Tensor, N: int, K: int) -> None:
+    """The bank's A [S, R, K] and B [N, S, R] fit a weight of [N, K] and R is whole 16-row granules (the LoRA tile's
+    dot); the message names what to pass instead. Shared with fdlora.kernels.triton.gguf_merge."""
     if A.dim() != 3 or B.dim() != 3 or A.shape[2] != K or B.shape[0] != N or tuple(B.shape[1:]) != tuple(A.shape[:2]):
-        raise C.FdLoraError(f"dequant_merge: A {tuple(A.shape)} and B {tuple(B.shape)} do not fit a weight of "
+        raise C.FdLoraError(f"{who}: A {tuple(A.shape)} and B {tuple(B.shape)} do not fit {what} of "
                             f"[N={N}, K={K}]; A must be [S, R, K] and B [N, S, R].")
     if A.shape[1] % C.MIN_BLOCK:
-        raise C.FdLoraError(f"dequant_merge: rank capacity {A.shape[1]} must be a multiple of 16 (AdapterBank pads "
-                            "it).")
-    return N, K, 0 if n == 1 or N == 1 else qscale.reshape(-1).stride(0)
+        raise C.FdLoraError(f"{who}: rank capacity {A.shape[1]} must be a multiple of 16 (AdapterBank pads it).")
 
 
 def dequant_merge(

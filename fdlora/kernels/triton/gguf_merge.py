@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import config as C
-from .dequant_merge import lora_tile
+from .dequant_merge import check_bank, lora_tile
 
 QK = 32  # values per Q8_0 block
 QBYTES = 34  # bytes per Q8_0 block: fp16 d, then QK int8
@@ -87,11 +87,7 @@ def check(Wq: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> tuple[int, int]
                             f"{Wq.dtype} {tuple(Wq.shape)} strides {tuple(Wq.stride())} (pass the GGUFParameter's "
                             "bytes, e.g. its as_tensor()).")
     N, K = Wq.shape[0], Wq.shape[1] // QBYTES * QK
-    if A.dim() != 3 or B.dim() != 3 or A.shape[2] != K or B.shape[0] != N or tuple(B.shape[1:]) != tuple(A.shape[:2]):
-        raise C.FdLoraError(f"gguf_merge: A {tuple(A.shape)} and B {tuple(B.shape)} do not fit a Q8_0 weight of "
-                            f"[N={N}, K={K}]; A must be [S, R, K] and B [N, S, R].")
-    if A.shape[1] % C.MIN_BLOCK:
-        raise C.FdLoraError(f"gguf_merge: rank capacity {A.shape[1]} must be a multiple of 16 (AdapterBank pads it).")
+    check_bank("gguf_merge", "a Q8_0 weight", A, B, N, K)
     return N, K
 
 
