@@ -58,6 +58,20 @@ SMOKE = [Shape("smoke-qkv", 24, 64, (64, 32, 32), 0.75), Shape("smoke-gate-up", 
 MODES = {"blend-r16": ("blend", 4, 16, 1), "blend-r16-sharedA": ("blend", 4, 16, 1), "rows-4xr16": ("rows", 4, 16, 4)}
 
 
+def bytes_floor(s: Shape, r: int, shared_a: bool) -> float:
+    """grouped / separate in elements each must move at least (the ratio at equal bandwidth; launches not counted):
+    separate reads x, A_i and B_i and reads and writes y_i per member; grouped reads x and the stacked A once, writes
+    and re-reads h, then reads B_i and reads and writes y_i per member. Every y must still be read and written, so for
+    q/k/v of equal width it is (1 + 2n) / 3n of x-sized passes, 0.78 for three: below that the target is out of reach
+    for this formulation (a delta added to y after the base GEMM)."""
+    n, M, K = len(s.Ns), s.M, s.K
+    ys = sum(2 * M * N for N in s.Ns)
+    Bs = sum(N * r for N in s.Ns)
+    separate = n * (M * K + r * K) + ys + Bs
+    grouped = M * K + (1 if shared_a else n) * r * K + 2 * M * (1 if shared_a else n) * r + ys + Bs
+    return grouped / separate
+
+
 def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen, shared_a: bool = False):
     x = torch.randn(s.M, s.K, generator=gen).to(device, dtype)
     As = [torch.zeros(S, R, s.K) for _ in s.Ns]
@@ -137,6 +151,7 @@ def run_case(s: Shape, mode_name: str, ops, dtype, device, timer) -> dict:
     us_grp = timer(lambda: grp(work))
     row = {"case": s.name, "mode": mode_name, "M": s.M, "K": s.K, "Ns": list(s.Ns), "S": S, "R": R, "live": live,
            "separate_us": round(us_sep, 2), "grouped_us": round(us_grp, 2), "ratio": round(us_grp / us_sep, 3),
+           "bytes_floor_ratio": round(bytes_floor(s, live * R, mode_name.endswith("sharedA")), 3),
            "target": s.target, "err_separate": errs["separate"], "err_grouped": errs["grouped"], "bound": bound,
            "checked": ok}
     flag = "" if ok else "  WRONG"
