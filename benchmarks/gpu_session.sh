@@ -21,7 +21,13 @@
 #           background load slows the steps), pressure (bench_pressure.py: full-size SDXL steps
 #           at 3 / 2 / 1.5 / 1 GiB free, fd-lora vs diffusers+PEFT: reliability.json with a "gpu" key, to copy back), prefetch (bench_prefetch.py), shared-shrink
 #           (bench_shared_shrink.py), build-cuda (the extension, before anything that should
-#           run on the triton+cuda backend auto takes once it is built)
+#           run on the triton+cuda backend auto takes once it is built), quant-tests (the GPU tests of the
+#           dequant-merge kernels and layers, and of training), offload-flux (bench_offload's Flux model-offload
+#           rows alone), calibrate (`fdlora plan --calibrate`, its JSON <device>.json copied to results/)
+#   While helpers edit the tree, run from a snapshot of HEAD: `git archive -o .snap.tar HEAD` here (the name is in
+#   .git/info/exclude), carry it, and start the call with `mkdir -p /tmp/w && tar -xf .snap.tar -C /tmp/w &&
+#   cp -r .whl /tmp/w/ && cd /tmp/w && bash benchmarks/gpu_session.sh ...` (the device copy's .git may be stale:
+#   never `git checkout` there)
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
@@ -78,6 +84,10 @@ for stage in "$@"; do
     pressure) cp benchmarks/results/reliability.json "$OUT/results/reliability.json"  # the CPU figures stay
         TAIL=40 step 400 python3 benchmarks/bench_pressure.py --out "$OUT/results/reliability.json" ;;
     gpu-memory) TAIL=15 step 300 python3 -m pytest -q -p no:cacheprovider tests/reliability/test_gpu_memory.py ;;
+    quant-tests) TAIL=15 step 240 python3 -m pytest -q -rf -m gpu -p no:cacheprovider -n 4 tests/layers/test_dequant_merge.py \
+        tests/layers/test_gguf_merge.py tests/training/test_gpu.py ;;
+    offload-flux) step 500 python3 benchmarks/bench_offload.py --model flux --modes model --out "$OUT/results/offload_flux.json" ;;
+    calibrate) TAIL=3 step 120 python3 -m fdlora plan --calibrate && cp ~/.cache/fdlora/plan/*.json "$OUT/results/" ;;
     probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
   esac
 done

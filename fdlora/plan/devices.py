@@ -72,6 +72,12 @@ def _time(fn, reps: int, sync) -> float:
     return best
 
 
+def _known(device_name: str) -> str:
+    """The DEVICES key a CUDA device name belongs to ("NVIDIA H200" -> "h200"), or "gpu"."""
+    low = device_name.lower().replace(" ", "")
+    return next((k for k in DEVICES if k != "cpu" and k in low), "gpu")
+
+
 def calibrate(name: str | None = None, shapes: tuple[int, ...] | None = None, out: Path | None = None) -> Path:
     """Time square matmuls and a copy on this machine's device; write peak TFLOP/s and bandwidth as JSON. Default
     shapes: 2048-8192 on a GPU (smaller ones measure launch latency, not the tensor cores), 256-512 on a CPU."""
@@ -80,7 +86,7 @@ def calibrate(name: str | None = None, shapes: tuple[int, ...] | None = None, ou
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    name = name or ("h100" if cuda else "cpu")
+    name = name or (_known(torch.cuda.get_device_name()) if cuda else "cpu")
     peak = 0.0
     for n in shapes:
         a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)

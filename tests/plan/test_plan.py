@@ -84,3 +84,14 @@ def test_calibrate_on_cpu_writes_constants_the_planner_prefers(tmp_path) -> None
     data = json.loads(path.read_text())
     assert data["peak_tflops"] > 0 and data["hbm_gbs"] > 0
     assert devices.get("cpu", path).peak_tflops == data["peak_tflops"]
+
+
+def test_calibrate_names_the_device_it_ran_on() -> None:
+    """A calibration on an H200 must not overwrite the H100's constants: the file is named by the device's key."""
+    from fdlora.plan import devices
+
+    assert devices._known("NVIDIA H100 80GB HBM3") == "h100"
+    assert devices._known("NVIDIA H200") == "h200"
+    assert devices._known("NVIDIA A100-SXM4-80GB") == "a100"
+    assert devices._known("NVIDIA GeForce RTX 4090") == "4090"
+    assert devices._known("Tesla T4") == "gpu"
