@@ -4,7 +4,8 @@ Cases (full size, GPU):
     llama   Llama-3-8B shape, 4 layers, bf16, batch 4 x 2048 tokens, all-linear r16
     vit     ViT-L/16 backbone, bitsandbytes nf4 (manual swap, classifier kept), batch 64 at 224^2, qkv+mlp r16
     sdxl    SDXL UNet, batch 1 at 1024^2 (128^2 latents), bf16 autocast, attention r16
-plus `layer`: the LoRA part of one layer's backward (fdlora::lora_train_linear_backward, Triton on CUDA) against the
+plus `layer`: the LoRA part of one layer's backward as an eager step runs it (on CUDA, half precision: the backward of
+fdlora.kernels.train_ops' Function, reusing what its forward kept; the registered op's time as `op_ms`) against the
 PEFT-style torch path (four GEMMs and a scale: grad_B, g, grad_A, grad_x) at Llama-3-8B layer shapes.
 
 Each case verifies first (one step's LoRA gradients of fd-lora vs PEFT on a small batch, relative error reported and
@@ -262,8 +263,11 @@ def ddp_case(name, smoke, steps) -> dict | None:
 
 
 def layer_microbench(dev, smoke, repeats) -> list[dict]:
-    """LoRA backward of one layer: the registered op (Triton on CUDA) vs the PEFT-style torch path."""
+    """LoRA backward of one layer: what an eager training step runs (on CUDA with half activations the backward of
+    fdlora.kernels.train_ops' Function, from the h, A and s B its forward kept; else the registered op) vs the
+    PEFT-style torch path; `op_ms` times the registered op (what torch.compile traces) too."""
     import fdlora.kernels.train_ops  # noqa: F401
+    from fdlora.kernels.reference import lora_train
 
     dtype = torch.float32 if smoke else torch.bfloat16
     M = 64 if smoke else 8192
@@ -278,10 +282,17 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
         s = torch.tensor(2.0, device=dev)
         h = (x.float() @ A.t())
 
-        def fd(gy=gy, x=x, h=h, A=A, B=B, s=s):
+        def op(gy=gy, x=x, h=h, A=A, B=B, s=s):  # the registered op (what torch.compile traces)
             return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, None, A, B, s)
 
         Ab, Bb, hb = A.to(dtype), B.to(dtype), h.to(dtype)
+        if dev.type == "cuda" and dtype != torch.float32 and env.train_backward() != "triton":
+            Bs = (B.float() * s).to(dtype)  # what an eager step's forward kept (fdlora.kernels.train_ops._Linear)
+
+            def fd(gy=gy, x=x, hb=hb, Ab=Ab, Bs=Bs, s=s):
+                return lora_train.lora_train_linear_backward_half(gy, x, hb, None, Ab, Bs, s)
+        else:
+            fd = op
 
         def torch_path(gy=gy, x=x, s=s, hb=hb, Ab=Ab, Bb=Bb):  # autograd's work for lora_B(lora_A(x)) * s
             gys = gy * s.to(dtype)
@@ -295,8 +306,9 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
         err = max(float((p.float() - q.float()).abs().max() / q.float().abs().max()) for p, q in zip(a, b))
         t_fd = median_ms(fd, repeats, dev.type)
         t_torch = median_ms(torch_path, repeats, dev.type)
+        t_op = median_ms(op, repeats, dev.type) if fd is not op else t_fd
         row = {"M": M, "K": K, "N": N, "r": 16, "dtype": str(dtype).split(".")[-1], "fd_ms": t_fd,
-               "torch_ms": t_torch, "layer_x_torch": t_fd / t_torch, "rel_err_vs_torch": err,
+               "torch_ms": t_torch, "layer_x_torch": t_fd / t_torch, "op_ms": t_op, "rel_err_vs_torch": err,
                "fd_backward": env.train_backward() if dev.type == "cuda" else "reference"}
         if dev.type == "cuda" and importlib.util.find_spec("triton") is not None:  # the opt-in fused kernels too
             from fdlora.kernels.triton.lora_backward import lora_backward
@@ -354,7 +366,8 @@ def main(argv=None) -> int:
         if name == "layer":
             result["layer"] = layer_microbench(dev, a.smoke, 3 if a.smoke else 50)
             for r in result["layer"]:
-                print(f"layer M={r['M']} K={r['K']} N={r['N']}: fd {r['fd_ms']:.3f} ms, torch {r['torch_ms']:.3f} ms"
+                print(f"layer M={r['M']} K={r['K']} N={r['N']}: fd {r['fd_ms']:.3f} ms (op {r['op_ms']:.3f}), "
+                      f"torch {r['torch_ms']:.3f} ms"
                       f" ({r['layer_x_torch']:.2f}x, target <= {TARGETS['layer_x_torch']}; {r['fd_backward']})"
                       + (f"; triton kernels {r['triton_ms']:.3f} ms ({r['triton_x_torch']:.2f}x)" if "triton_ms" in r
                          else ""), flush=True)
