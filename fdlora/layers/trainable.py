@@ -192,14 +192,13 @@ class TrainableLoraLinear(_TrainableLora):
         for i, name in enumerate(names):
             W, bias = plain if (plain is not None and i == 0) else (None, None)
             y, _ = train_ops.train_linear(x2, self._lora_input(name, x2), y, W, bias,
-                                                      self.lora_A[name], self.lora_B[name], self.scaling(name))
+                                          self.lora_A[name], self.lora_B[name], self.scaling(name))
         return y.view(*x.shape[:-1], N)
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         y2, _ = train_ops.train_linear(x2, self._lora_input(name, x2), y.reshape(-1, self.out_features),
-                                                   None, None, self.lora_A[name], self.lora_B[name],
-                                                   self.scaling(name))
+                                       None, None, self.lora_A[name], self.lora_B[name], self.scaling(name))
         return y2.view(y.shape)
 
 
@@ -222,7 +221,7 @@ class TrainableLoraConv2d(_TrainableLora):
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
         u = self._lora_input(name, x)
         y, _ = train_ops.train_conv2d(x if u is None else u, y, self.lora_A[name], self.lora_B[name],
-                                                  self.scaling(name), self.stride, self.padding)
+                                      self.scaling(name), self.stride, self.padding)
         return y
 
     def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:

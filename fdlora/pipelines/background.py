@@ -98,26 +98,25 @@ class Prefetch:
                 return
         fn(self)
 
-    def _clock_cpu(self) -> None:  # called on the job's thread only
-        now = time.thread_time()
+    def _account(self) -> None:
+        """Add the wall time since the last stage change to the current stage, and the job thread's CPU time (its
+        clock starts at the first stage change on that thread; a finish from another thread adds none)."""
+        now, cpu = time.perf_counter(), time.thread_time()
+        self.seconds[self.stage] = self.seconds.get(self.stage, 0.0) + now - self._t
         if self._cpu is not None:
-            self.cpu_seconds[self.stage] = self.cpu_seconds.get(self.stage, 0.0) + now - self._cpu
-        self._cpu = now
+            self.cpu_seconds[self.stage] = self.cpu_seconds.get(self.stage, 0.0) + cpu - self._cpu
+        self._t, self._cpu = now, cpu
 
     def _step(self, stage: str) -> None:
-        now = time.perf_counter()
-        self._clock_cpu()
-        self.seconds[self.stage] = self.seconds.get(self.stage, 0.0) + now - self._t
-        self.stage, self._t = stage, now
+        self._account()
+        self.stage = stage
         if self._cancelled:
             raise _Cancelled
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        if self._cpu is not None:
-            self._clock_cpu()
         with self._state:
             self._result, self._error = result, error
-            self.seconds[self.stage] = self.seconds.get(self.stage, 0.0) + time.perf_counter() - self._t
+            self._account()
             self.stage = "cancelled" if self._cancelled else "failed" if error is not None else "done"
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
