@@ -50,7 +50,7 @@ from .state import Mode
 KERNEL = "fused-dequant-merge"  # the base's dequantization and the merge in one Triton kernel
 TORCH = "torch-dequant-merge"  # the base's own dequantization + addmm_
 DELTA = "base+delta"  # the merge would move more bytes than the delta: the regular path
-_TRITON = ("triton", "triton+cuda")  # backends whose layers may launch Triton kernels
+TRITON = ("triton", "triton+cuda")  # backends whose layers may launch Triton kernels
 _TORCHAO = ("Int8Tensor", "Float8Tensor")  # weight-only tensors whose linear dequantizes per call (module docstring)
 
 
@@ -86,7 +86,7 @@ def _kernel_fits(layer, w) -> bool:
 
     q, s = w.qdata, w.scale
     N, K = q.shape
-    if layer.selection.name not in _TRITON or q.dtype not in dequant_merge.QDTYPES or s.numel() not in (N, 1):
+    if layer.selection.name not in TRITON or q.dtype not in dequant_merge.QDTYPES or s.numel() not in (N, 1):
         return False
     if list(getattr(w, "block_size", ())) not in ([1, K], [N, K]):
         return False
@@ -127,10 +127,7 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
         W = _kernel_merged(layer, w, A, x.dtype)
         layer.__dict__["merge_path"] = KERNEL
     elif merge_pays(x.numel() // K, N, K):
-        W = w.dequantize(x.dtype)
-        if W.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
-            W = W.clone()  # (never the stored values themselves: W is written in place below)
-        W = blend_addmm(layer, W)
+        W = blend_addmm(layer, w.dequantize(x.dtype), q)
         layer.__dict__["merge_path"] = TORCH
     else:
         layer.__dict__["merge_path"] = DELTA
@@ -140,22 +137,32 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _kernel_merged(layer, w, A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W' by dequant_merge, replayed from the launch kept for this layer while its tensors stay where they were."""
+    """W' by dequant_merge (kernel_merged)."""
     from ..kernels.triton import dequant_merge
 
+    return kernel_merged(layer, (w.qdata, w.scale), A, dtype, dequant_merge.dequant_merge)
+
+
+def kernel_merged(layer, weight: tuple, A: torch.Tensor, dtype: torch.dtype, merge) -> torch.Tensor:
+    """W' by a dequant-merge kernel, `merge(*weight, A, B, scale, group_weight, ranks, dtype, out=, keep=True)`
+    (fdlora.kernels.triton.dequant_merge / gguf_merge), replayed from the launch kept for this layer while the
+    weight's tensors, the bank and the scale table stay where they were."""
     bank = layer.bank
     S = bank.slots
-    q, qs = w.qdata, w.scale
     B, ranks, scale, gw = bank._buffers["B"], bank._buffers["ranks"], layer.scale_blend[:S], layer.blend_weight[:, :S]
-    key = (q.data_ptr(), qs.data_ptr(), A.data_ptr(), B.data_ptr(), ranks.data_ptr(), scale.data_ptr(),
-           gw.data_ptr(), dtype, q.device)
-    return kept(layer, key, torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=q.device),
-                lambda out: dequant_merge.dequant_merge(q, qs, A, B, scale, gw, ranks, dtype, out=out, keep=True))
+    dev = weight[0].device
+    key = (*(t.data_ptr() for t in weight), A.data_ptr(), B.data_ptr(), ranks.data_ptr(), scale.data_ptr(),
+           gw.data_ptr(), dtype, dev)
+    return kept(layer, key, torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=dev),
+                lambda out: merge(*weight, A, B, scale, gw, ranks, dtype, out=out, keep=True))
 
 
-def blend_addmm(layer, W: torch.Tensor) -> torch.Tensor:
+def blend_addmm(layer, W: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     """W += the blend, in one addmm_ over the live slots' ranks side by side (inactive slots have scale 0; the bank's
-    rank padding is zeros). W must be the caller's own (it is written in place)."""
+    rank padding is zeros). W is written in place: a W that shares memory with `stored` (the base's quantized
+    values: a dequantization may return them as they are) is copied first."""
+    if W.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+        W = W.clone()
     bank = layer.bank
     S, R = bank.extent()
     K, dtype = W.shape[1], W.dtype

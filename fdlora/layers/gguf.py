@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from . import quantized
-from .dequant import DELTA, KERNEL, TORCH, Route, blend_addmm, eager_blend, kept, merge_pays  # KERNEL here: Q8_0
+from .dequant import DELTA, KERNEL, TORCH, TRITON, Route, blend_addmm, eager_blend, kernel_merged, merge_pays
 
-_TRITON = ("triton", "triton+cuda")  # backends whose layers may launch Triton kernels
 _UTILS: list = []  # diffusers.quantizers.gguf.utils, once imported (None where it cannot be)
 
 
@@ -66,7 +65,7 @@ def route(layer) -> Route | None:
     if utils is None or type(base) is not utils.GGUFLinear or not isinstance(base.compute_dtype, torch.dtype):
         return None  # a subclass may compute otherwise; without a compute dtype forward_native keeps fp16
     this = sys.modules[__name__]
-    if kind == "gguf Q8_0" and layer.selection.name in _TRITON and base.in_features % 32 == 0:
+    if kind == "gguf Q8_0" and layer.selection.name in TRITON and base.in_features % 32 == 0:
         return Route(KERNEL, this)
     return Route(TORCH, this)
 
@@ -100,23 +99,13 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _kernel_merged(layer, raw: torch.Tensor, A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W' by the Q8_0 kernel, replayed from the launch kept for this layer while the weight, the bank and the scale
-    table stay where they were (~13 us of host time instead of ~35 on an H100 host; the kernel runs ~17 us at
-    Flux's 3072^2)."""
+    """W' by the Q8_0 kernel (dequant.kernel_merged: a kept launch replays in ~13 us of host time instead of ~35 on
+    an H100 host; the kernel runs ~17 us at Flux's 3072^2)."""
     from ..kernels.triton import gguf_merge
 
-    bank = layer.bank
-    S = bank.slots
-    B, ranks, scale, gw = bank._buffers["B"], bank._buffers["ranks"], layer.scale_blend[:S], layer.blend_weight[:, :S]
-    key = (raw.data_ptr(), A.data_ptr(), B.data_ptr(), ranks.data_ptr(), scale.data_ptr(), gw.data_ptr(), dtype,
-           raw.device)
-    return kept(layer, key, torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=raw.device),
-                lambda out: gguf_merge.gguf_q8_0_merge(raw, A, B, scale, gw, ranks, dtype, out=out, keep=True))
+    return kernel_merged(layer, (raw,), A, dtype, gguf_merge.gguf_q8_0_merge)
 
 
 def _torch_merged(layer, w: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """diffusers' dequantization of `w` in `dtype`, plus the blend (dequant.blend_addmm)."""
-    W = _utils().dequantize_gguf_tensor(w).to(dtype)
-    if W.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
-        W = W.clone()  # (never the stored weight itself: W is written in place below)
-    return blend_addmm(layer, W)
+    return blend_addmm(layer, _utils().dequantize_gguf_tensor(w).to(dtype), raw)

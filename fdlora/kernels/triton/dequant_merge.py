@@ -143,8 +143,14 @@ def dequant_merge(
             out.stride(0), out.stride(1), Wq.stride(0), Wq.stride(1), sqs, A.stride(0), A.stride(1), A.stride(2),
             B.stride(0), B.stride(1), B.stride(2), scale.stride(0), group_weight.stride(1))
     flags = dict(S_PAD=C.slot_pad(S), RC=C.MIN_BLOCK, **C.dot_flags(A.dtype), **blocks, LORA=lora)
-    if keep:
-        ready = C.kept(dequant_merge_kernel, grid, *args, **flags)
-        return out, None if ready is None else C.Prepared(ready.run, ready.full, (0,))
-    dequant_merge_kernel[grid](*args, **flags)
-    return out
+    return launch(dequant_merge_kernel, grid, args, flags, keep)
+
+
+def launch(kernel, grid, args: tuple, flags: dict, keep: bool):
+    """`kernel` on `args` (their first, the output, returned); with `keep` also that launch kept ready to replay with
+    another output (C.Prepared swapping argument 0; None where none can be kept). Shared with gguf_merge."""
+    if not keep:
+        kernel[grid](*args, **flags)
+        return args[0]
+    ready = C.kept(kernel, grid, *args, **flags)
+    return args[0], None if ready is None else C.Prepared(ready.run, ready.full, (0,))

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import config as C
-from .dequant_merge import check_bank, lora_tile
+from .dequant_merge import check_bank, launch, lora_tile
 
 QK = 32  # values per Q8_0 block
 QBYTES = 34  # bytes per Q8_0 block: fp16 d, then QK int8
@@ -121,8 +121,4 @@ def gguf_q8_0_merge(
             out.stride(0), out.stride(1), Wq.stride(0), A.stride(0), A.stride(1), A.stride(2), B.stride(0),
             B.stride(1), B.stride(2), scale.stride(0), group_weight.stride(1))
     flags = dict(S_PAD=C.slot_pad(S), RC=C.MIN_BLOCK, **C.dot_flags(A.dtype), **blocks, LORA=lora)
-    if keep:
-        ready = C.kept(gguf_q8_0_merge_kernel, grid, *args, **flags)
-        return out, None if ready is None else C.Prepared(ready.run, ready.full, (0,))
-    gguf_q8_0_merge_kernel[grid](*args, **flags)
-    return out
+    return launch(gguf_q8_0_merge_kernel, grid, args, flags, keep)
