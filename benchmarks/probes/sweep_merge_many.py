@@ -1,5 +1,6 @@
-# Asks: how close to copy bandwidth is lora_merge_many on a full-size Flux-dev table (a slider move), and do strips
-# (one program walking KT tiles along K, the layer from a per-program table instead of a binary search) get closer?
+# Asks: how close to copy bandwidth is lora_merge_many on a full-size Flux-dev table (a slider move); do strips, a
+# per-program layer table, the W add after the dot, or cuBLAS per layer get closer? Run 1 (session 21): strips and
+# the table lookup lose; shipped 1.29x copy (1 slot active), 1.56x (4).
 """Sweep of the whole-model re-merge (fdlora.kernels.triton.lora_merge_many) on Flux-dev's 418 targeted weights.
 
 Every W of the table is a view into one flat buffer, every W' into another, so `copy_ms` (one flat copy of the
@@ -36,7 +37,7 @@ SHAPES = [(D, D)] * 8 * 19 + [(F, D), (D, F)] * 2 * 19 + [(D, D)] * 3 * 38 + [(F
 
 @triton.jit
 def strip_kernel(prog_ptr, addr_ptr, dims_ptr, first_ptr, S: tl.constexpr, R: tl.constexpr, DTYPE: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr, ADD_AFTER: tl.constexpr = False):
     p = tl.program_id(0)
     lo = tl.load(prog_ptr + p)
     row = addr_ptr + lo.to(tl.int64) * 5
@@ -61,13 +62,16 @@ def strip_kernel(prog_ptr, addr_ptr, dims_ptr, first_ptr, S: tl.constexpr, R: tl
         inside = n_in[:, None] & k_in[None, :]
         wp = tl.max_contiguous(tl.multiple_of(w + nn[:, None] * swn + kk[None, :], [16, 16]), [1, BK])
         op = tl.max_contiguous(tl.multiple_of(out + nn[:, None] * son + kk[None, :], [16, 16]), [1, BK])
-        acc = tl.load(wp, mask=inside, other=0.0).to(tl.float32)
+        w_t = tl.load(wp, mask=inside, other=0.0)
+        acc = tl.zeros((BN, BK), tl.float32) if ADD_AFTER else w_t.to(tl.float32)
         for c in tl.static_range(0, S * R, 16):
             sc = tl.load(scale + c // R)
             if sc != 0.0:
                 bt = tl.load(b + nn[:, None] * (S * R) + (c + rr)[None, :], mask=n_in[:, None], other=0.0)
                 at = tl.load(a + (c + rr)[:, None] * K + kk[None, :], mask=k_in[None, :], other=0.0)
                 acc = mma((bt.to(tl.float32) * sc).to(DTYPE), at, acc, False, False)
+        if ADD_AFTER:  # the dot's layout converted once (the sum), not twice (W in, W' out)
+            acc = w_t.to(tl.float32) + acc
         tl.store(op, acc.to(DTYPE), mask=inside)
 
 
@@ -82,6 +86,36 @@ def strip_tables(entries, BN, BK, KT, dev):
         prog.extend([i] * n)
     t = lambda v, dt: torch.tensor(v, dtype=dt, device=dev)  # noqa: E731
     return t(prog, torch.int32), t(addr, torch.int64), t(dims, torch.int64), t(first, torch.int32), len(prog)
+
+
+CANDIDATES = [(bn, bk, 1, w, 1, after) for bn, bk in ((64, 128), (64, 256), (128, 128), (32, 128)) for w in (4, 8)
+              for after in (False, True)] + [(64, 128, 2, 4, 2, True)]
+
+
+def addmm_all(entries, active):
+    """W' = W + 0.7 B A per layer by cuBLAS (the probe's scales are all 0.7): the rounding differs from the kernel's
+    (alpha applied to the fp32 product), so this row is timed, not compared bit for bit."""
+    for out, W, A, B, _ in entries:
+        n, s, r = B.shape
+        torch.addmm(W, B[:, :active].reshape(n, active * r), A[:active].reshape(active * r, -1), alpha=0.7, out=out)
+
+
+def candidate(row, name, go, flat_o, want, copy_ms):
+    try:
+        flat_o.zero_()
+        t0 = time.perf_counter()
+        go()
+        torch.cuda.synchronize()
+        same = bool(torch.equal(flat_o, want))
+        close = 0.0 if same else max(float((o.float() - w.float()).abs().max())  # in chunks: 17 GB each side
+                                     for o, w in zip(flat_o.split(1 << 28), want.split(1 << 28)))
+        ms = event_ms(go)
+    except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a row)
+        print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        return
+    row["candidates"][name] = {"ms": ms, "x_copy": ms / copy_ms, "bit_equal": same, "max_abs_diff": close,
+                               "first_call_s": time.perf_counter() - t0}
+    print(f"  {name}: {ms:.2f} ms ({ms / copy_ms:.2f}x copy) equal={same} diff={close:.2e}", flush=True)
 
 
 def event_ms(fn, reps=7):
@@ -128,30 +162,14 @@ def main() -> None:
         want = flat_o.clone()
         print(f"active {active}: shipped {shipped_ms:.2f} ms ({shipped_ms / copy_ms:.2f}x copy)", flush=True)
         row = {"active": active, "copy_ms": copy_ms, "shipped_ms": shipped_ms, "candidates": {}}
-        for BN, BK in ((64, 128), (32, 256), (128, 64), (64, 64)):
-            for KT in (1, 4, 8):
-                prog, addr, dims, first, n = strip_tables(entries, BN, BK, KT, dev)
-                for warps in (4, 8):
-                    for stages in (1, 2, 3):
-                        name = f"BN{BN} BK{BK} KT{KT} w{warps} s{stages}"
-                        if KT == 1 and stages > 1:
-                            continue
-                        go = functools.partial(strip_kernel[(n,)], prog, addr, dims, first, S=S, R=R,
-                                               DTYPE=tl.bfloat16, BN=BN, BK=BK, KT=KT, num_warps=warps,
-                                               num_stages=stages)
-                        try:
-                            flat_o.zero_()
-                            t0 = time.perf_counter()
-                            go()
-                            torch.cuda.synchronize()
-                            same = bool(torch.equal(flat_o, want))
-                            ms = event_ms(go)
-                        except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a row)
-                            print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                            continue
-                        row["candidates"][name] = {"ms": ms, "x_copy": ms / copy_ms, "bit_equal": same,
-                                                   "first_call_s": time.perf_counter() - t0}
-                        print(f"  {name}: {ms:.2f} ms ({ms / copy_ms:.2f}x copy) equal={same}", flush=True)
+        for BN, BK, KT, warps, stages, after in CANDIDATES:
+            name = f"BN{BN} BK{BK} KT{KT} w{warps} s{stages}" + (" add-after" if after else "")
+            prog, addr, dims, first, n = strip_tables(entries, BN, BK, KT, dev)
+            go = functools.partial(strip_kernel[(n,)], prog, addr, dims, first, S=S, R=R, DTYPE=tl.bfloat16, BN=BN,
+                                   BK=BK, KT=KT, ADD_AFTER=after, num_warps=warps, num_stages=stages)
+            candidate(row, name, go, flat_o, want, copy_ms)
+        candidate(row, "cuBLAS addmm per layer (alpha, one slot)" if active == 1 else "cuBLAS addmm per layer (all)",
+                  functools.partial(addmm_all, entries, active), flat_o, want, copy_ms)
         rows.append(row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"probe": "sweep_merge_many", "gpu": torch.cuda.get_device_name(),
