@@ -72,6 +72,23 @@ def test_a_slider_moved_many_times_equals_a_fresh_merge_bit_for_bit(cache_on):
         assert torch.allclose(fresh.double(), want, rtol=1e-4, atol=1e-5)
 
 
+def test_a_weight_replaced_or_swapped_between_slider_moves_is_merged_from_the_new_weight(cache_on):
+    """The slider's replay launches its merges before it checks the layers (the GPU merges while the host checks):
+    a weight replaced under a layer, or its data swapped, must still end in W' merged from the new weight."""
+    model, h, ads = model_and_adapters()
+    x = torch.randn(5, SIZES[0][0])
+    with torch.inference_mode():
+        for w in (0.2, 0.4):  # a kept pass to replay
+            h.set_adapters(["a", "b"], [w, 0.5])
+            model(x)
+        model[1].base.weight = nn.Parameter(torch.randn_like(model[1].base.weight))
+        h.set_adapters(["a", "b"], [0.6, 0.5])
+        assert torch.allclose(model(x).double(), oracle(model, ads, [0.6, 0.5], x), rtol=1e-4, atol=1e-5)
+        model[2].base.weight.data = torch.randn_like(model[2].base.weight)
+        h.set_adapters(["a", "b"], [0.8, 0.5])
+        assert torch.allclose(model(x).double(), oracle(model, ads, [0.8, 0.5], x), rtol=1e-4, atol=1e-5)
+
+
 def test_a_small_budget_goes_to_the_smallest_weights_first(cache_on):
     model, h, _ = model_and_adapters()
     nbytes = sorted(k * n * 4 for k, n in SIZES)
