@@ -1,6 +1,7 @@
 # Asks: how close to copy bandwidth is lora_merge_many on a full-size Flux-dev table (a slider move); do strips, a
 # per-program layer table, the W add after the dot, or cuBLAS per layer get closer? Run 1 (session 21): strips and
-# the table lookup lose; shipped 1.29x copy (1 slot active), 1.56x (4).
+# the table lookup lose; shipped 1.29x copy (1 slot active), 1.56x (4). Run 2: best bit-equal BN64 BK256 1.25x / 1.64x,
+# add-after 1.18x / 1.83x (one rounding apart), cuBLAS addmm per layer 2.9x: no candidate is near the copy.
 """Sweep of the whole-model re-merge (fdlora.kernels.triton.lora_merge_many) on Flux-dev's 418 targeted weights.
 
 Every W of the table is a view into one flat buffer, every W' into another, so `copy_ms` (one flat copy of the
