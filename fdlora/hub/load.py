@@ -65,6 +65,7 @@ def load_adapters(
     lora_conversion: str | None = None,
     family: Any = None,
     in_process: bool = True,
+    deferred: bool = False,
 ) -> tuple[dict[str, LoraAdapter], LoadReport]:
     """Load a LoRA from a Hub repo id, a directory, a file or a state dict; returns ({component: adapter}, report).
 
@@ -80,7 +81,10 @@ def load_adapters(
     `family` (fdlora.pipelines.diffusers.family.Family, given by pipeline loads) is asked first for the
     format, with diffusers' converters of that pipeline family. `in_process=False` runs a cache miss's read and
     conversion in fd-lora's reader process (fdlora.hub.worker: background loads, which would otherwise take the
-    GIL from the serving thread); the result is the same.
+    GIL from the serving thread); the result is the same. With it, `deferred=True` returns that read before any
+    per-tensor work here: ({component: PendingPart}, PendingLoad), turned into adapters and the report by
+    `materialize` when the caller chooses (a prefetch: at publication, between two steps); a RAM-cache hit or an
+    in-memory source returns as usual.
     """
     t0 = time.perf_counter()
     svd_rank = lycoris.parse_conversion(lora_conversion)
@@ -107,15 +111,71 @@ def load_adapters(
                  svd_rank=svd_rank, dtype=dtype, name=name)
     if in_process or r.kind == "memory":
         adapters, report = build_adapters(r, **build)
-    else:
-        from . import worker
+        return _cached(adapters, report, ram if key is not None else None, key, t1 - t0, name, strict, check_finite)
+    from . import worker
 
-        adapters, report = worker.run(build_adapters, r, page_locked=pin or torch.cuda.is_available(),
-                                      **{**build, "pin": True})  # (pin there, without CUDA: the one-buffer reader)
-    if key is not None:
+    packed = worker.read(build_adapters, r, page_locked=pin or torch.cuda.is_available(),
+                         **{**build, "pin": True})  # (pin there, without CUDA: the one-buffer reader)
+    pending = PendingLoad(packed, ram if key is not None else None, key, t1 - t0, name, strict, check_finite,
+                          deferred)
+    return pending.parts() if deferred else pending.result()
+
+
+class PendingPart:
+    """One component of a `PendingLoad` (what `load_adapters(..., deferred=True)` maps each component to)."""
+
+    def __init__(self, load: PendingLoad, component: str) -> None:
+        self.load, self.component = load, component
+
+    def __repr__(self) -> str:
+        return f"PendingPart({self.component!r})"
+
+
+class PendingLoad:
+    """A cache miss read in the reader process and not yet turned into objects: `packed` holds its tensors in one
+    host block (fdlora.hub.worker.Packed: a device copy and a finite check over it need no objects). `result`
+    builds the adapters and the report, puts them in the RAM cache and finishes as load_adapters does."""
+
+    def __init__(self, packed: Any, ram: AdapterCache | None, key: CacheKey | None, resolve_s: float,
+                 name: str | None, strict: bool, check_finite: bool, deferred: bool) -> None:
+        self.packed, self.ram, self.key, self.resolve_s = packed, ram, key, resolve_s
+        self.name, self.strict, self.check_finite, self.deferred = name, strict, check_finite, deferred
+        self._done: tuple | None = None
+
+    def parts(self) -> tuple[dict[str, PendingPart], PendingLoad]:
+        """({component: PendingPart}, self): the components from the result's layout (build_adapters returns
+        ({component: adapter}, report))."""
+        return {w[1]: PendingPart(self, w[1]) for w in self.packed.adapters if len(w) == 2 and w[0] == 0}, self
+
+    def result(self, finite: bool = False) -> tuple[dict[str, LoraAdapter], LoadReport]:
+        """(adapters, report), built once. `finite`: a check over the whole block passed, so every module is
+        marked checked (load_adapters' `check_finite` then checks the scales only)."""
+        if self._done is None:
+            adapters, report = self.packed.tree(finite)
+            block = self.packed.block
+            # a deferred put runs between two steps: never one that would repack into fresh page-locked memory
+            repack = self.ram is not None and self.ram.pin and block is not None and not block.pinned
+            ram = None if self.deferred and repack else self.ram
+            self._done = _cached(adapters, report, ram, self.key, self.resolve_s, self.name, self.strict,
+                                 self.check_finite)
+        return self._done
+
+
+def materialize(adapters: dict[str, Any], report: Any, *,
+                finite: bool = False) -> tuple[dict[str, LoraAdapter], LoadReport]:
+    """What `load_adapters(..., deferred=True)` returned (with its components possibly renamed), as adapters and a
+    report; anything else as it is. `finite`: see PendingLoad.result."""
+    if not isinstance(report, PendingLoad):
+        return adapters, report
+    built, report = report.result(finite)
+    return {c: built[p.component] if isinstance(p, PendingPart) else p for c, p in adapters.items()}, report
+
+
+def _cached(adapters, report, ram, key, resolve_s, name, strict, check_finite):
+    if ram is not None:
         adapters = ram.put(key, adapters, report)
     report.modules_of = {c: a.modules for c, a in adapters.items()}  # (the cached tensors once put)
-    report.seconds = {"resolve": t1 - t0, **report.seconds}
+    report.seconds = {"resolve": resolve_s, **report.seconds}
     return _finish(adapters, report, name, strict, check_finite)
 
 

@@ -1,16 +1,22 @@
 """The reader process: a background load's read and conversion run in another Python, off the serving thread's GIL.
 
 Why: an eager step of a full-size model is host-bound, and the Python thread that issues it releases the GIL at
-every torch op. A background thread reading and converting an adapter (safetensors' per-tensor reads, the
-format's key mapping, ~2,000 small Python objects for an SDXL LoRA) takes the GIL at each of those releases and
-keeps it until its own next release, so the serving thread waits in turns: on an H100 host an SDXL step took 2.15x
-its idle time while a 170 MB adapter was prefetched (benchmarks/results/nvidia-h100-80gb-hbm3/prefetch.json), and
-a CPU proxy of the same (benchmarks/probes/probe_prefetch_gil.py) shows 2x. In a separate process that work
-takes no GIL of ours. What comes back is one packed file of tensor bytes (read here into one buffer, page-locked
-with CUDA, by `safefile.read_into`'s threads, which release the GIL) plus a small index; rebuilding the adapter
-objects over views of that buffer is the only Python work left on this side.
+every torch op. Any Python this process runs meanwhile (a reading thread's per-tensor loops, safetensors' reads,
+the format's key mapping) takes the GIL at those releases and keeps it until its own next release, so the
+serving thread waits in turns: on an H100 host a busy Python thread made SDXL steps 300x slower
+(benchmarks/results/nvidia-h100-80gb-hbm3/prefetch_stall.json, "gil"), a thread reading an adapter 2.15x. In a
+separate process that work takes no GIL of ours.
 
-    adapters, report = run(build_adapters, resolved, page_locked=True, **options)  # as build_adapters(...) here
+The result comes back without a copy and without per-tensor work here. The reader converts, then asks for a
+block of the shared host arena (`HostArena`: files in /dev/shm mapped by both processes; the part reserved with
+`reserve` is page-locked for CUDA once, so no page-locked memory is allocated while steps run) and writes every
+tensor into it, each adapter's tensors in one span, grouped by dtype. What this process receives is the block's
+place, a small header (the dtype groups, for one fused finite check) and the pickled skeleton of the result,
+kept as bytes: `Packed`. Turning it into adapter objects over views of the block (`Packed.tree`) is the only
+per-tensor work, and its caller chooses when (a prefetch does it at publication, between two steps).
+
+    packed = read(build_adapters, resolved, page_locked=True, **options)   # O(1) Python here
+    adapters, report = packed.tree()                                       # as build_adapters(...) here
 
 The process is started on first use (`start()` does it ahead of time: fdlora.pipelines.warmup calls it), is reused
 by later loads (at most `MAX_WORKERS` at once), sees no GPU (`CUDA_VISIBLE_DEVICES` empty: it never makes a CUDA
@@ -23,14 +29,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
+import mmap
 import os
 import pickle
+import secrets
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,37 +48,38 @@ import torch
 from ..errors import FdLoraError
 from .adapter import LoraAdapter, ModuleLora
 from .cache import ALIGN, known_span
-from .safefile import read_into
 
 MAX_WORKERS = 2  # reader processes at once; also how many prefetches read at once (pipelines.background)
 TENSOR_FIELDS = ("A", "B", "bias", "magnitude")
 PRELOAD = ("fdlora.hub.load", "peft", "diffusers.loaders.lora_pipeline", "diffusers.loaders.lora_conversion_utils")
+PAGE = mmap.ALLOCATIONGRANULARITY  # blocks start on a page: the reader maps just its block
+FILE_PREFIX = "fdlora-arena-"
 _idle: list[_Worker] = []
 _started: list[_Worker] = []
 _lock = threading.Lock()
 _slots = threading.BoundedSemaphore(MAX_WORKERS)
-_count = itertools.count()
+
+
+def read(fn: Callable[..., Any], *args: Any, page_locked: bool, **kwargs: Any) -> Packed:
+    """`fn(*args, **kwargs)` run in a reader process (`fn` module-level: it is sent by name), its tensors written
+    into one block of the host arena (from the page-locked reserve where it has room and `page_locked`), the
+    rest of the result pickled: O(1) Python work on this side, whatever the number of tensors."""
+    with _slots:
+        worker = _take()
+        try:
+            packed = worker.call(dict(fn=fn, args=args, kwargs=kwargs), page_locked)
+        except BaseException:
+            worker.close()  # a worker interrupted mid-answer is not reused
+            raise
+        _give_back(worker)
+    return packed
 
 
 def run(fn: Callable[..., Any], *args: Any, page_locked: bool, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` run in a reader process (`fn` module-level: it is sent by name) and its result back.
-    Tensors in the result, loose or in LoraAdapters, within dicts, lists and tuples, come back as views into one
-    host buffer (page-locked with `page_locked` where CUDA is), an adapter's own tensors in one span of it, ready
-    for one device transfer (fdlora.hub.cache.stage); everything else in the result is pickled."""
-    path = os.path.join(_blob_dir(), f"fdlora-read-{os.getpid()}-{next(_count)}.bin")
-    try:
-        with _slots:
-            worker = _take()
-            try:
-                skeleton, loose, size = worker.call(dict(fn=fn, args=args, kwargs=kwargs, path=path))
-            except BaseException:
-                worker.close()  # a worker interrupted mid-answer is not reused
-                raise
-            _give_back(worker)
-        return _Unpacker(path, size, page_locked, loose).tree(skeleton)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    """`read(...)` turned into objects at once: tensors in the result, loose or in LoraAdapters, within dicts,
+    lists and tuples, come back as views into the block, an adapter's own tensors in one span of it, ready for
+    one device transfer (fdlora.hub.cache.stage); everything else as it was."""
+    return read(fn, *args, page_locked=page_locked, **kwargs).tree()
 
 
 def start() -> None:
@@ -80,7 +90,171 @@ def start() -> None:
     _give_back(_Worker())
 
 
+def reserve(nbytes: int) -> int:
+    """Add `nbytes` (rounded up to a page) to the arena's reserve, page-locked for CUDA where CUDA is: done once,
+    before serving (fdlora.pipelines.warmup), so background loads never page-lock memory while steps run.
+    Returns the bytes now page-locked in all (0 without CUDA)."""
+    return ARENA.reserve(nbytes)
+
+
+# --- the shared host arena ----------------------------------------------------------------------------------------
+class _Chunk:
+    """One shared file mapped here: the reserve's chunks are carved into blocks (first fit, freed ranges merged);
+    an overflow chunk holds one block and goes away with it."""
+
+    def __init__(self, size: int, pinned: bool, overflow: bool) -> None:
+        self.size, self.overflow = size, overflow
+        self.path, self.mm = _shared_file(size)
+        self.view = memoryview(self.mm)
+        self.free = [(0, size)]  # (offset, bytes), by offset
+        self.pinned = pinned and _register(self.view)
+
+    def take(self, n: int) -> int | None:
+        for i, (off, size) in enumerate(self.free):
+            if size >= n:
+                self.free[i:i + 1] = [(off + n, size - n)] if size > n else []
+                return off
+        return None
+
+    def give(self, off: int, n: int) -> None:
+        free = sorted([*self.free, (off, n)])
+        merged = [free[0]]
+        for o, s in free[1:]:
+            lo, ls = merged[-1]
+            if lo + ls == o:
+                merged[-1] = (lo, ls + s)
+            else:
+                merged.append((o, s))
+        self.free = merged
+
+    def drop(self) -> None:
+        """Forget the file (its pages go once the last view of it is gone)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class HostArena:
+    """Host memory shared with the reader processes, handed out as page-aligned blocks that return to the arena
+    when the last tensor viewing them is gone. The reserve (`reserve`) is page-locked once; a block that does not
+    fit in it gets a pageable chunk of its own (its device copy is then a synchronous one, still off the GIL)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[_Chunk] = []
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> int:
+        pin = torch.cuda.is_available()
+        chunk = _Chunk(-(-int(nbytes) // PAGE) * PAGE, pinned=pin, overflow=False)
+        with self._lock:
+            self._chunks.append(chunk)
+        return self.pinned_bytes
+
+    def alloc(self, nbytes: int, page_locked: bool = True) -> Block:
+        n = max(PAGE, -(-int(nbytes) // PAGE) * PAGE)
+        with self._lock:
+            for chunk in self._chunks:
+                if not chunk.overflow and not (chunk.pinned and not page_locked):
+                    off = chunk.take(n)
+                    if off is not None:
+                        return Block(self, chunk, off, nbytes, n)
+        chunk = _Chunk(n, pinned=False, overflow=True)
+        with self._lock:
+            self._chunks.append(chunk)
+            return Block(self, chunk, chunk.take(n), nbytes, n)
+
+    def _release(self, chunk: _Chunk, off: int, n: int) -> None:
+        with self._lock:
+            if chunk.overflow:
+                self._chunks.remove(chunk)
+                chunk.drop()
+            else:
+                chunk.give(off, n)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(c.size for c in self._chunks if c.pinned)
+
+    def stats(self) -> dict[str, int]:
+        """Bytes: page-locked reserve, of which free; pageable (reserve without CUDA, and overflow blocks)."""
+        with self._lock:
+            return {"pinned": self.pinned_bytes,
+                    "pinned_free": sum(s for c in self._chunks if c.pinned for _, s in c.free),
+                    "pageable": sum(c.size for c in self._chunks if not c.pinned),
+                    "overflow_blocks": sum(c.overflow for c in self._chunks)}
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._chunks:
+                c.drop()
+
+
+class Block:
+    """`nbytes` of the arena at `offset` in the file `path`; `tensor` is a uint8 view of it, and the range goes back
+    to the arena once that tensor and every view of it are gone."""
+
+    def __init__(self, arena: HostArena, chunk: _Chunk, offset: int, nbytes: int, span: int) -> None:
+        self.path, self.offset, self.nbytes, self.pinned = chunk.path, offset, nbytes, chunk.pinned
+        view = chunk.view[offset:offset + nbytes]
+        weakref.finalize(view, arena._release, chunk, offset, span)  # (the tensor keeps `view` alive)
+        self.tensor = torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _shared_file(size: int) -> tuple[str, mmap.mmap]:
+    """A new file of `size` bytes, space allocated (a full /dev/shm fails here, not as a SIGBUS on first touch), in
+    /dev/shm where it can be, else the temp dir; mapped shared."""
+    for folder in (d for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d) and os.access(d, os.W_OK)):
+        path = os.path.join(folder, f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+            return path, mmap.mmap(fd, size)
+        except OSError:
+            os.unlink(path)
+            continue
+        finally:
+            os.close(fd)
+    raise FdLoraError(f"no room for {size / 2**20:.0f} MiB of shared memory for fd-lora's reader process in "
+                      f"/dev/shm or {tempfile.gettempdir()}; free some, or set FDLORA_PREFETCH_READER=thread.")
+
+
+def _register(view: memoryview) -> bool:
+    """Page-lock `view` for CUDA copies (cudaHostRegister, portable to every device); False if CUDA refuses."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    ptr = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+    return cudart.cudaHostRegister(ptr, len(view), 1) == cudart.cudaError.success
+
+
+ARENA = HostArena()
+
+
 # --- this side ---------------------------------------------------------------------------------------------------
+@dataclass
+class Packed:
+    """A reader-process result: its tensors in `block` (None without tensors), the rest pickled in `skeleton`.
+    `groups`: (dtype name, byte offset in the block, bytes) of each dtype run of every adapter's tensors, for a
+    check over the block in a few ops; `adapters`: where each LoraAdapter sits in the result (its key path)."""
+
+    block: Block | None
+    skeleton: bytes
+    groups: list[tuple[str, int, int]]
+    adapters: list[tuple]
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return None if self.block is None else self.block.tensor
+
+    def tree(self, finite: bool = False) -> Any:
+        """The result with its objects rebuilt over views of the block (`finite`: mark every module's tensors as
+        checked, after a check over the block passed)."""
+        skeleton, loose = pickle.loads(self.skeleton)
+        return _Unpacker(self.tensor, loose, finite).tree(skeleton)
+
+
 class _Worker:
     """One reader process and the two pipes to it."""
 
@@ -99,10 +273,19 @@ class _Worker:
         with _lock:
             _started.append(self)
 
-    def call(self, request: dict[str, Any]) -> Any:
+    def call(self, request: dict[str, Any], page_locked: bool = True) -> Packed:
+        """Send `request`; answer the reader's request for a block; the Packed result (the skeleton not unpickled)."""
+        block = None
         try:
             self.send.send(request)
-            status, payload = self.recv.recv()  # (waits in the OS, without the GIL)
+            while True:
+                status, payload = self.recv.recv()  # (waits in the OS, without the GIL)
+                if status != "alloc":
+                    break
+                block = ARENA.alloc(payload, page_locked)
+                self.send.send((block.path, block.offset))
+            if status == "ok":
+                return Packed(block, self.recv.recv_bytes(), *payload)
         except (EOFError, OSError) as e:
             try:
                 why = f"exit code {self.proc.wait(timeout=5)}"  # (its pipe closed: it is ending, or has ended)
@@ -111,9 +294,7 @@ class _Worker:
             raise FdLoraError(f"fd-lora's reader process ended while reading ({why}); nothing was loaded. Load again "
                               "(a new reader starts), or set FDLORA_PREFETCH_READER=thread to read in this "
                               "process.") from None
-        if status == "error":
-            raise payload
-        return payload
+        raise payload
 
     def close(self) -> None:
         with _lock:
@@ -146,12 +327,7 @@ def _give_back(worker: _Worker) -> None:
 def _close_all() -> None:
     for w in list(_started):
         w.close()
-
-
-def _blob_dir() -> str:
-    """Where the reader process leaves the packed bytes: RAM-backed /dev/shm where it can, else the temp dir."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    ARENA.close()
 
 
 class _Loose(tuple):
@@ -165,14 +341,12 @@ class _Adapter(tuple):
 
 
 class _Unpacker:
-    """Reads the packed file into one buffer and rebuilds the result over views into it: per dtype group, one split
-    of the buffer into every tensor of the group (a few C++ calls, not a Python slice per tensor); modules without
-    checking them again (their constructor ran in the reader process) and adapters with their span given."""
+    """Rebuilds a result over views into the block: per dtype group, one split of the block into every tensor of
+    the group (a few C++ calls, not a Python slice per tensor); modules without checking them again (their
+    constructor ran in the reader process) and adapters with their span given."""
 
-    def __init__(self, path: str, size: int, page_locked: bool, loose: tuple[list[tuple], list[int]]) -> None:
-        self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=page_locked and torch.cuda.is_available())
-        if read_into(path, self.buf) != size:
-            raise FdLoraError(f"{path}: the reader process's output is shorter than it said; load again.")
+    def __init__(self, buf: torch.Tensor | None, loose: tuple[list[tuple], list[int]], finite: bool) -> None:
+        self.buf, self.finite = buf, finite
         groups, positions = loose
         written = self.tensors(groups)
         self.loose = [written[p] for p in positions]
@@ -198,8 +372,9 @@ class _Unpacker:
 
     def adapter(self, use_rslora, name, provenance, modules, groups, span) -> LoraAdapter:
         tensors = self.tensors(groups)
-        mods = {p: ModuleLora.checked({**fields, **{f: None if i is None else tensors[i]
-                                                    for f, i in zip(TENSOR_FIELDS, refs)}})
+        mark = {"finite": True} if self.finite else {}
+        mods = {p: ModuleLora.checked({**fields, **mark, **{f: None if i is None else tensors[i]
+                                                            for f, i in zip(TENSOR_FIELDS, refs)}})
                 for p, (refs, fields) in modules.items()}
         base = self.buf.data_ptr()
         return known_span(LoraAdapter(mods, use_rslora, name, provenance), (base, base + span[0], base + span[1]))
@@ -207,7 +382,7 @@ class _Unpacker:
 
 # --- the reader process -----------------------------------------------------------------------------------------
 def serve(rfd: int, wfd: int, preload: list[str] = ()) -> None:
-    """The reader process's loop: a request in, (status, payload) out, until the other side closes the pipe.
+    """The reader process's loop: a request in, its answer out, until the other side closes the pipe.
     `preload`: modules the conversions import, imported before the first request (seconds for peft, diffusers)."""
     import importlib
 
@@ -224,69 +399,103 @@ def serve(rfd: int, wfd: int, preload: list[str] = ()) -> None:
         except (EOFError, OSError):
             return
         try:
-            payload = ("ok", _run_packed(**request))
-        except BaseException as e:  # the load's own error, raised on the other side
-            payload = ("error", _sendable(e))
-        try:
-            send.send(payload)
-        except (BrokenPipeError, OSError):
+            _answer(recv, send, **request)
+        except (EOFError, BrokenPipeError):
             return
+        except BaseException as e:  # the load's own error, raised on the other side
+            try:
+                send.send(("error", _sendable(e)))
+            except (BrokenPipeError, OSError):
+                return
 
 
-def _run_packed(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], path: str) -> tuple[Any, tuple, int]:
-    """(the result's skeleton, its loose tensors' (groups, positions), the file's bytes)."""
-    with open(path, "wb") as f:
-        packer = _Packer(f)
-        skeleton = packer.tree(fn(*args, **kwargs))
-        return skeleton, packer.groups(packer.loose), packer.offset
+def _answer(recv: Connection, send: Connection, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+    """Run the request, ask for a block of the result's size, write the tensors there, send the header and the
+    skeleton."""
+    packer = _Packer()
+    skeleton = packer.tree(fn(*args, **kwargs))
+    loose = packer.groups(packer.loose)
+    if packer.offset:
+        send.send(("alloc", packer.offset))
+        path, offset = recv.recv()
+        packer.write(path, offset)
+    send.send(("ok", (packer.screen, packer.where)))
+    send.send_bytes(pickle.dumps((skeleton, loose), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class _Packer:
-    """Writes the tensors of a result to a file: each LoraAdapter's in one span (per dtype, back to back, each
-    group ALIGN-ed), the loose ones last, grouped the same way; `tree` returns the result with placeholders."""
+    """Lays out the tensors of a result in one block: each LoraAdapter's in one span (per dtype, back to back, each
+    group ALIGN-ed), the loose ones last, grouped the same way; `tree` returns the result with placeholders,
+    `write` copies the tensors into the block once the other side gave one."""
 
-    def __init__(self, f) -> None:
-        self.f, self.offset = f, 0
+    def __init__(self) -> None:
+        self.offset = 0
         self.loose: list[torch.Tensor] = []
+        self.placed: list[tuple[int, torch.Tensor]] = []
+        self.screen: list[tuple[str, int, int]] = []  # (dtype, offset, bytes) of the adapters' float groups
+        self.where: list[tuple] = []  # key path of each adapter in the result
+        self._path: tuple = ()
 
-    def write(self, data) -> None:
-        view = memoryview(data)
-        self.f.write(view)
-        self.offset += view.nbytes
-
-    def groups(self, tensors: list[torch.Tensor]) -> tuple[list[tuple], list[int]]:
-        """Write `tensors` grouped by dtype (first seen first, each group in the given order); ((dtype, offset,
-        numels, shapes) per group, each tensor's position in the written order)."""
+    def groups(self, tensors: list[torch.Tensor], screen: bool = False) -> tuple[list[tuple], list[int]]:
+        """Place `tensors` grouped by dtype (first seen first, each group in the given order); ((dtype, offset,
+        numels, shapes) per group, each tensor's position in the placed order)."""
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
         out, positions, n = [], [0] * len(tensors), 0
         for dtype, items in by_dtype.items():
-            self.write(bytes(-self.offset % ALIGN))
-            out.append((str(dtype).removeprefix("torch."), self.offset, [tensors[i].numel() for i in items],
+            self.offset += -self.offset % ALIGN
+            start = self.offset
+            out.append((str(dtype).removeprefix("torch."), start, [tensors[i].numel() for i in items],
                         [tuple(tensors[i].shape) for i in items]))
             for i in items:
-                self.write(tensors[i].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                self.placed.append((self.offset, tensors[i]))
+                self.offset += tensors[i].nbytes
                 positions[i], n = n, n + 1
+            if screen and dtype.is_floating_point:
+                self.screen.append((out[-1][0], start, self.offset - start))
         return out, positions
+
+    def write(self, path: str, offset: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, self.offset, offset=offset)
+        finally:
+            os.close(fd)
+        try:
+            dst = torch.frombuffer(mm, dtype=torch.uint8)
+            for at, t in self.placed:
+                dst[at:at + t.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            del dst
+        finally:
+            mm.close()
 
     def tree(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             self.loose.append(obj)
             return _Loose((len(self.loose) - 1,))
         if isinstance(obj, LoraAdapter):
+            self.where.append(self._path)
             return self.adapter(obj)
         if type(obj) is dict:
-            return {k: self.tree(v) for k, v in obj.items()}
+            return {k: self._at(k, v) for k, v in obj.items()}
         if type(obj) in (list, tuple):
-            return type(obj)(self.tree(v) for v in obj)
+            return type(obj)(self._at(i, v) for i, v in enumerate(obj))
         return obj
+
+    def _at(self, key: Any, obj: Any) -> Any:
+        outer, self._path = self._path, (*self._path, key)
+        try:
+            return self.tree(obj)
+        finally:
+            self._path = outer
 
     def adapter(self, a: LoraAdapter) -> _Adapter:
         where = [(p, i, getattr(m, f)) for p, m in a.modules.items() for i, f in enumerate(TENSOR_FIELDS)
                  if getattr(m, f) is not None]
+        self.offset += -self.offset % ALIGN
         start = self.offset
-        groups, positions = self.groups([t for *_, t in where])
+        groups, positions = self.groups([t for *_, t in where], screen=True)
         refs = {(p, i): n for (p, i, _), n in zip(where, positions)}
         modules = {p: (tuple(refs.get((p, i)) for i in range(len(TENSOR_FIELDS))),
                        {k: v for k, v in vars(m).items() if k not in TENSOR_FIELDS})
@@ -301,3 +510,4 @@ def _sendable(e: BaseException) -> BaseException:
         return e
     except Exception:
         return FdLoraError(f"{type(e).__name__}: {e}")
+

@@ -6,7 +6,8 @@ fdlora.hub.worker), then its publish step under the target's lock (fdlora.pipeli
 was cancelled by then. Pending jobs are registered per pipeline or model, so that calls naming an adapter still
 being prefetched say so (`unknown_error`) and deletes cancel it (`cancel_pending`). `pipeline_job` is the
 pipeline's job: load_fd_lora's read step plus a side-stream device copy, then its attach step without
-activation. Imports nothing of diffusers (the pipeline mixin imports this module).
+activation; everything per tensor or per module it does in this process happens in the publish step, while no
+step runs (`_pipeline_steps`). Imports nothing of diffusers (the pipeline mixin imports this module).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from .. import env
 from ..errors import DuplicateAdapterError, FdLoraError, UnknownAdapterError
+from ..hub.load import PendingLoad, materialize
 from ..hub.worker import MAX_WORKERS
 from .scope import lock_of
 
@@ -175,22 +177,31 @@ def check_kwargs(kwargs: dict[str, Any]) -> None:
 
 def _pipeline_steps(pipe: Any, source: Any, kwargs: dict[str, Any]):
     """(read, publish) for a pipeline (or a one-model holder): load_fd_lora's read step, a side-stream copy,
-    then its attach step without activation."""
+    then its attach step without activation.
+
+    With the reader process, the read step returns before any per-tensor work in this process (fdlora.hub.load
+    `deferred`): the tensors arrive in one host block, go to each CUDA device in one copy and are checked for
+    NaN/Inf in one pass over it; the adapter objects are built at publication, between two steps."""
     attach_kw = {k: kwargs.pop(k) for k in ("max_slots", "max_rank", "validate", "targets", "load_into_transformer_2")
                  if k in kwargs}
     strict = kwargs.pop("strict", False)
     t2 = attach_kw.get("load_into_transformer_2", False)
+    validate = attach_kw.get("validate", True)
 
     def read(name):
-        adapters, report = pipe._fd_read(source, strict=strict, in_process=env.prefetch_reader() == "thread",
-                                         **kwargs)
+        here = env.prefetch_reader() == "thread"
+        adapters, report = pipe._fd_read(source, strict=strict, in_process=here, deferred=not here, **kwargs)
         modules = pipe._fd_modules()
         devices = {c: _device_of(modules.get("transformer_2" if t2 and c == "transformer" else c)) for c in adapters}
-        adapters, staged = _stage(adapters, devices, attach_kw.get("validate", True))
-        return (adapters, report), staged
+        if isinstance(report, PendingLoad):
+            staged, finite = _stage_block(report.packed, devices, validate)
+            return (adapters, report, finite), staged
+        adapters, staged = _stage(adapters, devices, validate)
+        return (adapters, report, False), staged
 
     def publish(payload, staged, name):
-        adapters, report = payload
+        adapters, report, finite = payload
+        adapters, report = materialize(adapters, report, finite=finite)
         if t2:
             staged = {("transformer_2" if c == "transformer" else c): s for c, s in staged.items()}
         return pipe._fd_attach(adapters, report, name, strict=strict, activate=False, staged=staged, **attach_kw)
@@ -209,12 +220,17 @@ def start(key: Any, target: Any, name: str | None, source: Any, read, publish) -
                                                     "for that prefetch's .result() or cancel() it first."))
             return job
         jobs[name] = job
-    threading.Thread(target=_run, args=(job, key, lock_of(target), read, publish), daemon=True,
-                     name=f"fdlora-prefetch-{name}").start()
+    threading.Thread(target=_run, args=(job, key, lock_of(target), read, publish, torch.is_inference_mode_enabled()),
+                     daemon=True, name=f"fdlora-prefetch-{name}").start()
     return job
 
 
-def _run(job: Prefetch, key: Any, lock, read, publish) -> None:
+def _run(job: Prefetch, key: Any, lock, read, publish, inference: bool) -> None:
+    with torch.inference_mode(inference):  # the caller's mode: tensors made here are as its own would be, and those
+        _job(job, key, lock, read, publish)  # made under inference_mode (a scale table) can be written
+
+
+def _job(job: Prefetch, key: Any, lock, read, publish) -> None:
     staged: Mapping[str, Any] = {}
     try:
         with _readers:
@@ -243,10 +259,49 @@ def _run(job: Prefetch, key: Any, lock, read, publish) -> None:
 
 
 # --- the side-stream copy -------------------------------------------------------------------------------------
+def _stage_block(packed: Any, devices: Mapping[str, torch.device | None],
+                 check_finite: bool) -> tuple[dict[str, Any], bool]:
+    """({component: its device copy}, whether every adapter tensor is finite) for a reader-process result: per CUDA
+    device one copy of the whole block on a side stream, and with `check_finite` one fp32 sum per dtype run of
+    the adapters' tensors on the first device copy (a NaN or Inf anywhere makes it non-finite;
+    fdlora.hub.adapter._finite says why finite half-precision values cannot). A few ops in all, waited for on
+    this thread only. False also means "not settled here" (a hit, maybe the sum of large finite bf16 / fp32 values
+    overflowing; no CUDA component): publication then checks every tensor, as load_fd_lora does."""
+    from ..hub.cache import Staged
+
+    host = packed.tensor
+    cuda = sorted({d for d in devices.values() if d is not None and d.type == "cuda"}, key=str)
+    flats, waits, ok, finite = {}, [], None, False
+    try:
+        for d in cuda:
+            side = _side_stream(d)
+            with torch.cuda.stream(side):
+                flats[d] = host.to(d, non_blocking=packed.block.pinned)
+                if check_finite and ok is None:
+                    ok = (_all_finite(flats[d], packed.groups), side)
+                ev = torch.cuda.Event(blocking=True)  # (its waiter sleeps instead of spinning a core)
+                ev.record(side)
+                waits.append(ev)
+    finally:
+        for ev in waits:
+            ev.synchronize()  # (releases the GIL; the serving thread's stream never waits on this)
+    if ok is not None:
+        with torch.cuda.stream(ok[1]):  # (read back on the side stream: the default one may be busy with steps)
+            finite = bool(ok[0])
+    start = host.data_ptr()
+    return {c: Staged(flats[d], start) for c, d in devices.items() if d in flats}, finite
+
+
+def _all_finite(flat: torch.Tensor, groups: list[tuple[str, int, int]]) -> torch.Tensor:
+    sums = [flat[o:o + n].view(getattr(torch, dtype)).sum(dtype=torch.float32) for dtype, o, n in groups]
+    return torch.stack(sums).isfinite().all() if sums else torch.ones((), dtype=torch.bool)
+
+
 def _stage(adapters: dict[str, Any], devices: Mapping[str, torch.device | None],
            check_finite: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(adapters packed in page-locked memory, their device copies) for components on CUDA: one H2D transfer
-    each on a side stream (NaN-checked on the device with `check_finite`), waited for on this thread only."""
+    """(adapters packed in page-locked memory, their device copies) for components on CUDA, for adapters built in
+    this process (a RAM-cache hit, an in-memory source, FDLORA_PREFETCH_READER=thread): one H2D transfer each on
+    a side stream (NaN-checked on the device with `check_finite`), waited for on this thread only."""
     from ..hub.adapter import LoraAdapter
     from ..hub.cache import pack_adapters, packed_pinned, stage
 
@@ -262,13 +317,13 @@ def _stage(adapters: dict[str, Any], devices: Mapping[str, torch.device | None],
         side = _side_stream(devices[c])
         with torch.cuda.stream(side):
             s = stage(adapters[c], devices[c], check_finite=check_finite)
-            ev = torch.cuda.Event(blocking=True)  # (its waiter sleeps instead of spinning a core)
+            ev = torch.cuda.Event(blocking=True)
             ev.record(side)
         if s is not None:
             staged[c] = s
             events.append(ev)
     for ev in events:
-        ev.synchronize()  # (releases the GIL; the serving thread's stream never waits on this)
+        ev.synchronize()
     return adapters, staged
 
 

@@ -5,17 +5,20 @@
     job.result()                                       # the load report; raises the load's error
     pipe.set_adapters(["pixel"])                       # or pipe(..., fd_lora_adapters=["pixel"])
 
-How it overlaps. A background thread does everything that does not touch the model: resolve, then read,
-convert and check the format of a file or Hub source in fd-lora's reader process (fdlora.hub.worker: that
-Python work would otherwise take the GIL from the thread serving steps, which releases it at every torch op;
-FDLORA_PREFETCH_READER=thread keeps it here), the result landing in one page-locked buffer on CUDA; on CUDA it
-then copies the packed adapter to the device on a side stream into one staging buffer (NaN-checked there,
-fdlora.hub.cache.stage) and waits for that copy's event. Only then does it take the lock a generation holds
-from start to end (fdlora.pipelines.scope.lock_of) and run the attach step of `load_fd_lora`: shapes checked against the
-model, room made, the banks written from the staged copy in one device-to-device launch (fdlora.layers.bulk),
-the name registered. So a generation in flight never sees a half-written slot and never waits on the file or
-the PCIe transfer; what runs on the serving stream is that one device-to-device write (~0.1 ms for 225 MB on
-an H100). The adapter is usable from the first call that starts after publication.
+How it overlaps. A host-bound eager step needs the GIL nearly all the time (it releases it at every torch op and
+wants it back at once): on an H100 host a busy Python thread made SDXL steps 300x slower, so the rule is that a
+prefetch runs O(1) Python in this process while steps may run, and everything per tensor or per module between
+two steps. A background thread resolves the source; the reader process (fdlora.hub.worker) reads, converts and
+checks the format, and writes every tensor into one block of a host arena shared with it (page-locked once, by
+fdlora.pipelines.warmup, never while steps run); on CUDA the thread copies that block to the device in one
+transfer on a side stream and checks it for NaN/Inf in one pass (a sum per dtype run), then waits for that copy's
+event. FDLORA_PREFETCH_READER=thread keeps the read in this process (and its per-tensor Python on the thread).
+Only then does it take the lock a generation holds from start to end (fdlora.pipelines.scope.lock_of) and
+publish: the adapter objects are built over views of the block, and the attach step of `load_fd_lora` runs:
+shapes checked against the model, room made, the banks written from the device copy in one launch of the bulk
+writer (fdlora.layers.bulk; torch copies until fdlora.pipelines.warmup built it), the name registered. So a
+generation in flight never sees a half-written slot and never waits on the file or the PCIe transfer; the next
+one starts once the publication is done. The adapter is usable from the first call that starts after it.
 
 Why a staging buffer and not the bank rows themselves on the side stream: writing bank rows before
 publication means holding a free slot meanwhile, and taking a slot (evicting, if the pool is full) needs the
@@ -34,6 +37,7 @@ Semantics (what differs from `load_fd_lora`):
   prefetch. `job.cancel()` is True while the adapter is not published yet; it is then never published.
 - `.result()` raises exactly the error `load_fd_lora` would have raised, and the model is unchanged (the attach
   step is load_fd_lora's own, all or nothing).
+- The background thread runs in its caller's `torch.inference_mode` state, as a load there would.
 """
 
 from __future__ import annotations

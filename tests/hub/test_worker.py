@@ -2,14 +2,19 @@
 
 Oracle: `load_adapters(..., in_process=True)` on the same file: every module's tensors (bit for bit, dtype and
 shape), every other module field, and the report. Failures: the load's own error comes back as itself; a reader
-that dies mid-read is a clear FdLoraError and the next load starts a new one; nothing is left in the blob dir.
+that dies mid-read is a clear FdLoraError and the next load starts a new one; no shared file outlives its block.
+The host arena: blocks come back when their last view goes, freed ranges merge, an oversized block gets a file of
+its own. A deferred read does the same Python work here whatever the adapter's size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import glob
 import os
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -19,6 +24,13 @@ from support.loras import diffusers_files, make_lora, peft_files
 from fdlora import errors
 from fdlora.hub import load_adapters, worker
 from fdlora.hub.cache import span_of
+from fdlora.hub.load import PendingLoad, PendingPart, materialize
+
+
+def arena_files() -> list[str]:
+    """This process's shared files that hold blocks outside the reserve (the tests reserve nothing)."""
+    return [f for d in ("/dev/shm", tempfile.gettempdir())
+            for f in glob.glob(os.path.join(d, f"{worker.FILE_PREFIX}{os.getpid()}-*"))]
 
 
 def bf16(g, *shape):
@@ -83,7 +95,10 @@ def test_reader_process_equals_in_process(files, which):
         assert start == tensors[0].untyped_storage().data_ptr()
         assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for m in a.modules.values()
                    for t in (getattr(m, f) for f in worker.TENSOR_FIELDS) if t is not None)
-    assert not glob.glob(os.path.join(worker._blob_dir(), f"fdlora-read-{os.getpid()}-*"))
+    assert arena_files()  # the block lives as long as a tensor views it
+    del there, rep_there, tensors, a, b, m, n, x, y  # (the report keeps the modules too)
+    gc.collect()
+    assert not arena_files()
 
 
 def test_any_result_comes_back_with_its_loose_tensors(files):
@@ -107,7 +122,8 @@ def test_the_loads_own_error_comes_back_as_itself(files, tmp_path):
     with pytest.raises(errors.UnsafeFileError) as there:
         load_adapters(str(cut), cache=None, in_process=False)
     assert str(there.value) == str(here.value)
-    assert not glob.glob(os.path.join(worker._blob_dir(), f"fdlora-read-{os.getpid()}-*"))
+    gc.collect()
+    assert not arena_files()
 
 
 class _Exit:
@@ -131,3 +147,78 @@ def test_a_reader_that_dies_is_an_error_and_the_next_load_starts_another(files):
     adapters, _ = load_adapters(files["diffusers"], cache=None, in_process=False)
     assert set(adapters) == {"unet", "text_encoder"}
     assert all(w.proc.poll() is None for w in worker._idle)
+
+
+def test_arena_blocks_come_back_merge_and_overflow():
+    arena, P = worker.HostArena(), worker.PAGE
+    try:
+        arena.reserve(8 * P)  # (not page-locked without CUDA: the same carving)
+        a, b, c = (arena.alloc(2 * P - 7) for _ in range(3))  # (rounded up to pages)
+        assert [x.offset for x in (a, b, c)] == [0, 2 * P, 4 * P]
+        assert a.path == b.path == c.path and a.tensor.numel() == 2 * P - 7
+        view = b.tensor[5:9]  # a view keeps the block
+        b.tensor.fill_(3)
+        del b
+        gc.collect()
+        d = arena.alloc(P)
+        assert d.offset == 6 * P and view.tolist() == [3] * 4
+        del view
+        gc.collect()
+        e = arena.alloc(2 * P)
+        assert e.offset == 2 * P  # b's range, reused
+        big = arena.alloc(3 * P)  # one page free: a file of its own
+        assert big.path != c.path and big.offset == 0 and arena.stats()["overflow_blocks"] == 1
+        path = big.path
+        del big
+        gc.collect()
+        assert not os.path.exists(path) and arena.stats()["overflow_blocks"] == 0
+        del a, e
+        gc.collect()  # a's and e's ranges merge: room for 4 pages at the front
+        assert arena.alloc(4 * P).offset == 0 and d.offset == 6 * P and c.offset == 4 * P
+    finally:
+        arena.close()
+
+
+def python_calls(fn) -> int:
+    """Python and C calls made on this thread while `fn()` runs (what would hold the GIL in a serving process)."""
+    count = [0]
+
+    def prof(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def test_a_deferred_read_costs_the_same_here_whatever_the_size(tmp_path):
+    """load_adapters(..., deferred=True) with the reader process: the same number of calls in this process for
+    16 and 256 modules (what a prefetch's reading thread does); `materialize` gives what an in-process load does."""
+    files = {}
+    for n in (16, 256):
+        lora = make_lora({f"blocks.{i}.to_q": (32, 24) for i in range(n)}, rank=4, seed=n, dtype=torch.float16)
+        for name, data in diffusers_files({"unet": lora}).items():
+            (tmp_path / f"{n}").mkdir()
+            (tmp_path / f"{n}" / name).write_bytes(data)
+        files[n] = str(tmp_path / f"{n}")
+    load_adapters(files[16], cache=None, in_process=False, deferred=True)  # a reader is running, imports done
+    got, calls = {}, {}
+    for n, path in files.items():
+        calls[n] = python_calls(lambda n=n, path=path: got.__setitem__(
+            n, load_adapters(path, cache=None, name="x", in_process=False, deferred=True)))
+    assert abs(calls[256] - calls[16]) <= 0.05 * calls[16], calls
+    parts, pending = got[256]
+    assert isinstance(pending, PendingLoad) and list(parts) == ["unet"] and isinstance(parts["unet"], PendingPart)
+    assert pending.packed.groups == [("float16", 0, 256 * 4 * (32 + 24) * 2)]
+    adapters, report = materialize({"den": parts["unet"]}, pending)  # (renamed as _fd_read may)
+    here, rep_here = load_adapters(files[256], cache=None, name="x")
+    assert without_seconds(report) == without_seconds(rep_here) and adapters["den"].name == "x"
+    for path, m in here["unet"].modules.items():
+        assert torch.equal(m.A, adapters["den"].modules[path].A) and torch.equal(m.B, adapters["den"].modules[path].B)
+    assert not any(m.finite for m in adapters["den"].modules.values())
+    again, _ = pending.result(finite=True)  # built once
+    assert again["unet"] is adapters["den"]

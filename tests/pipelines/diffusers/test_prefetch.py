@@ -7,6 +7,7 @@ before the prefetch (banks, names, active set, outputs bit-identical after a fai
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -17,12 +18,13 @@ import torch
 import fdlora
 from fdlora import errors
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
+from fdlora.layers import match_targets
 from fdlora.pipelines import background
 from fdlora.pipelines import prefetch as prefetching
 from fdlora.pipelines.scope import lock_of
 from fdlora.pipelines.transformers import adapter_from_peft
 
-from .conftest import Pair
+from .conftest import ATTN, Pair
 
 WAIT = 60  # seconds: generous bounds for a busy 2-core CI box; nothing here sleeps that long when it works
 
@@ -95,6 +97,60 @@ def test_prefetch_then_use_equals_load_then_use(sd15):
     per_prompt = dict(prompt=["a cat", "a dog"], fd_lora_adapters=["locon_b", "style_a"])
     assert torch.equal(gen(sd15, fetched, **per_prompt), gen(sd15, loaded, **per_prompt))
     assert fetched.get_list_adapters() == loaded.get_list_adapters()
+
+
+def test_the_read_step_runs_the_same_python_whatever_the_adapter_size(sd15, tmp_path, monkeypatch):
+    """With the reader process, a prefetch's thread makes the same number of Python and C calls before publication
+    (resolve, the reader's answer, the copy and the finite check over one block) for 4 modules as for every
+    attention projection of the UNet: everything per tensor or per module waits for publication, when no step
+    runs. (A busy Python thread made an H100 host's steps 300x slower.)"""
+    from support.loras import diffusers_files, make_lora
+
+    unet = sd15.base.unet
+    paths = match_targets(unet, ATTN)
+    dirs = {}
+    for n, chosen in (("small", paths[:4]), ("big", paths)):
+        shapes = {p: (unet.get_submodule(p).in_features, unet.get_submodule(p).out_features) for p in chosen}
+        (tmp_path / n).mkdir()
+        for name, data in diffusers_files({"unet": make_lora(shapes, rank=4, seed=len(chosen))}).items():
+            (tmp_path / n / name).write_bytes(data)
+        dirs[n] = str(tmp_path / n)
+    calls: dict[str, list[int]] = {}
+    step = background.Prefetch._step
+
+    def counting(job, stage):  # count on the job's thread from "reading" until its next stage
+        sys.setprofile(None)
+        step(job, stage)
+        if stage == "reading":
+            count = calls.setdefault(job.name, [0])
+
+            def prof(frame, event, arg):
+                if event in ("call", "c_call"):
+                    count[0] += 1
+
+            sys.setprofile(prof)
+
+    monkeypatch.setattr(background.Prefetch, "_step", counting)
+    pipe = copy.deepcopy(sd15.fd)
+    pipe.prefetch_fd_lora(dirs["small"], "warm", cache=None).result(WAIT)  # (a reader process runs from here on)
+    for n in ("small", "big"):
+        pipe.prefetch_fd_lora(dirs[n], n, cache=None).result(WAIT)
+    assert len(paths) >= 40 and abs(calls["big"][0] - calls["small"][0]) <= 0.05 * calls["small"][0], calls
+    ref = copy.deepcopy(sd15.fd)
+    ref.load_fd_lora(dirs["big"], "big")
+    for p in (pipe, ref):
+        p.set_adapters(["style_a", "big"], [0.5, 0.8])
+    assert torch.equal(gen(sd15, pipe), gen(sd15, ref))
+
+
+def test_a_prefetch_runs_in_its_callers_inference_mode(sd15):
+    """A pipe first loaded under torch.inference_mode holds inference tensors (its scale tables), which only code
+    under inference_mode may write: a prefetch started there publishes on its own thread in the same mode."""
+    pipe = copy.deepcopy(sd15.base)
+    with torch.inference_mode():
+        pipe.load_fd_lora(sd15.dirs["style_a"], "style_a")
+        pipe.prefetch_fd_lora(sd15.dirs["locon_b"], "locon_b").result(WAIT)
+    assert sorted(pipe.get_list_adapters()["unet"]) == ["locon_b", "style_a"]
 
 
 def test_read_runs_off_the_lock_and_publication_waits_for_calls(sd15):
