@@ -12,6 +12,12 @@ model and the pool unchanged (`check` validates; `make_room` evicts; `commit` wr
 `add_to_pools` loads the per-component adapters of one source into a pipeline's pools: it checks
 every component before evicting or committing anything, so a bad text-encoder part leaves the UNet
 untouched too.
+
+On CUDA a load goes to the device in one transfer and reaches the banks in one launch of the bulk
+writer (fdlora.layers.bulk) once that kernel is built for the device and dtype (`mark_bulk_ready`:
+fdlora.pipelines.warmup builds it); before that, through torch copies from views of the device copy
+(~1,400 small copies for an SDXL LoRA, a few ms), so no load ever waits for a kernel build: on an H100
+host that build was ~0.6 s of a cold process's first load.
 """
 
 from __future__ import annotations
@@ -27,10 +33,16 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
-from .adapter import LoraAdapter
-from .cache import Staged, keep_span, pack_adapters, packed_pinned, stage
+from .adapter import LoraAdapter, ModuleLora
+from .cache import Staged, keep_span, pack_adapters, span_of, stage
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_bulk_ready: set[tuple[torch.device, torch.dtype]] = set()  # (device, adapter dtype) the bulk writer is built for
+
+
+def mark_bulk_ready(device: torch.device | str, dtype: torch.dtype) -> None:
+    """Loads of `dtype` adapters onto `device` may use the bulk bank writer from now on (its kernel is built)."""
+    _bulk_ready.add((torch.device(device), dtype))
 
 
 class AdapterPool:
@@ -93,7 +105,7 @@ class AdapterPool:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
                                             "pick another adapter_name.")
             host = self.align(adapter)
-            if self.pin and not packed_pinned(host):  # stage() needs one pinned buffer
+            if self.pin and span_of(host) is None:  # stage() needs one buffer (page-locked: faster, not required)
                 host = pack_adapters({"": host})[""]
             return self._plan(name, host, validate, staged), host
 
@@ -207,13 +219,22 @@ class AdapterPool:
             staged = None  # (another device, tensors made since: fused qkv; or staged without the finite check)
         if staged is None and self.device.type == "cuda":
             staged = stage(host, self.device, check_finite=check_finite)
-        plan = self.handle.plan(host, name, validate=check_finite and staged is None, slot=False)
-        return dataclasses.replace(plan, staged=staged)
+        if staged is None:
+            return self.handle.plan(host, name, validate=check_finite, slot=False)
+        if check_finite:
+            host.check_finite(name)  # the tensors passed on the device: this checks the scales (alpha / r)
+        if (staged.flat.device, next(iter(host.modules.values())).A.dtype) not in _bulk_ready:
+            return self.handle.plan(_views(host, staged), name, validate=False, slot=False)  # torch copies
+        return dataclasses.replace(self.handle.plan(host, name, validate=False, slot=False), staged=staged)
 
     def align(self, adapter: LoraAdapter) -> LoraAdapter:
-        """`adapter` with module paths fitted to this model (see `align_paths`)."""
+        """`adapter` with module paths fitted to this model (see `align_paths`). Only CLIP text encoders need it:
+        elsewhere the model's module names are never listed (a walk of ~10k modules on an SDXL UNet)."""
+        model = self.handle.model
+        if "text_model" not in model._modules and not any(p.startswith("text_model.") for p in adapter.modules):
+            return adapter
         if self._names is None or any(p not in self._names for p in adapter.modules):
-            self._names = frozenset(n for n, _ in self.handle.model.named_modules())
+            self._names = frozenset(n for n, _ in model.named_modules())
         return align_paths(adapter, self._names)
 
     def __repr__(self) -> str:
@@ -238,6 +259,14 @@ def align_paths(adapter: LoraAdapter, names: frozenset[str] | set[str]) -> LoraA
     if len(mods) != len(adapter.modules):
         raise TargetError("two module paths of the adapter map to the same module once text_model. is fitted.")
     return keep_span(adapter, LoraAdapter(mods, adapter.use_rslora, adapter.name, adapter.provenance))
+
+
+def _views(host: LoraAdapter, staged: Staged) -> LoraAdapter:
+    """`host` over its device copy: each module's tensors as views of `staged` (a DoRA magnitude stays on the host:
+    it is not packed)."""
+    return LoraAdapter({p: ModuleLora.checked({**vars(m), "A": staged.view(m.A), "B": staged.view(m.B),
+                                               "bias": staged.view(m.bias)})  # (same shapes: no checks again)
+                        for p, m in host.modules.items()}, host.use_rslora, host.name, host.provenance)
 
 
 def add_to_pools(pools: Mapping[str, AdapterPool], adapters: Mapping[str, LoraAdapter], name: str, *,

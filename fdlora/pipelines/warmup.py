@@ -7,8 +7,13 @@ extension's build or load. `warmup` pays them up front: the bulk bank writer of 
 count in `tokens`, in blend and per-sample modes, with an adapter already loaded. The model's adapters, active
 set and weights are as before afterwards (merged-weight caches may hold entries, as after a first request).
 
+The bulk bank writer is what loads on CUDA use once it is built (fdlora.hub.pool.mark_bulk_ready): until then they
+write through torch copies, so a cold process's first load never waits for a kernel build.
+
 It also starts the reader process of background loads (fdlora.hub.worker; its imports take a few seconds), so the
-first `prefetch_fd_lora` does not wait for them, and runs Python's full garbage collection: a fresh process that
+first `prefetch_fd_lora` does not wait for them, page-locks `pinned_bytes` of the host arena those loads arrive
+in (fdlora.hub.worker.reserve: page-locking while steps run stalled an H100 host's steps for seconds; a load that
+finds no room there arrives in pageable memory instead), and runs Python's full garbage collection: a fresh process that
 imported diffusers and built a model owes one (over ~640k objects: 0.3-0.4 s on our CPU box), and the first load,
 which allocates thousands of objects, would otherwise trigger it and pay it. On CPU nothing is compiled (the
 torch backend), and the report says so.
@@ -39,6 +44,7 @@ from .scope import lock_of
 
 logger = logging.getLogger("fdlora")
 TOKENS = (1, 77, 1024, 4096)  # decode, text, and the image token counts of SD-size latents
+PINNED_BYTES = 1 << 30  # room for a few full-size SDXL adapters (170-225 MB at rank 32) arriving or kept at once
 
 
 @dataclass
@@ -55,10 +61,12 @@ class WarmupReport:
                 f"calls, {self.seconds:.2f} s" + "".join(f"; {n}" for n in self.notes))
 
 
-def warmup(obj: Any, *, tokens: Sequence[int] = TOKENS, batch: int = 2) -> WarmupReport:
+def warmup(obj: Any, *, tokens: Sequence[int] = TOKENS, batch: int = 2,
+           pinned_bytes: int = PINNED_BYTES) -> WarmupReport:
     """Build the kernels `obj` (a pipeline or a model with fd-lora layers) will launch; see the module docstring.
-    `tokens`: the token counts per sample its layers see (the M of each linear is batch x tokens)."""
-    _start_reader()
+    `tokens`: the token counts per sample its layers see (the M of each linear is batch x tokens); `pinned_bytes`:
+    the page-locked host memory background loads may arrive in (with CUDA; kept for the process's life)."""
+    _start_reader(pinned_bytes)
     gc.collect()
     handles = _handles(obj)
     layers = [layer for h in handles for layer in h.layers.values()]
@@ -107,12 +115,14 @@ def _before_first_load(obj: Any) -> WarmupReport:
     return report
 
 
-def _start_reader() -> None:
+def _start_reader(pinned_bytes: int) -> None:
     from .. import env
     from ..hub import worker
 
     if env.prefetch_reader() == "process":
         worker.start()
+        if torch.cuda.is_available() and worker.ARENA.pinned_bytes < pinned_bytes:
+            worker.reserve(pinned_bytes - worker.ARENA.pinned_bytes)
 
 
 def _handles(obj: Any) -> list:
@@ -125,6 +135,7 @@ def _handles(obj: Any) -> list:
 def _warm_scatter(device: torch.device, dtype: torch.dtype) -> None:
     """One load's bank writes on a scratch bank: compiles the bulk writer for `dtype` (fdlora.layers.bulk)."""
     from ..hub.cache import pack_adapters, stage
+    from ..hub.pool import mark_bulk_ready
     from ..layers.bank import AdapterBank
     from ..layers.bulk import write_staged
 
@@ -132,6 +143,7 @@ def _warm_scatter(device: torch.device, dtype: torch.dtype) -> None:
     m = ModuleLora(torch.zeros(16, 32, dtype=dtype), torch.zeros(32, 16, dtype=dtype))
     host = pack_adapters({"": LoraAdapter({"w": m})}, pin=True)[""]
     write_staged([(bank, 0, host.modules["w"])], stage(host, device))
+    mark_bulk_ready(device, dtype)
 
 
 def _warm_layers(h, tokens: Sequence[int], batch: int, report: WarmupReport) -> None:
