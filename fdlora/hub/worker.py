@@ -221,12 +221,19 @@ def _shared_file(size: int) -> tuple[str, mmap.mmap]:
 
 
 def _register(view: memoryview) -> bool:
-    """Page-lock `view` for CUDA copies (cudaHostRegister, portable to every device); False if CUDA refuses."""
+    """Page-lock `view` for CUDA copies (cudaHostRegister, portable to every device); False if CUDA refuses. Called
+    on a thread of its own: a refusal leaves the CUDA runtime's last error set on the calling thread, which torch's
+    next kernel-launch check there would report as that kernel's failure."""
     if not torch.cuda.is_available():
         return False
     cudart = torch.cuda.cudart()
     ptr = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
-    return cudart.cudaHostRegister(ptr, len(view), 1) == cudart.cudaError.success
+    done: list[bool] = []
+    t = threading.Thread(target=lambda: done.append(cudart.cudaHostRegister(ptr, len(view), 1)
+                                                    == cudart.cudaError.success), name="fdlora-register")
+    t.start()
+    t.join()
+    return bool(done and done[0])
 
 
 ARENA = HostArena()

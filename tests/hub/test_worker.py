@@ -15,6 +15,7 @@ import glob
 import os
 import sys
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -222,3 +223,41 @@ def test_a_deferred_read_costs_the_same_here_whatever_the_size(tmp_path):
     assert not any(m.finite for m in adapters["den"].modules.values())
     again, _ = pending.result(finite=True)  # built once
     assert again["unet"] is adapters["den"]
+
+
+def test_the_reserve_is_page_locked_once_and_only_page_locked_reads_use_it(monkeypatch):
+    """cudaHostRegister (faked here) runs once per reserve, on a thread of its own; blocks that ask for page-locked
+    memory come from there, others get pageable files of their own."""
+    import types
+
+    calls = []
+    def register(ptr, n, flags):
+        calls.append((n, flags, threading.current_thread().name))
+        return 0
+
+    fake = types.SimpleNamespace(cudaError=types.SimpleNamespace(success=0), cudaHostRegister=register)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    arena = worker.HostArena()
+    try:
+        assert arena.reserve(3 * worker.PAGE + 1) == 4 * worker.PAGE
+        assert calls == [(4 * worker.PAGE, 1, "fdlora-register")]  # portable, off this thread
+        locked, loose = arena.alloc(worker.PAGE, page_locked=True), arena.alloc(worker.PAGE, page_locked=False)
+        assert locked.pinned and not loose.pinned and locked.path != loose.path
+        assert arena.stats() == {"pinned": 4 * worker.PAGE, "pinned_free": 3 * worker.PAGE, "pageable": worker.PAGE,
+                                 "overflow_blocks": 1}
+        assert len(calls) == 1
+    finally:
+        arena.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_read_lands_in_page_locked_memory_after_a_reserve(files):
+    worker.reserve(64 << 20)
+    _, pending = load_adapters(files["diffusers"], cache=None, in_process=False, deferred=True)
+    packed = pending.packed
+    assert packed.block.pinned and packed.tensor.is_pinned()
+    dev = packed.tensor.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), packed.tensor)

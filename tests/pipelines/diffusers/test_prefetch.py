@@ -14,6 +14,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import fdlora
 from fdlora import errors
@@ -234,8 +235,15 @@ def test_a_bad_source_raises_on_result_and_leaves_the_pipe_bit_identical(sd15, t
     good = adapter_from_peft(sd15.ref.unet, "style_a")
     bad_te = LoraAdapter({"encoder.layers.0.self_attn.q_proj": ModuleLora(torch.ones(4, 7), torch.ones(32, 4))})
     nan = scaled(good, float("nan"))
+    nan_file = tmp_path / "nan" / "pytorch_lora_weights.safetensors"  # read in the reader process, checked here
+    nan_file.parent.mkdir()
+    tensors = load_file(f"{sd15.dirs['style_a']}/pytorch_lora_weights.safetensors")
+    key = sorted(k for k in tensors if k.startswith("unet.") and "lora_B" in k)[-1]
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, str(nan_file))
     cases = [({"unet": good, "text_encoder": bad_te}, errors.AdapterShapeError),  # the unet part alone was fine
              ({"unet": nan}, errors.FdLoraError),  # NaN weights (validate=True)
+             (str(nan_file.parent), errors.NonFiniteError),  # an Inf in a file
              (str(tmp_path / "no-such-lora.safetensors"), Exception),  # resolve fails
              ({"unet": good}, errors.DuplicateAdapterError)]  # name taken ("style_a")
     for source, kind in cases:
