@@ -28,6 +28,7 @@ if it dies, the load raises FdLoraError saying so and the next load starts a fre
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import mmap
 import os
@@ -141,6 +142,7 @@ class HostArena:
     def __init__(self) -> None:
         self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
+        self._freed: collections.deque = collections.deque()  # (chunk, offset, bytes) given back, not yet merged
 
     def reserve(self, nbytes: int) -> int:
         pin = torch.cuda.is_available()
@@ -152,6 +154,7 @@ class HostArena:
     def alloc(self, nbytes: int, page_locked: bool = True) -> Block:
         n = max(PAGE, -(-int(nbytes) // PAGE) * PAGE)
         with self._lock:
+            self._merge_freed()
             for chunk in self._chunks:
                 if not chunk.overflow and not (chunk.pinned and not page_locked):
                     off = chunk.take(n)
@@ -163,10 +166,18 @@ class HostArena:
             return Block(self, chunk, chunk.take(n), nbytes, n)
 
     def _release(self, chunk: _Chunk, off: int, n: int) -> None:
-        with self._lock:
+        """A block's last view is gone. Runs from a finalizer, on any thread and at any allocation (the garbage
+        collector), maybe inside this arena's own locked code: so it only queues the range (and removes an
+        overflow chunk's file); the next alloc or stats merges it."""
+        self._freed.append((chunk, off, n))
+        if chunk.overflow:
+            chunk.drop()
+
+    def _merge_freed(self) -> None:
+        while self._freed:
+            chunk, off, n = self._freed.popleft()
             if chunk.overflow:
                 self._chunks.remove(chunk)
-                chunk.drop()
             else:
                 chunk.give(off, n)
 
@@ -177,6 +188,7 @@ class HostArena:
     def stats(self) -> dict[str, int]:
         """Bytes: page-locked reserve, of which free; pageable (reserve without CUDA, and overflow blocks)."""
         with self._lock:
+            self._merge_freed()
             return {"pinned": self.pinned_bytes,
                     "pinned_free": sum(s for c in self._chunks if c.pinned for _, s in c.free),
                     "pageable": sum(c.size for c in self._chunks if not c.pinned),
