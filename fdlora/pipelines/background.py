@@ -201,8 +201,6 @@ def _pipeline_steps(pipe: Any, source: Any, kwargs: dict[str, Any]):
 
     def publish(payload, staged, name):
         adapters, report, finite = payload
-        if isinstance(report, PendingLoad) and validate and not staged:  # (no CUDA copy was checked: the host one,
-            finite = bool(_all_finite(report.packed.tensor, report.packed.groups))  # in a few ops, here)
         adapters, report = materialize(adapters, report, finite=finite)
         if t2:
             staged = {("transformer_2" if c == "transformer" else c): s for c, s in staged.items()}
@@ -267,9 +265,8 @@ def _stage_block(packed: Any, devices: Mapping[str, torch.device | None],
     device one copy of the whole block on a side stream, and with `check_finite` one fp32 sum per dtype run of
     the adapters' tensors on the first device copy (a NaN or Inf anywhere makes it non-finite;
     fdlora.hub.adapter._finite says why finite half-precision values cannot). A few ops in all, waited for on
-    this thread only. False means "not settled": a hit (maybe large finite bf16 / fp32 values overflowing the
-    sum) has the publication check every tensor, as load_fd_lora does; with no CUDA component the publication
-    runs the same sums over the host block (here they would load the CPU cores a serving thread needs)."""
+    this thread only. False also means "not settled here" (a hit, maybe the sum of large finite bf16 / fp32 values
+    overflowing; no CUDA component): publication then checks every tensor, as load_fd_lora does."""
     from ..hub.cache import Staged
 
     host = packed.tensor
