@@ -10,9 +10,11 @@ loaded by `load_fd_lora`.
 Rows (written to benchmarks/results/<gpu>/prefetch.json):
   steps   median UNet step (batch 2, 1024^2 latents) idle, and while `prefetch_fd_lora` loads the adapter from
           disk (RAM cache off) in the background; ratio (target <= 1.05). Each step holds the pipeline's lock as
-          a generation does, so every prefetch publishes between two steps. The reader process (fdlora.hub.worker)
-          is started by an untimed prefetch first, as `fdlora.warmup` does in a server; `mean_ratio` counts the
-          steps a publication or the buffer's rebuild lands on, which the median may skip.
+          a generation does, so every prefetch publishes between two steps. `fdlora.pipelines.warmup.warmup` runs
+          first, as in a server: it starts the reader process (fdlora.hub.worker), page-locks the host arena the
+          reader writes into and builds the bulk bank writer; `arena` says whether the blocks came from the
+          page-locked reserve. `mean_ratio` counts the steps a publication lands on (the adapter objects are built
+          and the banks written there), which the median may skip.
           FDLORA_PREFETCH_READER=thread measures reads on the prefetch's own thread (what it did before).
   cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
           and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the bank
@@ -194,7 +196,9 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
     import torch
 
     from fdlora import env
+    from fdlora.hub import worker
     from fdlora.pipelines.scope import lock_of
+    from fdlora.pipelines.warmup import warmup
 
     lock = lock_of(pipe)
 
@@ -203,7 +207,7 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
             unet(**inputs)
 
     def window(tag: str) -> tuple[list[float], dict]:
-        during, loads, rounds, by_stage, clock = [], [], 0, {}, GcClock()
+        during, loads, rounds, by_stage, clock, pageable = [], [], 0, {}, GcClock(), 0
         while len(during) < n and rounds < 50:
             job = pipe.prefetch_fd_lora(folder, adapter_name=f"bg{tag}{rounds}", cache=None)
             t = time.perf_counter()
@@ -211,6 +215,7 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
                 seen = job.stage
                 during.append(timed(step, sync))
                 by_stage.setdefault(f"{seen} -> {job.stage}", []).append(during[-1] * 1e3)
+                pageable = max(pageable, worker.ARENA.stats()["overflow_blocks"])  # blocks outside the reserve
             job.result()
             loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()},
                           "cpu": {k: round(v, 4) for k, v in job.cpu_seconds.items()}})
@@ -218,12 +223,14 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
             rounds += 1
         gc.callbacks.remove(clock._tick)
         return during, {"prefetches": len(loads), "prefetch_seconds": loads[:5], "gc_seconds": clock.take(),
+                        "pageable_blocks_seen": pageable,
                         "steps_by_stage": {k: {"steps": len(v), "median_ms": statistics.median(v), "max_ms": max(v)}
                                            for k, v in by_stage.items()}}
 
+    warmup(pipe, tokens=())  # what a server runs before serving (the steps below have built the layers' kernels)
     with torch.inference_mode():
-        pipe.prefetch_fd_lora(folder, adapter_name="warm", cache=None).result()  # starts the reader process (as
-        pipe.delete_adapters("warm")  # fdlora.warmup does in a server), so no window below is its start-up
+        pipe.prefetch_fd_lora(folder, adapter_name="warm", cache=None).result()  # the reader's imports are done
+        pipe.delete_adapters("warm")  # and its first conversion ran, so no window below is a start-up
         for _ in range(1 if n < 3 else 3):
             timed(step, sync)
         idle = [timed(step, sync) for _ in range(n)]
@@ -236,7 +243,8 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
     med_idle, med_during = statistics.median(idle), statistics.median(during)
     return {"idle_ms": med_idle * 1e3, "during_prefetch_ms": med_during * 1e3, "ratio": med_during / med_idle,
             "mean_ratio": statistics.mean(during) / statistics.mean(idle), "during_prefetch_max_ms": max(during) * 1e3,
-            "reader": env.prefetch_reader(), "steps_idle": len(idle), "steps_during": len(during), **detail,
+            "reader": env.prefetch_reader(), "arena": worker.ARENA.stats(), "steps_idle": len(idle),
+            "steps_during": len(during), **detail,
             "gc_frozen": {"during_prefetch_ms": statistics.median(frozen) * 1e3,
                           "ratio": statistics.median(frozen) / med_idle,
                           "mean_ratio": statistics.mean(frozen) / statistics.mean(idle), **frozen_detail}}

@@ -9,10 +9,12 @@ repeats one piece of what a prefetch does in the serving process, each piece alo
     read_pageable  safefile.read_into of the adapter-sized file in /dev/shm into a pageable buffer
     read_pinned    the same into one page-locked buffer allocated once
     h2d            page-locked buffer -> GPU on a side stream, waited for with an event (bench's staging copy)
-    stage          a reader-process result (page-locked) copied to the GPU on a side stream and NaN-checked there
-                   (fdlora.pipelines.background._stage, the end of a prefetch's reading stage), waited for
-    reader         load_adapters(in_process=False): the file read and converted in the reader process, its result
-                   unpacked into one page-locked buffer here (what a prefetch's reading stage does first)
+    stage          a reader-process result (its block of the host arena) copied to the GPU on a side stream and
+                   NaN-checked there in one pass (fdlora.pipelines.background._stage_block, the end of a prefetch's
+                   reading stage), waited for
+    reader         load_adapters(in_process=False, deferred=True): the file read and converted in the reader process
+                   into a block of the host arena, nothing unpacked here (what a prefetch's reading stage does
+                   first); the block is freed before the next run, so with a reserve no page-locking happens
 
     python benchmarks/probes/probe_prefetch_stall.py --out $OUT/results/prefetch_stall.json     # GPU
     python benchmarks/probes/probe_prefetch_stall.py --smoke                                   # CPU, toy widths
@@ -68,19 +70,19 @@ def pieces(path: str, nbytes: int, cuda: bool) -> dict:
     def reader():
         from fdlora.hub import load_adapters
 
-        load_adapters(path, cache=None, in_process=False)
+        load_adapters(path, cache=None, in_process=False, deferred=True)
 
     staged_from = []
 
-    def stage():  # a prefetch's side-stream copy of a reader-process result (page-locked): H2D, NaN check on the device
+    def stage():  # a prefetch's side-stream copy of a reader-process result: one H2D, one NaN pass on the device
         from fdlora.hub import load_adapters
-        from fdlora.pipelines.background import _stage
+        from fdlora.pipelines.background import _stage_block
 
         if not staged_from:
-            staged_from.append(load_adapters(path, cache=None, in_process=False)[0])
-        adapters = {c: a for c, a in staged_from[0].items()}
+            staged_from.append(load_adapters(path, cache=None, in_process=False, deferred=True))
+        parts, pending = staged_from[0]
         with torch.inference_mode():
-            _stage(adapters, {c: torch.device("cuda") for c in adapters}, True)
+            _stage_block(pending.packed, {c: torch.device("cuda") for c in parts}, True)
 
     out = {"none": None, "pin_alloc": pin_alloc, "read_pageable": lambda: safefile.read_into(path, pageable),
            "read_pinned": lambda: safefile.read_into(path, pinned)}
@@ -104,6 +106,8 @@ def main() -> None:
     nbytes = bp.write_adapter(unet, 4 if a.smoke else 32, folder)
     path = str(Path(folder) / bp.WEIGHTS)
     worker.start()
+    if device == "cuda":
+        worker.reserve(4 * nbytes)  # (as fdlora.warmup does: the reader's blocks land in page-locked memory)
     rows = {}
     with torch.inference_mode():
         for _ in range(3):
@@ -134,7 +138,7 @@ def main() -> None:
             print(f"{name:14} {rows[name]['step_ms']:8.1f} ms  x{rows[name]['ratio']:.2f}  (max {max(ms):.1f}, "
                   f"{runs[0]} runs, {len(ms)} steps)", flush=True)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
-              "adapter_bytes": nbytes, "steps": a.steps, "rows": rows}
+              "adapter_bytes": nbytes, "steps": a.steps, "arena": worker.ARENA.stats(), "rows": rows}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1) + "\n")
