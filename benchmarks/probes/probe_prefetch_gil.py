@@ -5,8 +5,10 @@ A CPU proxy of bench_prefetch's "steps during a prefetch" row, runnable without 
 small torch ops on the main thread (an eager full-size step is the same: a Python thread that releases the GIL at
 every op), timed idle and while `load_adapters` reads and converts a full-size SDXL LoRA (rank 32 on every
 attention, feed-forward and proj_in/proj_out linear, 170 MB fp16, module shapes from a UNet built on the meta
-device) on a background thread, with the read step in that thread (`in_process=True`, what prefetch did) or in
-the reader process (`in_process=False`, what it does now). Verified first: both give the same tensors.
+device) on a background thread, with the read step in that thread (`in_process=True`, what prefetch did first),
+in the reader process with the adapter objects rebuilt on the thread (`in_process=False`, what it did next), or
+deferred (`deferred=True`: the block and the skeleton only, what a prefetch's reading stage does now; the objects
+are built at publication, between steps). Verified first: the modes give the same tensors.
 With two or more cores the serving thread has core 0 to itself and everything else (the reading thread, its read
 threads, the reader process) runs on the other cores, so what is measured is the GIL, not a shared core (on the
 2-core CI box the two would mix; an H100 host has 16 cores).
@@ -64,7 +66,7 @@ def _pin(others: bool = False) -> None:
         os.sched_setaffinity(0, set(cores[1:]) if others else {cores[0]})  # (0: this thread, on Linux)
 
 
-def during(path: str, in_process: bool, x, w, ops: int) -> tuple[list[float], float]:
+def during(path: str, in_process: bool, x, w, ops: int, deferred: bool = False) -> tuple[list[float], float]:
     """Proxy steps run while one background read of `path` runs; (their times, the read's seconds)."""
     from fdlora.hub import load_adapters
 
@@ -74,7 +76,7 @@ def during(path: str, in_process: bool, x, w, ops: int) -> tuple[list[float], fl
     def read():
         _pin(others=True)
         t = time.perf_counter()
-        load_adapters(path, cache=None, in_process=in_process)
+        load_adapters(path, cache=None, in_process=in_process, deferred=deferred)
         read_s.append(time.perf_counter() - t)
         done.set()
 
@@ -126,11 +128,12 @@ def main(argv=None) -> int:
     x, w = torch.randn(2, 64), torch.randn(64, 64)
     for _ in range(5):
         step(x, w, a.ops)
-    idle, runs = [], {"thread": ([], []), "process": ([], [])}
+    idle, runs = [], {"thread": ([], []), "process": ([], []), "process_deferred": ([], [])}
     for _ in range(a.loads):  # interleaved, so the machine's drift falls on both alike
         idle += [step(x, w, a.ops) for _ in range(4)]
-        for mode, in_process in (("thread", True), ("process", False)):
-            times, read_s = during(path, in_process, x, w, a.ops)
+        for mode, in_process, deferred in (("thread", True, False), ("process", False, False),
+                                           ("process_deferred", False, True)):
+            times, read_s = during(path, in_process, x, w, a.ops, deferred)
             runs[mode][0].extend(times)
             runs[mode][1].append(round(read_s, 3))
     rows = {"idle_ms": statistics.median(idle) * 1e3, "control_other_core_copy": control(x, w, a.ops, idle)}
@@ -144,8 +147,9 @@ def main(argv=None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     print(f"idle step {rows['idle_ms']:.1f} ms; during a read in a thread x{rows['thread']['ratio']:.2f}, "
-          f"in the reader process x{rows['process']['ratio']:.2f}; another process copying memory on the other "
-          f"cores x{rows['control_other_core_copy']:.2f}; wrote {a.out}")
+          f"in the reader process x{rows['process']['ratio']:.2f} (objects built here), "
+          f"x{rows['process_deferred']['ratio']:.2f} (deferred: what a prefetch's reading stage does); another "
+          f"process copying memory on the other cores x{rows['control_other_core_copy']:.2f}; wrote {a.out}")
     return 0
 
 
