@@ -153,6 +153,9 @@ class HostArena:
 
     def alloc(self, nbytes: int, page_locked: bool = True) -> Block:
         n = max(PAGE, -(-int(nbytes) // PAGE) * PAGE)
+        if self._freed and torch.cuda.is_initialized():  # a non-blocking copy from a freed page-locked range (a pool
+            for d in range(torch.cuda.device_count()):  # reload) may still be queued: it reads the old bytes first
+                torch.cuda.synchronize(d)  # (on the loading thread, without the GIL; never a step's thread)
         with self._lock:
             self._merge_freed()
             for chunk in self._chunks:
@@ -168,7 +171,7 @@ class HostArena:
     def _release(self, chunk: _Chunk, off: int, n: int) -> None:
         """A block's last view is gone. Runs from a finalizer, on any thread and at any allocation (the garbage
         collector), maybe inside this arena's own locked code: so it only queues the range (and removes an
-        overflow chunk's file); the next alloc or stats merges it."""
+        overflow chunk's file); the next alloc merges it."""
         self._freed.append((chunk, off, n))
         if chunk.overflow:
             chunk.drop()
@@ -186,13 +189,17 @@ class HostArena:
         return sum(c.size for c in self._chunks if c.pinned)
 
     def stats(self) -> dict[str, int]:
-        """Bytes: page-locked reserve, of which free; pageable (reserve without CUDA, and overflow blocks)."""
+        """Bytes: page-locked reserve, of which free; pageable (reserve without CUDA, and overflow blocks); overflow
+        blocks alive. (Reads the queue of freed ranges without merging it: only `alloc` may, after its sync.)"""
         with self._lock:
-            self._merge_freed()
+            freed = list(self._freed)
+            gone = {id(c) for c, _, _ in freed if c.overflow}
+            chunks = [c for c in self._chunks if id(c) not in gone]
             return {"pinned": self.pinned_bytes,
-                    "pinned_free": sum(s for c in self._chunks if c.pinned for _, s in c.free),
-                    "pageable": sum(c.size for c in self._chunks if not c.pinned),
-                    "overflow_blocks": sum(c.overflow for c in self._chunks)}
+                    "pinned_free": sum(s for c in chunks if c.pinned for _, s in c.free)
+                    + sum(n for c, _, n in freed if c.pinned),
+                    "pageable": sum(c.size for c in chunks if not c.pinned),
+                    "overflow_blocks": sum(c.overflow for c in chunks)}
 
     def close(self) -> None:
         with self._lock:
