@@ -16,8 +16,8 @@ untouched too.
 On CUDA a load goes to the device in one transfer and reaches the banks in one launch of the bulk
 writer (fdlora.layers.bulk) once that kernel is built for the device and dtype (`mark_bulk_ready`:
 fdlora.pipelines.warmup builds it); before that, through torch copies from views of the device copy
-(~1,400 small copies for an SDXL LoRA, a few ms), so no load ever waits for a kernel build: on an H100
-host that build was ~0.6 s of a cold process's first load.
+(~1,400 small copies for an SDXL LoRA, a few ms), so no load waits for a kernel build: building it before
+the first load took 0.66 s off that load on an H100 host (1.41 -> 0.75 s, benchmarks/bench_prefetch.py cold).
 """
 
 from __future__ import annotations
