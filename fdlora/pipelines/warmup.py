@@ -122,7 +122,10 @@ def _start_reader(pinned_bytes: int) -> None:
     if env.prefetch_reader() == "process":
         worker.start()
         if torch.cuda.is_available() and worker.ARENA.pinned_bytes < pinned_bytes:
-            worker.reserve(pinned_bytes - worker.ARENA.pinned_bytes)
+            try:
+                worker.reserve(pinned_bytes - worker.ARENA.pinned_bytes)
+            except FdLoraError as e:  # (no room in /dev/shm: background loads arrive in pageable memory)
+                logger.warning("fd-lora warmup: %s", e)
 
 
 def _handles(obj: Any) -> list:

@@ -251,6 +251,26 @@ def test_the_reserve_is_page_locked_once_and_only_page_locked_reads_use_it(monke
         arena.close()
 
 
+def test_warmup_reserves_the_page_locked_arena_once(monkeypatch):
+    """fdlora.pipelines.warmup tops the reserve up to `pinned_bytes` (CUDA faked here), not again on a second call;
+    without room for it, it warns and loads arrive in pageable memory."""
+    from fdlora.pipelines import warmup
+
+    arena, sizes = worker.HostArena(), []
+    monkeypatch.setattr(worker, "ARENA", arena)
+    monkeypatch.setattr(worker, "_register", lambda view: sizes.append(len(view)) or True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        for _ in range(2):
+            warmup._start_reader(8 * worker.PAGE)
+        assert sizes == [8 * worker.PAGE] and arena.pinned_bytes == 8 * worker.PAGE
+        monkeypatch.setattr(worker, "_shared_file", lambda size: (_ for _ in ()).throw(errors.FdLoraError("full")))
+        warmup._start_reader(9 * worker.PAGE)  # (a warning, no error)
+        assert arena.pinned_bytes == 8 * worker.PAGE
+    finally:
+        arena.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_read_lands_in_page_locked_memory_after_a_reserve(files):
