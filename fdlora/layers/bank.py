@@ -104,6 +104,7 @@ class AdapterBank(nn.Module):
         self.used: list[bool] = [False] * slots  # host mirror of ranks > 0
         self.host_ranks: list[int] = [0] * slots
         self.version = 0  # bumped on every write: merged-weight caches key on it
+        self.slot_version: list[int] = [0] * slots  # per slot, bumped with its writes: a blend's copy keys on its own
 
     def __getstate__(self) -> dict:
         """Copies and pickles hold their own buffers: a view into an arena chunk would carry the whole chunk
@@ -162,8 +163,17 @@ class AdapterBank(nn.Module):
         self.used[slot] = rank > 0
         self.host_ranks[slot] = rank
         self.__dict__["version"] += 1  # (not through nn.Module.__setattr__: loads mark ~1000 banks)
+        sv = self.__dict__.setdefault("slot_version", [0] * len(self.used))  # (a bank pickled before it had one)
+        sv[slot] += 1
         if device:
             self._buffers["dversion"].add_(1)
+
+    def live_versions(self, live: tuple[int, ...]) -> tuple[int, ...]:
+        """The versions of slots `live` (the slots a blend weighs): what a blend's merged copy of this bank reads."""
+        sv = self.__dict__.get("slot_version")
+        if sv is None:  # a bank pickled before it had per-slot versions: the whole bank's
+            return (self.version,)
+        return tuple(sv[s] if s < len(sv) else -1 for s in live)
 
     def addresses(self) -> tuple:
         """(A slot 0, A slot stride, B slot 0, B slot stride, N, B row stride, ranks slot 0, ranks slot stride,
@@ -259,5 +269,6 @@ class AdapterBank(nn.Module):
         self.dora_eps = self.dora_eps + [None] * (slots - S0)
         self.used = self.used + [False] * (slots - S0)
         self.host_ranks = self.host_ranks + [0] * (slots - S0)
+        self.slot_version = [v + 1 for v in self.slot_version] + [0] * (slots - S0)
         self.version += 1
         self.dversion.add_(1)

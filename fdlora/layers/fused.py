@@ -23,7 +23,7 @@ from ..kernels import registry
 from . import decode, dequant, dora, gguf, hot, offload, quantized, remerge
 from . import merged as _merged
 from .bank import AdapterBank
-from .merged import MergedWeight, merged_key
+from .merged import MergedWeight, blend_key, merged_key
 from .state import Mode, ModelState
 
 logger = logging.getLogger("fdlora")
@@ -215,7 +215,7 @@ class _FusedLora(nn.Module):
         buf = merged.buf
         if buf is None and merged.denied == _merged.BUDGET.generation:  # no room for this layer (or cache off)
             return None
-        if buf is None or merged.key != merged_key(self, w):
+        if buf is None or merged.key != blend_key(self, w):
             bank = self.bank
             if bank._buffers["bias"] is not None or True not in bank.used:
                 return None

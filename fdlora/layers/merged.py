@@ -6,10 +6,12 @@ the host: `set_adapters` only writes the scale table, and each layer re-merges l
 forward (one lora_merge kernel: read W, write W').
 
 Two ways to find out that W' is stale, one buffer:
-- eager calls (`_FusedLora._cached` / `_merged_forward`): a host key (scale table version, bank
-  version, W's storage and version counter), so set_adapters, loads/deletes, fuse/unfuse and in-place
-  edits of W all invalidate it, and a fresh key costs one GEMM and no launch; the first stale layer
-  re-merges every stale layer of its model in one launch (fdlora.layers.remerge);
+- eager calls (`_FusedLora._cached` / `_merged_forward`): a host key (`blend_key`: the blend row's
+  version, the bank versions of the slots it weighs, W's storage and version counter), so set_adapters,
+  loads/deletes in those slots, fuse/unfuse and in-place edits of W all invalidate it (a load into a
+  slot the blend does not weigh, such as a prefetch's publication, does not), and a fresh key costs one
+  GEMM and no launch; the first stale layer re-merges every stale layer of its model in one launch
+  (fdlora.layers.remerge);
 - calls that must not branch on the host: frozen (`handle.freeze()`), compiled, or being captured
   into a CUDA graph (`FusedLoraLinear._on_device_cache`). They call the opaque op fdlora::merged_linear,
   which launches lora_merge with a stamp every call: on the device it compares the blend weights and
@@ -143,8 +145,17 @@ def merge_cache_bytes(device: torch.device | str | None = None) -> int:
 
 
 def merged_key(layer, W: torch.Tensor) -> tuple:
-    """What W' depends on: the scale table, the bank, and W's storage and in-place edits (~1 us)."""
+    """What any W' of the layer may depend on: the whole scale table, the whole bank, and W's storage and in-place
+    edits (~1 us); per-prompt copies (other blends than the model's) and DoRA's W' key on it."""
     return (layer.state.table.version, layer.bank.version, W.data_ptr(), _version(W))
+
+
+def blend_key(layer, W: torch.Tensor) -> tuple:
+    """What the blend's W' depends on: the blend row (ScaleTable.blend_version), the slots it weighs (their bank
+    versions), and W's storage and in-place edits; a load or delete in a slot the blend does not weigh keeps it.
+    Same layout as merged_key: W's two entries last."""
+    table = layer.state.table
+    return (table.blend_version, layer.bank.live_versions(table.live), W.data_ptr(), _version(W))
 
 
 def _version(t: torch.Tensor) -> int:
@@ -219,7 +230,7 @@ class MergedWeight:
             return None
         capturing = W.is_cuda and torch.cuda.is_current_stream_capturing()
         # the host key this merge holds; none under capture (replays re-merge without the host)
-        key = None if capturing else merged_key(layer, W)
+        key = None if capturing else blend_key(layer, W)
         if key is not None:
             if self.key == key:
                 return self.buf

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import hot, offload
-from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, merged_key
+from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, blend_key, merged_key
 from .state import Mode, to_device
 
 
@@ -57,7 +57,7 @@ def refresh(layer, W: torch.Tensor) -> torch.Tensor | None:
     if not _replay(st, device):
         _full(layer, device)
     m = layer.merged
-    return m.buf if m.buf is not None and m.key == merged_key(layer, W) else None
+    return m.buf if m.buf is not None and m.key == blend_key(layer, W) else None
 
 
 def _replay(st, device: torch.device) -> bool:
@@ -75,13 +75,14 @@ def _replay(st, device: torch.device) -> bool:
     for call in kept[2]:
         call()
     items = kept[1]
-    tv = st.table.version
+    table = st.table
+    bv, live = table.blend_version, table.live
     for lay, m, w, ptr, bank in items:
         if m.buf is None or lay.base._parameters["weight"] is not w or w.data_ptr() != ptr or lay.bank is not bank:
             return False
     for _, m, w, ptr, bank in items:
         m._mark_stale()
-        m.key = (tv, bank.version, ptr, _version(w))
+        m.key = (bv, bank.live_versions(live), ptr, _version(w))  # blend_key's
     hot.rearm(st, [m for _, m, *_ in items])
     return True
 
@@ -95,7 +96,7 @@ def _full(layer, device: torch.device) -> None:
         if not cacheable(lay, device):
             continue
         w = lay.base._parameters["weight"]
-        key = merged_key(lay, w)
+        key = blend_key(lay, w)
         m = lay.merged
         if m.buf is None:
             homeless.append((lay, m, w, key, lay.scale_blend))

@@ -109,8 +109,14 @@ class ScaleTable:
         self.multiplier = 1.0
         self._device: dict[torch.device, torch.Tensor] = {}
         self._lock = CopyableLock()
-        self.version = 0  # bumped on every device write: merged-weight caches key on it
+        self.version = 0  # bumped on every device write
         self.token = object()  # replaced on every change of this table or of its model's state (fdlora.layers.hot)
+        # the blend row's own version and the slots it weighs: what a blend's merged copies key on (layers.merged).
+        # A load or delete in a slot the blend gives weight 0 changes neither, so publishing a prefetched adapter
+        # does not re-merge every layer of a serving model.
+        self.blend_version = 0
+        self.live: tuple[int, ...] = ()
+        self._blend: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -136,8 +142,17 @@ class ScaleTable:
             host = self.host()
             for t in self._device.values():
                 to_device(host, t.device, t)
+            self._note_blend(host[0])
             self.version += 1
             self.token = object()
+
+    def _note_blend(self, blend: torch.Tensor) -> None:
+        """Bump blend_version and list the live slots when the blend row [L, S] changed."""
+        if self._blend is not None and self._blend.shape == blend.shape and torch.equal(self._blend, blend):
+            return
+        self._blend = blend
+        self.blend_version += 1
+        self.live = tuple(torch.nonzero((blend != 0).reshape(-1, blend.shape[-1]).any(0)).flatten().tolist())
 
     def resize(self, layers: int, slots: int) -> None:
         L0, S0 = self.shape
@@ -151,6 +166,8 @@ class ScaleTable:
             weights[:L0, :S0] = self.weights
         self.scaling, self.weights = scaling, weights
         self._device = {d: self.host().to(d) for d in self._device}
+        self._blend = None
+        self._note_blend(self.host()[0])
         self.version += 1
         self.token = object()
 

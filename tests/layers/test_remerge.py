@@ -11,7 +11,8 @@ from torch import nn
 import fdlora
 from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers.merged import merged_key
+from fdlora.layers import remerge
+from fdlora.layers.merged import blend_key
 
 MOVES = 60 if env.triton_interpret() else 1000  # the interpreter runs each merge kernel slowly
 SIZES = [(16, 32), (32, 48), (48, 16), (16, 16)]  # (in, out) per layer
@@ -52,7 +53,7 @@ def test_first_stale_layer_refreshes_every_layer(cache_on):
         model(x)
         h.set_adapters(["a", "b"], [0.3, 0.6])
         model[0](x)  # only the first layer runs
-        assert all(layer.merged.key == merged_key(layer, layer.base.weight) for layer in model)
+        assert all(layer.merged.key == blend_key(layer, layer.base.weight) for layer in model)
 
 
 def test_a_slider_moved_many_times_equals_a_fresh_merge_bit_for_bit(cache_on):
@@ -87,6 +88,33 @@ def test_a_weight_replaced_or_swapped_between_slider_moves_is_merged_from_the_ne
         model[2].base.weight.data = torch.randn_like(model[2].base.weight)
         h.set_adapters(["a", "b"], [0.8, 0.5])
         assert torch.allclose(model(x).double(), oracle(model, ads, [0.8, 0.5], x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_load_or_delete_in_a_slot_the_blend_does_not_weigh_keeps_every_copy(cache_on, monkeypatch):
+    """Publishing a prefetched adapter (a load into a slot with weight 0) must not re-merge the serving blend's
+    copies (an SDXL step after each publication re-merged all 722 layers); a load into a weighed slot must."""
+    model, h, ads = model_and_adapters()
+    x = torch.randn(5, SIZES[0][0])
+    merges = []
+    full = remerge._full
+    monkeypatch.setattr(remerge, "_full", lambda *a: merges.append(1) or full(*a))
+    with torch.inference_mode():
+        h.set_adapters(["a"], [0.7])
+        model(x)
+        assert merges == [1]
+        third = LoraAdapter({k: ModuleLora(m.A.flip(0), m.B.flip(1), alpha=8.0) for k, m in ads[1].modules.items()})
+        h.add_adapter(third, "c", activate=False)  # a slot of its own, weight 0
+        h.delete_adapter("b")
+        y = model(x)
+        assert merges == [1], "a load outside the blend re-merged its copies"
+        assert torch.allclose(y.double(), oracle(model, ads, [0.7, 0.0], x), rtol=1e-4, atol=1e-5)
+        slot = h.state.slots.by_name["a"]
+        new = ModuleLora(ads[1].modules["2"].A, ads[1].modules["2"].B, alpha=8.0)
+        model[2].bank.write(slot, new)  # the weighed slot rewritten in place: that copy is stale
+        y = model(x)
+        assert len(merges) == 2, "a write into the weighed slot kept a stale copy"
+        mixed = LoraAdapter({**ads[0].modules, "2": new})
+        assert torch.allclose(y.double(), oracle(model, [mixed], [0.7], x), rtol=1e-4, atol=1e-5)
 
 
 def test_a_small_budget_goes_to_the_smallest_weights_first(cache_on):
