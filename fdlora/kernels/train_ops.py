@@ -18,10 +18,13 @@ W and bias are frozen by contract (the layer passes a base weight only when it d
 returns no gradient for them, nor for the scale.
 
 The layers call `train_linear` / `train_conv2d`: under torch.compile those are the registered ops; in eager they are a
-plain torch.autograd.Function over the same implementations (the same device choice, the same saved tensors, the same
-formula). torch.library's Python dispatch of a custom op and its autograd wrapper cost about 110 us of host time per
+plain torch.autograd.Function over the reference's eager forward/backward pairs (the same math and device choice; see
+_Linear). torch.library's Python dispatch of a custom op and its autograd wrapper cost about 110 us of host time per
 layer per training step on a CPU host, twice PEFT's whole LoRA layer (session 20); eager SDXL training steps are
-host-bound (560 LoRA layers), so that was the difference between fd-lora's step and PEFT's.
+host-bound (560 LoRA layers), so host time per layer is what sets fd-lora's step against PEFT's. The eager Function
+therefore returns y only, folds the leading dimensions itself (no reshape nodes in the graph), skips no-op casts,
+computes no grad_x for an input that needs none, and in fp32 runs 4 ops forward and 6 backward
+(benchmarks/probes/profile_train_host.py measures it against PEFT and a frozen nn.Linear).
 """
 
 from __future__ import annotations
@@ -79,21 +82,19 @@ def _linear_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(x if u is None else u, output[1], W, A, B, scale)
 
 
-def _linear_backward(ctx, gy, _gh, backward=None):
+def _linear_backward(ctx, gy, _gh):
     u, h, W, A, B, scale = ctx.saved_tensors
     gy = gy.contiguous()
     gy_u = gy.to(u.dtype)
     # grad_x = gy W + grad_u in one result when the LoRA input is x itself; after dropout they are two inputs
-    grad_u, grad_A, grad_B = (backward or torch.ops.fdlora.lora_train_linear_backward)(
+    grad_u, grad_A, grad_B = torch.ops.fdlora.lora_train_linear_backward(
         gy_u, u, h, W if ctx.u_is_x else None, A, B, scale)
     if ctx.u_is_x:
         grad_x, grad_u = grad_u, None
     else:
         grad_x = gy_u @ W.to(gy_u.dtype) if ctx.has_W else None
     grad_y0 = gy.to(ctx.y0_dtype) if ctx.has_y0 else None
-    # (the eager half path saved A and B cast to half: the parameters' own dtypes are kept on ctx)
-    return (grad_x, grad_u, grad_y0, None, None, grad_A.to(getattr(ctx, "a_dtype", A.dtype)),
-            grad_B.to(getattr(ctx, "b_dtype", B.dtype)), None)
+    return grad_x, grad_u, grad_y0, None, None, grad_A.to(A.dtype), grad_B.to(B.dtype), None
 
 
 lora_train_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -128,9 +129,9 @@ def _conv_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(u, output[1], A, B, scale)
 
 
-def _conv_backward(ctx, gy, _gh, backward=None):
+def _conv_backward(ctx, gy, _gh):
     u, h, A, B, scale = ctx.saved_tensors
-    grad_u, grad_A, grad_B = (backward or torch.ops.fdlora.lora_train_conv2d_backward)(
+    grad_u, grad_A, grad_B = torch.ops.fdlora.lora_train_conv2d_backward(
         gy.contiguous(), u, h, A, B, scale, ctx.stride, ctx.padding)
     return grad_u, gy.to(ctx.y0_dtype), grad_A.to(A.dtype), grad_B.to(B.dtype), None, None, None
 
@@ -146,53 +147,127 @@ def _eager_linear_backward(gy, u, h, W, A, B, scale):
     return ref.lora_train_linear_backward(gy, u, h, W, A, B, scale)
 
 
-class _Linear(torch.autograd.Function):  # forward(ctx, ...): a setup_context Function binds its signature per call
-    @staticmethod
-    def forward(ctx, x, u, y0, W, bias, A, B, scale):
-        lora_in = x if u is None else u
-        ctx.half = (lora_in.is_cuda and lora_in.dtype in (torch.float16, torch.bfloat16)
-                    and env.train_backward() != "triton")  # the cuBLAS backward: h, A and s B kept in half precision
-        if ctx.half:
-            y, h, As, Bs = ref.lora_train_linear_half(x, lora_in, y0, W, bias, A, B, scale)
-            out = (y, h)
-            _linear_setup(ctx, (x, u, y0, W, bias, As, Bs, scale), out)
-            ctx.a_dtype, ctx.b_dtype = A.dtype, B.dtype
-        else:
-            out = ref.lora_train_linear(x, lora_in, y0, W, bias, A, B, scale)
-            _linear_setup(ctx, (x, u, y0, W, bias, A, B, scale), out)
-        ctx.mark_non_differentiable(out[1])
-        return out
+_UNIFORM, _HALF, _MIXED = "uniform", "half", "mixed"  # which forward an eager call ran; its backward matches it
+
+
+def _half_pair(u: Tensor) -> bool:
+    """Whether an eager call runs the half-precision pair: half-precision activations on CUDA with the cuBLAS
+    backward (on CPU the BLAS cannot write fp32 from half inputs, so the reference's fp32 h keeps its accuracy)."""
+    return u.is_cuda and u.dtype in (torch.float16, torch.bfloat16) and env.train_backward() != "triton"
+
+
+# A reshape that autograd does not record as a view: a view made inside a Function's forward and returned cannot be
+# modified in place afterwards (autograd forbids it), and model code may do that to a layer's output.
+_unsafe_view = torch.ops.aten._unsafe_view.default
+
+
+class _Linear(torch.autograd.Function):
+    """The eager form of fdlora::lora_train_linear for x [..., K] (u like x, y0 [..., N]), returning y [..., N] only
+    (h stays on ctx). The leading dimensions are folded inside, so the step's graph holds one node per call, not
+    one per reshape as well. One of three forward/backward pairs of fdlora.kernels.reference.lora_train, chosen per
+    call from the dtypes (no casts, nothing read from the environment on that path):
+      uniform  every tensor fp32 (or fp64): lora_train_linear_uniform, 4 ops forward, 6 backward, s folded into the
+               saved h;
+      half     half-precision activations on CUDA with the cuBLAS backward: lora_train_linear_half, which keeps h,
+               A and s B cast;
+      mixed    anything else (e.g. bf16 activations on CPU, an fp16 outside base under fp32 A/B): the op's own
+               reference forward and its device's backward."""
 
     @staticmethod
-    def backward(ctx, gy, gh):
-        return _linear_backward(ctx, gy, gh, ref.lora_train_linear_backward_half if ctx.half
-                                else _eager_linear_backward)
+    def forward(ctx, x, u, y0, W, bias, A, B, scale):
+        shape = ctx.shape = x.shape
+        if len(shape) != 2:
+            x = x.reshape(-1, shape[-1])
+            u = None if u is None else u.reshape(-1, shape[-1])
+            y0 = None if y0 is None else y0.reshape(-1, y0.shape[-1])
+        lora_in = x if u is None else u
+        dt = lora_in.dtype
+        ctx.a_dtype, ctx.b_dtype = A.dtype, B.dtype
+        if (dt is x.dtype is A.dtype is B.dtype and (dt is torch.float32 or dt is torch.float64)
+                and (W is None or W.dtype is dt) and (bias is None or bias.dtype is dt)
+                and (y0 is None or y0.dtype is dt)):
+            ctx.how = _UNIFORM
+            y, h = ref.lora_train_linear_uniform(x, lora_in, y0, W, bias, A, B, scale)
+        elif _half_pair(lora_in):
+            ctx.how = _HALF
+            y, h, A, B = ref.lora_train_linear_half(x, lora_in, y0, W, bias, A, B, scale)  # A, B kept cast
+        else:
+            ctx.how = _MIXED
+            y, h = ref.lora_train_linear(x, lora_in, y0, W, bias, A, B, scale)
+        ctx.u_is_x, ctx.scale = u is None, scale
+        ctx.y0_dtype = None if y0 is None else y0.dtype
+        ctx.save_for_backward(lora_in, h, W, A, B)
+        return y if len(shape) == 2 else _unsafe_view(y, (*shape[:-1], y.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, gy):
+        u, h, W, A, B = ctx.saved_tensors
+        u_is_x, shape, need = ctx.u_is_x, ctx.shape, ctx.needs_input_grad
+        need_u = need[0] if u_is_x else need[1]  # (no grad_x for an input that needs none, as autograd does)
+        if len(shape) != 2:
+            gy = gy.reshape(-1, gy.shape[-1])
+        if ctx.how is _UNIFORM:
+            gy_u = gy
+            grad_u, grad_A, grad_B = ref.lora_train_linear_backward_uniform(gy, u, h, W if u_is_x else None, A, B,
+                                                                            ctx.scale, need_u)
+        else:
+            gy = gy.contiguous()
+            gy_u = gy if gy.dtype is u.dtype else gy.to(u.dtype)
+            if ctx.how is _HALF:
+                grad_u, grad_A, grad_B = ref.lora_train_linear_backward_half(gy_u, u, h, W if u_is_x else None, A, B,
+                                                                             ctx.scale, need_u)
+            else:
+                grad_u, grad_A, grad_B = _eager_linear_backward(gy_u, u, h, W if u_is_x else None, A, B, ctx.scale)
+            a_dtype, b_dtype = ctx.a_dtype, ctx.b_dtype
+            grad_A = grad_A if grad_A.dtype is a_dtype else grad_A.to(a_dtype)
+            grad_B = grad_B if grad_B.dtype is b_dtype else grad_B.to(b_dtype)
+        if u_is_x:  # grad_x = gy W + grad_u came as one result
+            grad_x, grad_u = grad_u, None
+        else:
+            grad_x = None if W is None or not need[0] else gy_u @ (W if W.dtype is gy_u.dtype else W.to(gy_u.dtype))
+        y0_dtype = ctx.y0_dtype
+        grad_y0 = None if y0_dtype is None else gy if gy.dtype is y0_dtype else gy.to(y0_dtype)
+        if len(shape) != 2:
+            grad_x = None if grad_x is None else grad_x.view(shape)
+            grad_u = None if grad_u is None else grad_u.view(shape)
+            grad_y0 = None if grad_y0 is None else grad_y0.view(*shape[:-1], gy.shape[-1])
+        return grad_x, grad_u, grad_y0, None, None, grad_A, grad_B, None
 
 
 class _Conv2d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, u, y0, A, B, scale, stride, padding):
-        out = ref.lora_train_conv2d(u, y0, A, B, scale, stride, padding)
-        _conv_setup(ctx, (u, y0, A, B, scale, stride, padding), out)
-        ctx.mark_non_differentiable(out[1])
-        return out
+    """The eager form of fdlora::lora_train_conv2d, returning y only."""
 
     @staticmethod
-    def backward(ctx, gy, gh):
-        return _conv_backward(ctx, gy, gh, ref.lora_train_conv2d_backward)
+    def forward(ctx, u, y0, A, B, scale, stride, padding):
+        y, h = ref.lora_train_conv2d(u, y0, A, B, scale, stride, padding)
+        ctx.scale, ctx.stride, ctx.padding, ctx.y0_dtype = scale, stride, padding, y0.dtype
+        ctx.save_for_backward(u, h, A, B)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        u, h, A, B = ctx.saved_tensors
+        grad_u, grad_A, grad_B = ref.lora_train_conv2d_backward(gy.contiguous(), u, h, A, B, ctx.scale, ctx.stride,
+                                                                ctx.padding)
+        return grad_u, gy.to(ctx.y0_dtype), grad_A.to(A.dtype), grad_B.to(B.dtype), None, None, None
 
 
 def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | None, bias: Tensor | None, A: Tensor,
-                 B: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """fdlora::lora_train_linear: the registered op while torch.compile traces, its eager Function otherwise."""
+                 B: Tensor, scale: Tensor) -> Tensor:
+    """y [..., N] of fdlora::lora_train_linear for x [..., K] (u like x, y0 like y): the registered op (on the
+    leading dimensions folded) while torch.compile traces, its eager Function otherwise."""
     if torch.compiler.is_compiling():
-        return torch.ops.fdlora.lora_train_linear(x, u, y0, W, bias, A, B, scale)
+        K = x.shape[-1]
+        y = torch.ops.fdlora.lora_train_linear(x.reshape(-1, K), None if u is None else u.reshape(-1, K),
+                                               None if y0 is None else y0.reshape(-1, y0.shape[-1]), W, bias, A, B,
+                                               scale)[0]
+        return y.view(*x.shape[:-1], y.shape[-1])
     return _Linear.apply(x, u, y0, W, bias, A, B, scale)
 
 
 def train_conv2d(u: Tensor, y0: Tensor, A: Tensor, B: Tensor, scale: Tensor, stride: list[int],
-                 padding: list[int]) -> tuple[Tensor, Tensor]:
-    """fdlora::lora_train_conv2d: the registered op while torch.compile traces, its eager Function otherwise."""
+                 padding: list[int]) -> Tensor:
+    """y of fdlora::lora_train_conv2d: the registered op while torch.compile traces, its eager Function otherwise."""
     if torch.compiler.is_compiling():
-        return torch.ops.fdlora.lora_train_conv2d(u, y0, A, B, scale, stride, padding)
+        return torch.ops.fdlora.lora_train_conv2d(u, y0, A, B, scale, stride, padding)[0]
     return _Conv2d.apply(u, y0, A, B, scale, stride, padding)

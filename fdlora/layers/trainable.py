@@ -117,16 +117,21 @@ class _TrainableLora(_Passthrough):
         p = self.dropout[name]
         return F.dropout(x, p, training=True) if p > 0 and self.training else None
 
-    def _active(self) -> list[str]:
-        return [n for n in self.state.active if n in self.lora_A]
+    def _lora(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A, B, scale) of adapter `name`, read from the parameter and buffer dicts at each call (FSDP swaps the
+        parameters it gathers) without nn.Module's Python attribute lookups: a call's host time is the point in eager
+        steps of hundreds of small layers."""
+        m = self._modules
+        return m["lora_A"]._parameters[name], m["lora_B"]._parameters[name], self._buffers[f"scaling_{name}"]
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         x = _autocast_input(x)
         st = self.state
         if st.samples is None:
-            names = self._active()
+            have = self._modules["lora_A"]._parameters
+            names = [n for n in st.active if n in have]
             if not names:
-                return self.base(x, *args, **kwargs)
+                return self._modules["base"](x, *args, **kwargs)
             return self._blend(x, names, args, kwargs)
         if len(st.samples) != x.shape[0]:
             raise FdLoraError(f"{self.path}: {len(st.samples)} per-sample adapters given for a batch of "
@@ -159,11 +164,13 @@ class TrainableLoraLinear(_TrainableLora):
 
     def _plain_weight(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(W, bias) when the base is a frozen float nn.Linear the op can run itself, else None."""
-        b = self.base
-        if type(b) is not nn.Linear or args or kwargs or b.weight.requires_grad or (
-                b.bias is not None and b.bias.requires_grad):
+        b = self._modules["base"]
+        if type(b) is not nn.Linear or args or kwargs:
             return None
-        return b.weight, b.bias
+        W, bias = b._parameters["weight"], b._parameters["bias"]
+        if W.requires_grad or (bias is not None and bias.requires_grad):
+            return None
+        return W, bias
 
     def _base_out(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """The wrapped module's output. Under an inference FusedLoraLinear in blend mode, its frozen blend is
@@ -185,21 +192,15 @@ class TrainableLoraLinear(_TrainableLora):
         return (y.float() + d.view(*y.shape)).to(y.dtype)
 
     def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
-        K, N = self.in_features, self.out_features
-        x2 = x.reshape(-1, K)
         plain = self._plain_weight(args, kwargs)
-        y = None if plain is not None else self._base_out(x, args, kwargs).reshape(-1, N)
-        for i, name in enumerate(names):
-            W, bias = plain if (plain is not None and i == 0) else (None, None)
-            y, _ = train_ops.train_linear(x2, self._lora_input(name, x2), y, W, bias,
-                                          self.lora_A[name], self.lora_B[name], self.scaling(name))
-        return y.view(*x.shape[:-1], N)
+        y, (W, bias) = (None, plain) if plain is not None else (self._base_out(x, args, kwargs), (None, None))
+        for name in names:
+            y = train_ops.train_linear(x, self._lora_input(name, x), y, W, bias, *self._lora(name))
+            W = bias = None  # the base goes into the first adapter's call only
+        return y
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        y2, _ = train_ops.train_linear(x2, self._lora_input(name, x2), y.reshape(-1, self.out_features),
-                                       None, None, self.lora_A[name], self.lora_B[name], self.scaling(name))
-        return y2.view(y.shape)
+        return train_ops.train_linear(x, self._lora_input(name, x), y, None, None, *self._lora(name))
 
 
 class TrainableLoraConv2d(_TrainableLora):
@@ -220,12 +221,11 @@ class TrainableLoraConv2d(_TrainableLora):
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
         u = self._lora_input(name, x)
-        y, _ = train_ops.train_conv2d(x if u is None else u, y, self.lora_A[name], self.lora_B[name],
-                                      self.scaling(name), self.stride, self.padding)
-        return y
+        A, B, scale = self._lora(name)
+        return train_ops.train_conv2d(x if u is None else u, y, A, B, scale, self.stride, self.padding)
 
     def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
-        y = self.base(x, *args, **kwargs)
+        y = self._modules["base"](x, *args, **kwargs)
         for name in names:
             y = self._add_lora(x, y, name)
         return y

@@ -13,7 +13,9 @@ Linear, with u the LoRA branch input (x, or dropout(x) as PEFT applies it) and s
 Nothing else is saved: not the delta, not the base output. Conv2d (LoCon, PEFT's layout: A a conv with the base's
 kernel, stride and padding, B a 1x1 conv) is the same algebra with A applied as a convolution. These functions are
 the test oracle, the benchmark baseline and the backend on every device without the Triton kernels
-(fdlora.kernels.triton.lora_backward); fdlora.kernels.train_ops registers them as torch.library ops.
+(fdlora.kernels.triton.lora_backward); fdlora.kernels.train_ops registers them as torch.library ops. The `_half` and
+`_uniform` forward/backward pairs are what eager steps run (fdlora.kernels.train_ops._Linear): the same products with
+fewer ops per call, the forward keeping what its backward reuses.
 """
 
 from __future__ import annotations
@@ -38,12 +40,18 @@ def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, with no call when it already is (a no-op .to still costs host time; eager steps of many small
+    layers are host-bound)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def _base(x: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias: torch.Tensor | None,
           out: torch.dtype) -> torch.Tensor | None:
     """The base part of y: x W^T + bias for a plain base, plus an outside base output y0; None when neither."""
     base = None
     if W is not None:
-        base = F.linear(x, W.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out)
+        base = _to(F.linear(x, _to(W, x.dtype), None if bias is None else _to(bias, x.dtype)), out)
     if y0 is not None:
         base = y0 if base is None else base + y0
     return base
@@ -123,30 +131,69 @@ def lora_train_linear_half(
     GEMM with s folded into B), keeping h in that dtype and returning As = A and Bs = s B cast once, which the
     backward reuses: 6 launches for a plain base, against 8 (eager steps of many small layers are host-bound)."""
     dt = u.dtype
-    As = A.to(dt)
+    As = _to(A, dt)
     h = u @ As.t()
     out = y0.dtype if y0 is not None else x.dtype
     base = _base(x, y0, W, bias, out)
-    Bs = (B.float() * scale).to(out)
+    Bs = _to(B * scale, out)  # s B rounded once (a half-precision B multiplies in fp32 too)
     if base is None:
-        return h.to(out) @ Bs.t(), h, As, Bs
-    return torch.addmm(base, h.to(out), Bs.t()), h, As, Bs
+        return _to(h, out) @ Bs.t(), h, As, Bs
+    return torch.addmm(base, _to(h, out), Bs.t()), h, As, Bs
 
 
 def lora_train_linear_backward_half(
     gy: torch.Tensor, u: torch.Tensor, h: torch.Tensor, W: torch.Tensor | None, As: torch.Tensor, Bs: torch.Tensor,
-    scale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad_u (u's dtype), grad_A fp32, grad_B fp32
+    scale: torch.Tensor, need_u: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:  # grad_u (u's dtype; None: not needed), fp32 grads
     """The backward of `lora_train_linear_half` from its saved h, As and Bs: g = gy Bs, grad_B = s gy^T h,
     grad_A = g^T u, grad_u = g As (+ gy W), the weight gradients accumulated and returned in fp32 by the GEMM itself on
     CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`."""
     dt = u.dtype
-    g = gy @ Bs.to(dt)  # [M, r]
+    g = gy @ _to(Bs, dt)  # [M, r]
     grad_B = _mm_f32(gy.t(), h) * scale
     grad_A = _mm_f32(g.t(), u)
+    if not need_u:
+        return None, grad_A, grad_B
     grad_u = g @ As
     if W is not None:
-        grad_u = torch.addmm(grad_u, gy, W.to(dt))
+        grad_u = torch.addmm(grad_u, gy, _to(W, dt))
+    return grad_u, grad_A, grad_B
+
+
+def lora_train_linear_uniform(
+    x: torch.Tensor, u: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias: torch.Tensor | None,
+    A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # y [M, N], hs = s h [M, r], both in the one dtype
+    """`lora_train_linear` when every tensor is in one dtype that is its own accumulation dtype (fp32, or fp64), as
+    eager steps run it: nothing to cast, so the base GEMM writes y and the expand GEMM adds the delta into it in place,
+    and s is folded into h (hs = s u A^T), which the backward then uses as is for grad_B: 4 ops for a plain base
+    (eager steps of many small layers are host-bound)."""
+    hs = F.linear(u, A).mul_(scale)  # [M, r]
+    if W is not None:
+        y = F.linear(x, W, bias)
+        if y0 is not None:
+            y.add_(y0)
+        return y.addmm_(hs, B.t()), hs
+    if y0 is not None:
+        return torch.addmm(y0, hs, B.t()), hs
+    return torch.mm(hs, B.t()), hs
+
+
+def lora_train_linear_backward_uniform(
+    gy: torch.Tensor, u: torch.Tensor, hs: torch.Tensor, W: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+    scale: torch.Tensor, need_u: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:  # grad_u (+ gy W), grad_A, grad_B, in the one dtype
+    """The backward of `lora_train_linear_uniform` from its saved hs = s h: g = s gy B, grad_B = gy^T hs,
+    grad_A = g^T u, grad_u = g A (+ gy W, added in place by the same GEMM call): 5 GEMMs and one scale; grad_u is
+    None when not needed (an input that requires no grad, e.g. a cross-attention's text states)."""
+    g = torch.mm(gy, B).mul_(scale)  # [M, r]
+    grad_B = torch.mm(gy.t(), hs)
+    grad_A = torch.mm(g.t(), u)
+    if not need_u:
+        return None, grad_A, grad_B
+    grad_u = torch.mm(g, A)
+    if W is not None:
+        grad_u.addmm_(gy, W)
     return grad_u, grad_A, grad_B
 
 
