@@ -23,8 +23,10 @@ _Linear). torch.library's Python dispatch of a custom op and its autograd wrappe
 layer per training step on a CPU host, twice PEFT's whole LoRA layer (session 20); eager SDXL training steps are
 host-bound (560 LoRA layers), so host time per layer is what sets fd-lora's step against PEFT's. The eager Function
 therefore returns y only, folds the leading dimensions itself (no reshape nodes in the graph), skips no-op casts,
-computes no grad_x for an input that needs none, and in fp32 runs 4 ops forward and 6 backward
-(benchmarks/probes/profile_train_host.py measures it against PEFT and a frozen nn.Linear).
+computes no grad_x for an input that needs none, and in fp32 runs 4 ops forward and 6 backward.
+benchmarks/probes/profile_train_host.py measures it against PEFT and a frozen nn.Linear: on a 2-CPU host, a layer's
+forward+backward on a 3-D fp32 input took 100 us against PEFT's 150 (147 before these changes; callgrind: 392k
+instructions against PEFT's 717k, 641k before), and with bf16 autocast through the CUDA half pair 132 us against 182.
 """
 
 from __future__ import annotations
