@@ -154,8 +154,12 @@ def blend_key(layer, W: torch.Tensor) -> tuple:
     """What the blend's W' depends on: the blend row (ScaleTable.blend_version), the slots it weighs (their bank
     versions), and W's storage and in-place edits; a load or delete in a slot the blend does not weigh keeps it.
     Same layout as merged_key: W's two entries last."""
-    table = layer.state.table
-    return (table.blend_version, layer.bank.live_versions(table.live), W.data_ptr(), _version(W))
+    return blend_key_of(layer.state.table, layer.bank, W.data_ptr(), _version(W))
+
+
+def blend_key_of(table, bank, ptr: int, version: int) -> tuple:
+    """blend_key from its parts (remerge's slider replay has W's address and version at hand)."""
+    return (table.blend_version, bank.live_versions(table.live), ptr, version)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import hot, offload
-from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, blend_key, merged_key
+from .merged import BUDGET, PASS_HOLDERS, MergedWeight, _version, blend_key, blend_key_of, merged_key
 from .state import Mode, to_device
 
 
@@ -76,13 +76,12 @@ def _replay(st, device: torch.device) -> bool:
         call()
     items = kept[1]
     table = st.table
-    bv, live = table.blend_version, table.live
     for lay, m, w, ptr, bank in items:
         if m.buf is None or lay.base._parameters["weight"] is not w or w.data_ptr() != ptr or lay.bank is not bank:
             return False
     for _, m, w, ptr, bank in items:
         m._mark_stale()
-        m.key = (bv, bank.live_versions(live), ptr, _version(w))  # blend_key's
+        m.key = blend_key_of(table, bank, ptr, _version(w))
     hot.rearm(st, [m for _, m, *_ in items])
     return True
 
