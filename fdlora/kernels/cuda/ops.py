@@ -82,12 +82,14 @@ def prepare_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: tor
 
 def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
                    scale: torch.Tensor, ranks: torch.Tensor, stream: int):
-    """lora_linear (blend) with every argument but x bound in C++, for eager layers to keep and call: `run(x)`. None
-    for calls that must go through the dispatcher (traced, autograd). The layer remakes it when an address, the
-    stream or the row count changes (fdlora.layers.fused.FusedLoraLinear._kept_linear)."""
+    """lora_linear (blend) with every argument but x bound in C++ for x's row count, for eager layers to keep and call:
+    `run(x)` (the path and a cuBLASLt plan of its GEMM chosen once; `run.merged`, `run.planned` say which). None for
+    calls that must go through the dispatcher (traced, autograd). The layer remakes it when an address, the stream or
+    the row count changes (fdlora.layers.fused.FusedLoraLinear._kept_linear)."""
     if not (direct(x, W, A, B, scale, ranks) and (bias is None or direct(bias))):
         return None
-    return _C.BoundLinear(W, bias, A, B, scale, ones(A.shape[0], A.device), ranks)
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return _C.BoundLinear(W, bias, A, B, scale, ones(A.shape[0], A.device), ranks, M)
 
 
 def prepare_linear_rows(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor,

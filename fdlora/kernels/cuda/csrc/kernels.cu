@@ -70,39 +70,6 @@ __global__ void mask_kernel(T* __restrict__ Ao, T* __restrict__ Bo, const T* __r
   }
 }
 
-template <typename T>
-__global__ void merge_prep_kernel(T* __restrict__ Wo, const T* __restrict__ W, int64_t N, int64_t K, int64_t swn,
-                                  int64_t swk, T* __restrict__ Ao, T* __restrict__ Bo, const T* __restrict__ A,
-                                  const T* __restrict__ B, int64_t S, int64_t R, int64_t ldb,
-                                  const float* __restrict__ scale, int64_t scale_stride, const int* __restrict__ ranks,
-                                  const float* __restrict__ gw, int64_t gw_s1) {
-  const int64_t nW = N * K, nA = S * R * K, nB = N * S * R, step = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nW + nA + nB; i += step) {
-    if (i < nW) {
-      Wo[i] = W[(i / K) * swn + (i % K) * swk];
-      continue;
-    }
-    const int64_t j = i - nW;
-    int64_t s, r;
-    if (j < nA) {
-      s = j / (R * K);
-      r = (j / K) % R;
-    } else {
-      const int64_t c = (j - nA) % (S * R);
-      s = c / R;
-      r = c % R;
-    }
-    const float ws = scale[s * scale_stride] * (gw ? gw[s * gw_s1] : 1.f);
-    const bool live = ws != 0.f && r < granule(ranks[s]);
-    if (j < nA) {
-      Ao[j] = live ? A[j] : from_f<T>(0.f);
-    } else {
-      const int64_t b = j - nA, n = b / (S * R), c = b % (S * R);
-      Bo[b] = live ? from_f<T>(to_f(B[n * ldb + c]) * ws) : from_f<T>(0.f);
-    }
-  }
-}
-
 // ---- weigh ------------------------------------------------------------------------------------------------------
 template <typename T>
 __global__ void weigh_kernel(T* __restrict__ hw, const float* __restrict__ h, int64_t M, int64_t S, int64_t R,
@@ -332,22 +299,6 @@ void launch_mask(at::Tensor& A_out, at::Tensor& B_out, const at::Tensor& A, cons
     mask_kernel<T><<<grid_for(total, 256), 256, 0, stream>>>(
         reinterpret_cast<T*>(A_out.data_ptr()), reinterpret_cast<T*>(B_out.data_ptr()),
         reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const T*>(B.data_ptr()), S, R, K, N, B.stride(0),
-        scale.data_ptr<float>(), scale.stride(0), ranks.data_ptr<int>(), gw, gw_s1);
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void launch_merge_prep(at::Tensor& W_out, at::Tensor& A_out, at::Tensor& B_out, const at::Tensor& W,
-                       const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale, const at::Tensor& ranks,
-                       const float* gw, int64_t gw_s1) {
-  const int64_t S = A.size(0), R = A.size(1), K = A.size(2), N = W.size(0);
-  const int64_t total = N * K + S * R * K + N * S * R;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  FDLORA_DISPATCH(A.scalar_type(), T, [&] {
-    merge_prep_kernel<T><<<grid_for(total, 256), 256, 0, stream>>>(
-        reinterpret_cast<T*>(W_out.data_ptr()), reinterpret_cast<const T*>(W.data_ptr()), N, K, W.stride(0),
-        W.stride(1), reinterpret_cast<T*>(A_out.data_ptr()), reinterpret_cast<T*>(B_out.data_ptr()),
-        reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const T*>(B.data_ptr()), S, R, B.stride(0),
         scale.data_ptr<float>(), scale.stride(0), ranks.data_ptr<int>(), gw, gw_s1);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

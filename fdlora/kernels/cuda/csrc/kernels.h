@@ -30,12 +30,6 @@ Weights weights_of(const at::Tensor& scale, const c10::optional<at::Tensor>& gro
 void launch_mask(at::Tensor& A_out, at::Tensor& B_out, const at::Tensor& A, const at::Tensor& B,
                  const at::Tensor& scale, const at::Tensor& ranks, const float* gw = nullptr, int64_t gw_s1 = 0);
 
-// The merged path's operands in one launch: W_out = W (any strides, written contiguous), A', B' masked as in
-// launch_mask, B' scaled by the blend weights scale[s] * gw[s] (rounded to the dtype).
-void launch_merge_prep(at::Tensor& W_out, at::Tensor& A_out, at::Tensor& B_out, const at::Tensor& W,
-                       const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale, const at::Tensor& ranks,
-                       const float* gw, int64_t gw_s1);
-
 // hw[m, s*R + r] = h[m, s*R + r] * w(m, s), rounded to hw's dtype; exactly 0 where w is 0 (h may be NaN there).
 void launch_weigh(at::Tensor& hw, const at::Tensor& h, const Weights& w, int64_t S, int64_t R);
 

@@ -10,7 +10,7 @@
 // - more rows: the bank's live chunks masked into scratch, cuBLAS shrink with fp32 output, one weighting kernel,
 //   cuBLAS expand-add onto y (beta = 1: the delta is added in fp32, rounded once);
 // - lora_linear, blend (G = 1) where the merge costs less than the delta: merge W' = W + sum_s w_s B_s A_s into
-//   scratch (one kernel) and one cuBLAS GEMM on it.
+//   scratch (one kernel) and one cuBLAS GEMM on it (BoundLinear: one planned cuBLASLt matmul).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -128,12 +128,18 @@ void delta_impl(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& A, cons
   y.copy_(yc);
 }
 
-// The merged path pays the merge (CUDA cores over N*K*S*R, bytes of W and W') instead of the delta's bytes
-// (x re-read, y read-modify-written) and its GEMMs: a rough cost model in bytes-equivalents.
+// The merged path pays the merge (one kernel: W read, W' written, CUDA-core FMAs over the live rank; the GEMM then
+// reads W' instead of W) instead of the delta's bytes (x re-read, y read-modify-written) and its launches and
+// scratch: a rough cost model in bytes-equivalents (a launch with its host work ~6e6).
 bool merged_wins(int64_t M, int64_t N, int64_t K, int64_t SR, int64_t elt) {
-  const double merge = (double)N * K * 4 * elt + 3 * 6e6;  // copy W, read-modify-write W' (GEMM of rank SR), 3 launches
-  const double delta = (double)M * (K * elt + 2 * N * elt + (double)SR * 8) + 3 * 6e6;  // + 3 launches of ~2 us
+  const double merge = (double)N * K * 3 * elt + 2 * 6e6;  // W read, W' written, + the FMAs; merge + GEMM
+  const double delta = (double)M * (K * elt + 2 * N * elt + (double)SR * 8) + 4 * 6e6;  // GEMM, mask, shrink, expand
   return merge < delta;
+}
+
+// Whether lora_linear runs the merged path for these shapes (a blend, more rows than the small-M kernel takes).
+bool takes_merged(int64_t M, int64_t N, int64_t K, int64_t SR, int64_t G, int64_t elt) {
+  return G == 1 && M > SMALL_M && SR > 0 && merged_wins(M, N, K, SR, elt);
 }
 
 MergeEntry entry_of(const at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
@@ -221,6 +227,18 @@ at::Tensor base_linear(const at::Tensor& x, const at::Tensor& W, const c10::opti
   return y;
 }
 
+// W' = W + sum_s scale[s] gw[s] B_s A_s into scratch (one merge kernel, fp32 sum, one rounding), for the merged path.
+at::Tensor merged_scratch(const at::Tensor& W, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
+                          const at::Tensor& group_weight, const at::Tensor& ranks) {
+  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.numel() == A.size(0) && ranks.is_contiguous(),
+              "fdlora_cuda.lora_linear: ranks must be contiguous int32 [S]");
+  TORCH_CHECK(group_weight.scalar_type() == at::kFloat, "fdlora_cuda.lora_linear: group_weight must be fp32");
+  const at::Tensor s = scale.stride(0) == 1 ? scale : scale.contiguous();
+  at::Tensor Wm = at::empty({W.size(0), W.size(1)}, W.options());
+  merge_one(Wm, W, A, B, s, ranks, group_weight.data_ptr<float>(), group_weight.stride(1), nullptr, nullptr);
+  return Wm;
+}
+
 at::Tensor lora_linear(const at::Tensor& x_in, const at::Tensor& W, const c10::optional<at::Tensor>& bias,
                        const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
                        const at::Tensor& group_weight, const at::Tensor& ranks) {
@@ -232,18 +250,8 @@ at::Tensor lora_linear(const at::Tensor& x_in, const at::Tensor& W, const c10::o
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = rows_contiguous(x_in);
   const int64_t M = x.size(0), N = W.size(0), K = W.size(1), SR = A.size(0) * A.size(1);
-  if (group_weight.size(0) == 1 && M > SMALL_M && SR > 0 && merged_wins(M, N, K, SR, x.element_size())) {
-    // W' = W + B' A' on tensor cores: the live chunks masked, B' scaled by the blend, W copied, one GEMM with
-    // beta = 1 (fp32 sum, one rounding), then the layer's GEMM on W'.
-    auto Am = at::empty({SR, K}, A.options());
-    auto Bm = at::empty({N, SR}, B.options());
-    auto Wm = at::empty({N, K}, W.options());
-    launch_merge_prep(Wm, Am, Bm, W, A, B, scale, ranks, group_weight.data_ptr<float>(), group_weight.stride(1));
-    // Wm^T (column-major K x N) += Am^T (K x SR) Bm^T (SR x N): row-major Wm += Bm Am, fp32 sum, one rounding
-    gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, N, SR, Am.data_ptr(), K, Bm.data_ptr(), SR, 1.f, Wm.data_ptr(), K,
-         W.scalar_type());
-    return base_linear(x, Wm, bias);
-  }
+  if (takes_merged(M, N, K, SR, group_weight.size(0), x.element_size()))
+    return base_linear(x, merged_scratch(W, A, B, scale, group_weight, ranks), bias);  // then one GEMM on W'
   at::Tensor y = base_linear(x, W, bias);
   delta_impl(y, x, A, B, scale, ranks, weights_of(scale, group_weight, c10::nullopt, M), "lora_linear");
   return y;
@@ -321,22 +329,6 @@ void lora_bias_add(at::Tensor y, const at::Tensor& bias, const at::Tensor& scale
   }
   y.copy_((y.to(at::kFloat) + at::mm(w, bias.to(at::kFloat))).to(y.scalar_type()));
 }
-
-// lora_linear with every argument but x bound: what an eager layer keeps and calls (one pybind call, no
-// dispatcher argument parsing; the host cost per layer call is the C++ work and its launches).
-struct BoundLinear {
-  at::Tensor W;
-  c10::optional<at::Tensor> bias;
-  at::Tensor A, B, scale, group_weight, ranks;
-  at::Tensor operator()(const at::Tensor& x) const {  // x [..., K] -> y [..., N]
-    if (x.dim() == 2) return lora_linear(x, W, bias, A, B, scale, group_weight, ranks);
-    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == W.size(1), "fdlora_cuda.BoundLinear: x ", x.sizes(), " does not end in ",
-                W.size(1));
-    std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = W.size(0);
-    return lora_linear(x.reshape({-1, W.size(1)}), W, bias, A, B, scale, group_weight, ranks).view(sizes);
-  }
-};
 
 // The eager per-row layer call with everything but x bound (fdlora/layers/decode.py keeps one per layer and shape):
 // y = x W^T (+ bias) by cuBLAS, then each row's slot delta (one kernel for few rows). x: [..., K] holding exactly
@@ -416,6 +408,60 @@ struct LtJob {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 constexpr size_t LT_WORKSPACE = 4 << 20;  // bytes a planned matmul may use (Hopper's split-K kernels want some)
+
+// lora_linear with every argument but x bound, for the M rows it was bound for: what an eager layer keeps and calls
+// (one pybind call, no dispatcher argument parsing). The path (merged: one merge kernel into scratch, then the GEMM
+// on W'; else the GEMM, then the delta) is chosen once, and the GEMM is one cuBLASLt matmul planned once (layouts,
+// bias epilogue, algorithm): a call is two launches on the merged path with no heuristic query and no bias pre-fill
+// (the SDXL UNet without the merged-weight cache issues 722 of these per step, and the step is host-bound). Other
+// row counts, or operands the plan cannot take, run lora_linear itself.
+struct BoundLinear {
+  at::Tensor W;
+  c10::optional<at::Tensor> bias;
+  at::Tensor A, B, scale, group_weight, ranks;
+  int64_t M;
+  bool merged = false;
+  std::shared_ptr<LtJob> lt;  // y [M, N] = x W^T (+ bias), planned for W's device and dtype; null: no plan
+  BoundLinear(at::Tensor W_, c10::optional<at::Tensor> bias_, at::Tensor A_, at::Tensor B_, at::Tensor scale_,
+              at::Tensor group_weight_, at::Tensor ranks_, int64_t M_)
+      : W(std::move(W_)), bias(std::move(bias_)), A(std::move(A_)), B(std::move(B_)), scale(std::move(scale_)),
+        group_weight(std::move(group_weight_)), ranks(std::move(ranks_)), M(M_) {
+    const int64_t N = W.size(0), K = W.size(1);
+    merged = takes_merged(M, N, K, A.size(0) * A.size(1), group_weight.size(0), W.element_size());
+    const void* bp = bias.has_value() ? bias->data_ptr() : nullptr;
+    if (!W.is_cuda() || W.dim() != 2 || !W.is_contiguous() || !aligned16(W.data_ptr()) || N % 8 || K % 8 || M <= 0 ||
+        (bp != nullptr && !(bias->is_contiguous() && bias->scalar_type() == W.scalar_type() && aligned16(bp))))
+      return;
+    c10::cuda::CUDAGuard guard(W.device());
+    auto job = std::make_shared<LtJob>(N, K, M, 1, 0, cuda_type(W.scalar_type()), bp, LT_WORKSPACE);
+    if (job->ok) lt = std::move(job);
+  }
+  at::Tensor run(const at::Tensor& x) const {  // x [rows, K]
+    if (!lt || x.size(0) != M || !x.is_contiguous() || !aligned16(x.data_ptr()) || x.scalar_type() != W.scalar_type()
+        || x.device() != W.device())
+      return lora_linear(x, W, bias, A, B, scale, group_weight, ranks);
+    const int64_t N = W.size(0);
+    c10::cuda::CUDAGuard guard(x.device());
+    const at::Tensor Wx = merged ? merged_scratch(W, A, B, scale, group_weight, ranks) : W;
+    at::Tensor y = at::empty({M, N}, x.options());
+    at::Tensor ws = at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));
+    const float alpha = 1.f, beta = 0.f;
+    TORCH_CUDABLAS_CHECK(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), lt->op, &alpha, Wx.data_ptr(), lt->a,
+                                        x.data_ptr(), lt->b, &beta, y.data_ptr(), lt->c, y.data_ptr(), lt->c,
+                                        &lt->algo, ws.data_ptr(), LT_WORKSPACE, at::cuda::getCurrentCUDAStream()));
+    if (!merged)
+      delta_impl(y, x, A, B, scale, ranks, weights_of(scale, group_weight, c10::nullopt, M), "lora_linear");
+    return y;
+  }
+  at::Tensor operator()(const at::Tensor& x) const {  // x [..., K] -> y [..., N]
+    if (x.dim() == 2) return run(x);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == W.size(1), "fdlora_cuda.BoundLinear: x ", x.sizes(), " does not end in ",
+                W.size(1));
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = W.size(0);
+    return run(x.reshape({-1, W.size(1)})).view(sizes);
+  }
+};
 
 // The eager per-prompt layer call (fdlora/layers/fused.py, _grouped_forward) with its copies bound: each job (count
 // blocks of `rows` rows, `stride` rows apart, on one weight) is one planned cuBLASLt matmul with the bias in its
@@ -515,7 +561,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_linear", &fdlora_cuda::lora_linear);
   pybind11::class_<fdlora_cuda::BoundLinear>(m, "BoundLinear")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          at::Tensor>())
+                          at::Tensor, int64_t>())
+      .def_readonly("merged", &fdlora_cuda::BoundLinear::merged)
+      .def_property_readonly("planned", [](const fdlora_cuda::BoundLinear& b) { return b.lt != nullptr; })
       .def("__call__", &fdlora_cuda::BoundLinear::operator());
   pybind11::class_<fdlora_cuda::BoundRows>(m, "BoundRows")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
