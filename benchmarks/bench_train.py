@@ -19,8 +19,19 @@ code path on toy shapes on CPU.
 
     python benchmarks/bench_train.py --out benchmarks/results/<gpu>/train.json
     python benchmarks/bench_train.py --smoke --out /tmp/train.json
-    accelerate launch --multi_gpu --num_processes 2 benchmarks/bench_train.py --ddp --cases llama sdxl \
-        --out benchmarks/results/<gpu>/train_ddp2.json      (and --num_processes 1 for the 1-GPU row)
+
+More than one GPU (`--ddp`, `--fsdp`, or both in one launch): fd-lora alone under `accelerate launch`, the global
+batch split over the processes, the model replicated (DDP) or its frozen base sharded as `fdlora train` shards it
+(FSDP2, fdlora.training.fsdp). A row per (case, mode, process count): median step ms of the slowest rank, peak GiB
+per GPU (the largest rank's), the frozen base bytes each process holds. Rows merge into --out, so the launches of
+each process count fill one file (benchmarks/gpu_session.sh train-multi runs them):
+
+    L="accelerate launch --num_machines 1 --mixed_precision no --dynamo_backend no"
+    $L --num_processes 1 benchmarks/bench_train.py --ddp --fsdp --cases llama sdxl vit --steps 5 \
+        --out benchmarks/results/<gpu>/train_multigpu.json
+    $L --multi_gpu --num_processes 2 benchmarks/bench_train.py --ddp --fsdp ... (the same --out)
+    CUDA_VISIBLE_DEVICES= $L --multi_gpu --num_processes 2 benchmarks/bench_train.py --smoke --ddp --fsdp \
+        --out /tmp/m.json      (CPU, gloo; `accelerate launch --cpu --num_processes 2` would start one process)
 """
 
 from __future__ import annotations
@@ -93,8 +104,9 @@ def _verify(pm, fm, loss_fn, small, autocast) -> float:
     return worst
 
 
-def _time(model, loss_fn, batch, steps, dev, autocast) -> tuple[float, float]:
-    """(median step ms, peak GiB allocated above the resident baseline) of AdamW steps."""
+def _time(model, loss_fn, batch, steps, dev, autocast, losses=None) -> tuple[float, float]:
+    """(median step ms, peak GiB allocated above the resident baseline) of AdamW steps; the last step's loss is
+    appended to `losses` if given."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5) if params else None  # the floor: no parameter to train
 
@@ -105,6 +117,7 @@ def _time(model, loss_fn, batch, steps, dev, autocast) -> tuple[float, float]:
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
     step()  # warm-up: optimizer state, kernels compiled
     _sync(dev)
@@ -116,9 +129,11 @@ def _time(model, loss_fn, batch, steps, dev, autocast) -> tuple[float, float]:
     for _ in range(steps):
         _sync(dev)
         t = time.perf_counter()
-        step()
+        last = step()
         _sync(dev)
         times.append((time.perf_counter() - t) * 1e3)
+    if losses is not None:
+        losses.append(float(last))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else float("nan")
     for p in params:
         p.grad = None
@@ -235,18 +250,68 @@ def run_case(name, dev, smoke, steps) -> dict:
     return row
 
 
-def ddp_case(name, smoke, steps) -> dict | None:
-    """fd-lora alone under `accelerate launch --multi_gpu --num_processes N`: the global batch split over the N
-    processes (DDP), median step ms per GPU count. Verification vs PEFT is the single-GPU run's job."""
-    from accelerate import Accelerator
+def _one_rank_group(dev) -> None:
+    """FSDP needs a process group; `accelerate launch --num_processes 1` starts none: a 1-rank one in this process."""
+    import torch.distributed as dist
 
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    dev = acc.device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+
+
+def _per_rank(values: list[float], dev) -> list[list[float]]:
+    """`values` of every rank (all_gather; one list per rank, rank order)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _base_bytes(model) -> tuple[int, int]:
+    """(bytes of the frozen parameters this process holds, bytes of the whole frozen base): a sharded parameter
+    counts its local shard."""
+    from fdlora.training import fsdp
+
+    local = total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            total += p.numel() * p.element_size()
+            local += (p.to_local() if fsdp.is_sharded(p) else p).numel() * p.element_size()
+    return local, total
+
+
+FSDP_QUANT_NOTE = ("not run: FSDP does not shard bitsandbytes 4-bit weights (packed uint8 Params4bit with a quant "
+                   "state; `fdlora train` refuses quantization with FSDP, fdlora.training.trainer.parallelism)")
+
+
+def multi_case(name, mode, acc, smoke, steps) -> dict | None:
+    """fd-lora alone under `accelerate launch [--multi_gpu] --num_processes N`, the global batch split over the N
+    processes; `mode` ddp: the model replicated (accelerate's DDP wrapper; none at N=1), fsdp: the frozen base sharded
+    as `fdlora train` shards it (fdlora.training.fsdp.shard, units from _no_split_modules; the model is built on the
+    device, then sharded). Times are per rank, the row keeps the slowest; memory the largest rank's. Verification
+    vs PEFT is the single-GPU run's job; this checks the losses are finite and (ddp) the replicas stay equal.
+    Returns the row on the main process, None on the others."""
+    from fdlora.training import fsdp
+
+    dev, n, r = acc.device, acc.num_processes, acc.process_index
+    cuda = dev.type == "cuda"
+    row = {"case": name, "mode": mode, "processes": n, "smoke": smoke}
+    if mode == "fsdp" and name == "vit":
+        return {**row, "note": FSDP_QUANT_NOTE} if acc.is_main_process else None
     build, lora_cfg, batch, _, loss_fn, dtype, _ = CASES[name](dev, smoke)
-    model = fdlora.add_trainable_adapter(build(), "default", lora_cfg).to(dev).train()
+    model = fdlora.add_trainable_adapter(build(), "default", lora_cfg).to(dev)
+    if mode == "fsdp":
+        _one_rank_group(dev)
+        fsdp.shard(model, dev, n)
+        dmodel = model
+    model.train()
     opt = torch.optim.AdamW(fdlora.trainable_parameters(model), lr=1e-5)
-    dmodel, opt = acc.prepare(model, opt)
-    n, r = acc.num_processes, acc.process_index
+    if mode == "ddp":
+        dmodel, opt = acc.prepare(model, opt)
     B = next(iter(batch.values())).shape[0]
     per = max(1, B // n)  # a batch smaller than the process count (SDXL's 1): each process runs it (weak scaling)
     local = {k: (v[r * per:(r + 1) * per] if B >= n and torch.is_tensor(v) and v.dim() and v.shape[0] == B else v)
@@ -255,11 +320,101 @@ def ddp_case(name, smoke, steps) -> dict | None:
     def autocast():
         return torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    ms, _ = _time(dmodel, loss_fn, local, steps, dev, autocast)
-    t = torch.tensor([ms], device=dev)
-    ms = float(acc.reduce(t, "max").item())  # the slowest rank sets the step
-    row = {"case": name, "processes": n, "per_process_batch": per, "global_batch": per * n, "fd_ms": ms}
+    held, whole = _base_bytes(model)
+    if cuda:
+        _sync(dev)
+        torch.cuda.empty_cache()
+    resident = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")
+    losses = []
+    ms, above = _time(dmodel, loss_fn, local, steps, dev, autocast, losses)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")  # since _time's reset: the steps
+    check = float(sum(float(p.detach().double().sum()) for p in fdlora.trainable_parameters(model))) \
+        if mode == "ddp" else 0.0  # ddp: every replica holds the same A / B after the steps
+    ranks = _per_rank([ms, peak, above, resident, held, losses[-1], check], dev)
+
+    def worst(i):  # the largest over the ranks; None where no rank measured it (memory on CPU)
+        vals = [x[i] for x in ranks if x[i] == x[i]]
+        return max(vals) if vals else None
+
+    row.update(per_process_batch=per, global_batch=per * n, fd_ms=worst(0), fd_ms_ranks=[x[0] for x in ranks],
+               samples_per_s=per * n / worst(0) * 1e3, peak_gib=worst(1), peak_above_resident_gib=worst(2),
+               resident_gib=worst(3), base_bytes_per_gpu=int(worst(4)), base_bytes_total=whole,
+               base_share=worst(4) / whole if whole else None,
+               losses_finite=all(x[5] == x[5] and abs(x[5]) != float("inf") for x in ranks), last_loss=ranks[0][5])
+    if mode == "ddp":
+        row["replicas_equal"] = all(x[6] == ranks[0][6] for x in ranks)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import FSDPModule
+
+        row["fsdp_units"] = sum(1 for m in model.modules() if isinstance(m, FSDPModule))
+    if n == 1:
+        row["note"] = ("1 process: no DDP wrapper (accelerate prepares a plain model)" if mode == "ddp" else
+                       "1 process: FSDP over a 1-rank group (every unit whole; the sharding machinery's own cost)")
+    elif B < n:
+        row["note"] = f"batch {B} < {n} processes: each process runs the whole batch (weak scaling)"
+    del model, dmodel, opt, local, batch
+    acc.free_memory()
+    if cuda:
+        torch.cuda.empty_cache()
     return row if acc.is_main_process else None
+
+
+def merge_rows(path: Path, rows: list[dict], meta: dict) -> dict:
+    """`rows` into the JSON at `path` (created if missing): a row replaces an earlier one of the same (case, mode,
+    processes, smoke), so successive launches (1 process, 2 processes) fill one file."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    if doc.get("device") not in (None, meta["device"]):
+        raise SystemExit(f"bench_train: {path} holds rows measured on {doc['device']!r}, this run is on "
+                         f"{meta['device']!r}; fix: --out benchmarks/results/<this gpu>/train_multigpu.json")
+
+    def key(r):
+        return r["case"], r["mode"], r["processes"], r.get("smoke", False)
+
+    new = {key(r) for r in rows}
+    kept = [r for r in doc.get("rows", []) if key(r) not in new]
+    order = list(CASES)
+    doc = {**doc, **meta, "rows": sorted(kept + rows, key=lambda r: (order.index(r["case"]) if r["case"] in order
+                                                                      else len(order), *key(r)[1:]))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def run_multi(a) -> int:
+    """The multi-process mode: one row per (mode, case), each merged into --out as soon as it is measured (a launch
+    cut short keeps the rows it finished)."""
+    from fdlora.training import fsdp
+
+    acc = fsdp.accelerator(cpu=a.smoke or not torch.cuda.is_available())
+    modes = [m for m in ("ddp", "fsdp") if getattr(a, m)]
+    steps = a.steps or (2 if a.smoke else 10)
+    meta = None
+    if acc.is_main_process:
+        e = environment(acc.device)
+        meta = {"device": e["device"], "git_sha": e["git_sha"], "gpus": torch.cuda.device_count(), "env": e}
+    for mode in modes:
+        for name in (c for c in a.cases if c in CASES):
+            row = multi_case(name, mode, acc, a.smoke, steps)
+            if row is None:
+                continue
+            row["steps"], row["git_sha"] = steps, meta["git_sha"]
+            if "fd_ms" in row:
+                peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
+                print(f"{name} {mode}: {row['processes']} processes x batch {row['per_process_batch']}: "
+                      f"{row['fd_ms']:.1f} ms/step (slowest rank), peak {peak} per GPU, frozen base held "
+                      f"{_size(row['base_bytes_per_gpu'])} of {_size(row['base_bytes_total'])} per process", flush=True)
+            else:
+                print(f"{name} {mode}: {row['note']}", flush=True)
+            if a.out:
+                merge_rows(a.out, [row], meta)
+    if a.out and acc.is_main_process:
+        print(f"wrote {a.out}")
+    acc.wait_for_everyone()
+    return 0
 
 
 def layer_microbench(dev, smoke, repeats) -> list[dict]:
@@ -346,19 +501,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per framework")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--ddp", action="store_true", help="under accelerate launch: fd-lora step time with the global "
-                   "batch split over the processes (one JSON row per case, written by the main process)")
+                   "batch split over the processes, the model replicated (DDP); rows merged into --out")
+    p.add_argument("--fsdp", action="store_true", help="under accelerate launch: the same with the frozen base "
+                   "sharded as `fdlora train` shards it (FSDP2); with --ddp, both modes in one launch")
     a = p.parse_args(argv)
-    if a.ddp:
-        rows = [ddp_case(c, a.smoke, a.steps or (2 if a.smoke else 10)) for c in a.cases if c in CASES]
-        if rows and rows[0] is not None:
-            for row in rows:
-                print(f"{row['case']}: {row['processes']} processes x batch {row['per_process_batch']}: "
-                      f"{row['fd_ms']:.1f} ms/step", flush=True)
-            if a.out:
-                a.out.parent.mkdir(parents=True, exist_ok=True)
-                a.out.write_text(json.dumps({"env": environment(torch.device("cuda" if torch.cuda.is_available()
-                                                                                  else "cpu")), "ddp": rows}, indent=1))
-        return 0
+    if a.ddp or a.fsdp:
+        return run_multi(a)
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     steps = a.steps or (2 if a.smoke else 10)
     result = {"env": environment(dev), "smoke": a.smoke, "targets": TARGETS, "cases": [], "layer": []}

@@ -24,6 +24,8 @@
 #           run on the triton+cuda backend auto takes once it is built), quant-tests (the GPU tests of the
 #           dequant-merge kernels and layers, and of training), offload-flux (bench_offload's Flux model-offload
 #           rows alone), calibrate (`fdlora plan --calibrate`, its JSON <device>.json copied to results/)
+#           train-multi (2 GPUs: the GPU tests of test_fsdp / test_ddp, then bench_train.py --ddp --fsdp at 1 and 2
+#           processes, rows merged into train_multigpu.json; ~4 min of its 7 min limit on an H100 pair)
 #   While helpers edit the tree, run from a snapshot of HEAD: `git archive -o .snap.tar HEAD` here (the name is in
 #   .git/info/exclude), carry it, and start the call with `mkdir -p /tmp/w && tar -xf .snap.tar -C /tmp/w &&
 #   cp -r .whl /tmp/w/ && cd /tmp/w && bash benchmarks/gpu_session.sh ...` (the device copy's .git may be stale:
@@ -88,6 +90,12 @@ for stage in "$@"; do
         tests/layers/test_gguf_merge.py tests/training/test_gpu.py ;;
     offload-flux) step 500 python3 benchmarks/bench_offload.py --model flux --modes model --out "$OUT/results/offload_flux.json" ;;
     calibrate) TAIL=3 step 120 python3 -m fdlora plan --calibrate && cp ~/.cache/fdlora/plan/*.json "$OUT/results/" ;;
+    train-multi) [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || echo "train-multi: fewer than 2 GPUs (the 2-GPU cases skip)"
+        TAIL=12 step 160 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/training/test_fsdp.py tests/training/test_ddp.py
+        L="accelerate launch --num_machines 1 --mixed_precision no --dynamo_backend no"
+        B="benchmarks/bench_train.py --ddp --fsdp --cases llama sdxl vit --steps 5 --out $OUT/results/train_multigpu.json"
+        TAIL=12 step 110 $L --num_processes 1 $B
+        TAIL=12 step 150 $L --multi_gpu --num_processes 2 $B ;;
     probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
   esac
 done
