@@ -386,35 +386,52 @@ def _size(n: int) -> str:
 
 def run_multi(a) -> int:
     """The multi-process mode: one row per (mode, case), each merged into --out as soon as it is measured (a launch
-    cut short keeps the rows it finished)."""
+    cut short keeps the rows it finished). The nf4 ViT runs after the others (bitsandbytes weights under DDP are the
+    least tried path). A case that raises leaves a row with its error and the launch goes on; the exit status is then
+    1 (a failed collective may instead hang until the caller's timeout: the rows before it are in --out)."""
+    import gc
+    import traceback
+
     from fdlora.training import fsdp
 
     acc = fsdp.accelerator(cpu=a.smoke or not torch.cuda.is_available())
     modes = [m for m in ("ddp", "fsdp") if getattr(a, m)]
+    cases = [c for c in a.cases if c in CASES]
+    pairs = [(m, c) for m in modes for c in cases if c != "vit"] + [(m, "vit") for m in modes if "vit" in cases]
     steps = a.steps or (2 if a.smoke else 10)
-    meta = None
+    meta, failed = None, False
     if acc.is_main_process:
         e = environment(acc.device)
         meta = {"device": e["device"], "git_sha": e["git_sha"], "gpus": torch.cuda.device_count(), "env": e}
-    for mode in modes:
-        for name in (c for c in a.cases if c in CASES):
+    for mode, name in pairs:
+        try:
             row = multi_case(name, mode, acc, a.smoke, steps)
-            if row is None:
-                continue
-            row["steps"], row["git_sha"] = steps, meta["git_sha"]
-            if "fd_ms" in row:
-                peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
-                print(f"{name} {mode}: {row['processes']} processes x batch {row['per_process_batch']}: "
-                      f"{row['fd_ms']:.1f} ms/step (slowest rank), peak {peak} per GPU, frozen base held "
-                      f"{_size(row['base_bytes_per_gpu'])} of {_size(row['base_bytes_total'])} per process", flush=True)
-            else:
-                print(f"{name} {mode}: {row['note']}", flush=True)
-            if a.out:
-                merge_rows(a.out, [row], meta)
+        except Exception as err:  # recorded in the row; the other cases still run
+            traceback.print_exc()
+            failed = True
+            row = {"case": name, "mode": mode, "processes": acc.num_processes, "smoke": a.smoke,
+                   "error": f"{type(err).__name__}: {err}"[:2000]} if acc.is_main_process else None
+            del err
+            acc.free_memory()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if row is None:
+            continue
+        row["steps"], row["git_sha"] = steps, meta["git_sha"]
+        if "fd_ms" in row:
+            peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
+            print(f"{name} {mode}: {row['processes']} processes x batch {row['per_process_batch']}: "
+                  f"{row['fd_ms']:.1f} ms/step (slowest rank), peak {peak} per GPU, frozen base held "
+                  f"{_size(row['base_bytes_per_gpu'])} of {_size(row['base_bytes_total'])} per process", flush=True)
+        else:
+            print(f"{name} {mode}: {row.get('error') or row['note']}", flush=True)
+        if a.out:
+            merge_rows(a.out, [row], meta)
     if a.out and acc.is_main_process:
         print(f"wrote {a.out}")
     acc.wait_for_everyone()
-    return 0
+    return 1 if failed else 0
 
 
 def layer_microbench(dev, smoke, repeats) -> list[dict]:
