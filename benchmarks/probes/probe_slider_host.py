@@ -1,0 +1,108 @@
+"""Where a slider step's extra host time goes on the full-size SDXL UNet (bench_fullsize's slider_every_step: the
+step after `set_adapters(['a0'], [w])`, every cached layer re-merged): host ms of set_adapters, of the replay
+(remerge._replay: its launch and its per-layer checks), of the rest of the step, and how many layer calls missed
+the hot path, against a plain cached step. Results: benchmarks/results/<gpu>/probe_slider_host.json.
+
+    PYTHONPATH=. python benchmarks/probes/probe_slider_host.py --out /tmp/probe_slider_host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import fdlora  # noqa: E402
+from fdlora.layers import hot, remerge  # noqa: E402
+from fdlora.pipelines import fullsize  # noqa: E402
+
+
+class Clock:
+    """Host ms inside wrapped functions, and hot-path misses, per step."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self.misses = 0
+
+    def wrap(self, owner, name: str, label: str):
+        real = getattr(owner, name)
+
+        @functools.wraps(real)
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t) * 1e3
+        setattr(owner, name, timed)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+    from peft import LoraConfig
+
+    model = fullsize.sdxl_unet("cuda", torch.float16)
+    x = fullsize.sdxl_inputs(model, 2)
+    with torch.device("cuda"):
+        for i, n in enumerate(("a0", "a1")):
+            torch.manual_seed(i + 1)
+            model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=fullsize.SDXL_TARGETS,
+                                         init_lora_weights=False), n)
+    fd = fdlora.from_peft(model)
+    clock = Clock()
+    clock.wrap(remerge, "_replay", "replay")
+    clock.wrap(remerge, "_full", "full pass")
+    real_get = hot.get
+
+    def counted(layer, x):
+        fn = real_get(layer, x)
+        clock.misses += fn is None
+        return fn
+    hot.get = counted  # fdlora.layers.fused calls it through the module
+    weights = itertools.cycle([i / 10 for i in range(1, 11)])
+    rows = {}
+    with torch.inference_mode():
+        fdlora.set_adapters(fd, ["a0"])
+        for _ in range(3):
+            fd(**x)
+        for case in ("plain", "slider"):
+            per = []
+            for _ in range(args.steps):
+                torch.cuda.synchronize()
+                clock.ms, clock.misses = {}, 0
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter()
+                if case == "slider":
+                    fdlora.set_adapters(fd, ["a0"], [next(weights)])
+                t1 = time.perf_counter()
+                fd(**x)
+                t2 = time.perf_counter()
+                end.record()
+                end.synchronize()
+                per.append({"set_adapters": (t1 - t0) * 1e3, "forward host": (t2 - t1) * 1e3,
+                            "step gpu": start.elapsed_time(end), "misses": clock.misses, **clock.ms})
+            rows[case] = {k: statistics.median(p.get(k, 0.0) for p in per[2:]) for k in per[-1]}
+            print(case, {k: round(v, 2) for k, v in rows[case].items()}, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "layers": len(fdlora.handle(fd).layers),
+                                        "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
