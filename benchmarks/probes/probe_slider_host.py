@@ -47,10 +47,38 @@ class Clock:
         setattr(owner, name, timed)
 
 
+def profile(fd, x, weights) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof_run
+
+    out = {}
+    for case in ("plain", "slider"):
+        with prof_run(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                if case == "slider":
+                    fdlora.set_adapters(fd, ["a0"], [next(weights)])
+                fd(**x)
+            torch.cuda.synchronize()
+        ev = prof.key_averages()
+        gpu = sorted(ev, key=lambda e: -e.device_time_total)[:12]
+        cpu = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:12]
+        out[case] = {"gpu_ms_per_step": [(e.key[:90], e.count / 2, e.device_time_total / 2e3) for e in gpu],
+                     "host_ms_per_step": [(e.key[:90], e.count / 2, e.self_cpu_time_total / 2e3) for e in cpu]}
+        print(f"== {case}: top kernels (GPU ms per step)")
+        for k, n, ms in out[case]["gpu_ms_per_step"]:
+            print(f"  {ms:8.2f}  {n:6.0f}  {k}")
+        print(f"== {case}: top ops (self host ms per step)")
+        for k, n, ms in out[case]["host_ms_per_step"]:
+            print(f"  {ms:8.2f}  {n:6.0f}  {k}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler, 2 plain and 2 slider steps: top kernels by GPU time, ops by host time")
     args = ap.parse_args()
     from peft import LoraConfig
 
@@ -97,6 +125,8 @@ def main() -> int:
                             "step gpu": start.elapsed_time(end), "misses": clock.misses, **clock.ms})
             rows[case] = {k: statistics.median(p.get(k, 0.0) for p in per[2:]) for k in per[-1]}
             print(case, {k: round(v, 2) for k, v in rows[case].items()}, flush=True)
+        if args.profile:
+            rows["profile"] = profile(fd, x, weights)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "layers": len(fdlora.handle(fd).layers),
