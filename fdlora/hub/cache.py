@@ -117,7 +117,9 @@ def _fresh(adapters: dict[str, LoraAdapter]) -> dict[str, LoraAdapter]:
 
 
 def pack_adapters(adapters: dict[str, LoraAdapter], pin: bool = True) -> dict[str, LoraAdapter]:
-    """Copies of `adapters` whose tensors are views into one host buffer (page-locked with `pin`)."""
+    """Copies of `adapters` whose tensors are views into one host buffer (page-locked with `pin`). The alignment
+    padding between tensors is zeroed: `stage`'s finite check reads the buffer whole, and uninitialised bytes there
+    (a NaN pattern left by an earlier use of the memory) sent a clean adapter through the exact host check."""
     tensors = [t for a in adapters.values() for m in a.modules.values() for t in (m.A, m.B, m.bias) if t is not None]
     sizes = [-(-t.nbytes // ALIGN) * ALIGN for t in tensors]
     buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
@@ -130,7 +132,10 @@ def pack_adapters(adapters: dict[str, LoraAdapter], pin: bool = True) -> dict[st
         n = t.nbytes
         view = buf[offset:offset + n].view(t.dtype).view(t.shape)
         view.copy_(t)
-        offset += -(-n // ALIGN) * ALIGN
+        end = offset + -(-n // ALIGN) * ALIGN
+        if end > offset + n:
+            buf[offset + n:end].zero_()
+        offset = end
         return view
 
     out = {}

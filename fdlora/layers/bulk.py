@@ -16,6 +16,7 @@ from .. import env
 from ..hub.adapter import ModuleLora
 from ..hub.cache import Staged
 from .bank import AdapterBank
+from .state import to_device
 
 
 def _scatter():
@@ -50,8 +51,8 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
             B.data_ptr() + base, b0 + slot * b_step, n, r, b_row, k0 + slot * k_step])
         bank.mark(slot, r, device=False)
         marked.append(bank)
-    for (src, dst), rows in tables.items():
-        kernel.scatter(torch.tensor(rows, dtype=torch.int64).to(dev), src, dst)
+    for (src, dst), rows in tables.items():  # (a page-locked copy: from pageable memory the host would wait for
+        kernel.scatter(to_device(torch.tensor(rows, dtype=torch.int64), dev), src, dst)  # the GPU to drain first)
     AdapterBank.bump(marked)
     if rest:
         AdapterBank.write_many(rest)

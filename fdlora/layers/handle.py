@@ -148,10 +148,13 @@ class FdLoraHandle:
         self.state.slots.check_name(name)
         what = f"adapter {name!r}"
         to_wrap, problems = [], []
-        modules = self._modules()
+        layers, cap = self.layers, env.max_rank_limit()
+        # the model's modules only when a path is not wrapped yet: a load into wrapped layers (every load but the
+        # first, and every prefetch's publication) walks no module tree (~4k modules on an SDXL UNet once wrapped)
+        modules = None if all(p in layers for p in adapter.modules) else self._modules()
         for path, m in adapter.modules.items():
             try:
-                if self._check_module(path, m, what, modules):
+                if self._check_module(path, m, what, modules, cap):
                     to_wrap.append(path)
             except FdLoraError as e:
                 problems.append(e)
@@ -163,11 +166,12 @@ class FdLoraHandle:
             self._reshapeable(f"wrap {len(to_wrap)} more modules for {what}")
         return LoadPlan(name, self.state.slots.check_new(name) if slot else -1, adapter, to_wrap)
 
-    def _check_module(self, path: str, m, what: str, modules: dict[str, nn.Module]) -> bool:
+    def _check_module(self, path: str, m, what: str, modules: dict[str, nn.Module] | None, cap: int) -> bool:
         """Raise if module `path` cannot take LoRA `m`; True if it still has to be wrapped. `modules`: the model's
-        modules by path (`_modules`)."""
+        modules by path (`_modules`; None when every path of the adapter is wrapped); `cap`: the rank limit."""
         layer = self.layers.get(path)
         if layer is None:
+            modules = self._modules() if modules is None else modules
             parts = path.split(".")
             inner = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in self.layers), None)
             if inner is not None:  # a path read off the wrapped model (`X.base`): never wrap inside a fused layer
@@ -182,11 +186,11 @@ class FdLoraHandle:
                 check_fits(spec, m, path, what)
         else:
             layer.check(m, what)
-        cap = env.max_rank_limit()
-        if m.rank > cap:
-            raise CapacityError(f"{what}: {path} has rank {m.rank}, above the rank limit {cap}; raise it "
-                                f"({env.MAX_RANK_VAR}={m.rank}) if the adapter is genuine.")
-        if padded_rank(m.rank) > self.max_rank:
+        rank = m.rank
+        if rank > cap:
+            raise CapacityError(f"{what}: {path} has rank {rank}, above the rank limit {cap}; raise it "
+                                f"({env.MAX_RANK_VAR}={rank}) if the adapter is genuine.")
+        if padded_rank(rank) > self.max_rank:
             raise CapacityError(
                 f"{what}: {path} has rank {m.rank}, above this model's rank capacity {self.max_rank}. "
                 f"Raise max_rank (fdlora.inject(..., max_rank={padded_rank(m.rank)}) or "

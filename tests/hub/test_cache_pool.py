@@ -240,3 +240,32 @@ def test_align_paths_fits_text_model_prefix():
     fitted = align_paths(a, {"encoder.layers.0.q", "text_model.encoder.layers.1.q"})
     assert set(fitted.modules) == {"encoder.layers.0.q", "text_model.encoder.layers.1.q"}
     assert align_paths(a, set(a.modules)) is a
+
+
+def test_pack_adapters_zeroes_its_padding(monkeypatch):
+    """Padding between packed tensors is zero even where the fresh buffer held NaN bytes (torch.empty poisoned), so
+    stage's one-pass finite check over the buffer settles a clean adapter without the exact host check."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):
+        return real_empty(*a, **kw).fill_(255)  # (all-ones bytes: a NaN in every float dtype)
+
+    g = torch.Generator().manual_seed(0)
+    a = LoraAdapter({"a": ModuleLora(torch.randn(3, 5, generator=g), torch.randn(7, 3, generator=g)),
+                     "b": ModuleLora(torch.randn(2, 5, generator=g), torch.randn(7, 2, generator=g))}, name="x")
+    monkeypatch.setattr(torch, "empty", poisoned)
+    host = pack_adapters({"": a}, pin=False)[""]
+    monkeypatch.setattr(torch, "empty", real_empty)
+    flat = torch.empty(0, dtype=torch.uint8).set_(host.modules["a"].A.untyped_storage())
+    used = torch.zeros(flat.numel(), dtype=torch.bool)
+    base = flat.data_ptr()
+    for m in host.modules.values():
+        for t in (m.A, m.B):
+            used[t.data_ptr() - base:t.data_ptr() - base + t.nbytes] = True
+    assert (~used).sum() > 0 and bool((flat[~used] == 0).all())  # (3x5 and 7x3 fp32 leave padding)
+    exact = []
+    monkeypatch.setattr(LoraAdapter, "check_finite", lambda self, name=None: exact.append(name))
+    moved = to_device(host, "cpu", check_finite=True)
+    assert exact == [] and all(m.finite for m in moved.modules.values())
+    assert all(torch.equal(moved.modules[p].A, a.modules[p].A) and torch.equal(moved.modules[p].B, a.modules[p].B)
+               for p in a.modules)

@@ -281,3 +281,22 @@ def test_a_read_lands_in_page_locked_memory_after_a_reserve(files):
     dev = packed.tensor.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), packed.tensor)
+
+
+def test_start_returns_once_the_reader_has_imported_its_preloads(tmp_path, monkeypatch):
+    """`start` (fdlora.pipelines.warmup calls it) returns after the new reader's preload imports, so a load right
+    after it does not run beside them; the reader then serves loads as before."""
+    import types
+
+    for w in list(worker._started):
+        w.close()
+    worker._idle.clear()
+    mark = tmp_path / "ready"
+    monkeypatch.setenv("FDLORA_TEST_READY_MARK", str(mark))
+    monkeypatch.setitem(sys.modules, "support.reader_ready", types.ModuleType("support.reader_ready"))
+    monkeypatch.setattr(worker, "PRELOAD", ("support.reader_ready",))  # (imported there: slow, then marks)
+    worker.start()
+    assert mark.read_text() == "imported" and len(worker._idle) == 1 and worker._idle[0].proc.poll() is None
+    monkeypatch.setattr(worker, "PRELOAD", ())
+    worker.start()  # one is running: nothing more starts
+    assert len(worker._started) == 1

@@ -29,7 +29,7 @@ from ...layers.captured import capture_steps, release_steps, steps_of
 from .. import background as prefetching
 from .. import fuse as fusing
 from ..scope import pipe_lock
-from . import fused_qkv, schedule
+from . import fused_qkv, schedule, tree
 from .family import family_of
 from .scale import install_scale_hook, remove_scale_hook
 from .targets import SCALE_KWARGS, targets_for
@@ -158,7 +158,9 @@ class FdLoraPipelineMixin:
             adapters = {c: a for c, a in adapters.items() if c not in absent}
         if not adapters:
             raise FdLoraError("nothing to load: the adapter has no weights for this pipeline's components.")
-        adapters = {c: fused_qkv.retarget(modules[c], a) for c, a in adapters.items()}  # fuse_qkv_projections
+        trees = {c: tree.scan(modules[c]) for c in adapters}  # PEFT layers, fused q/k/v: one walk per component
+        adapters = {c: fused_qkv.retarget(modules[c], a) if trees[c].fused else a  # fuse_qkv_projections
+                    for c, a in adapters.items()}
         handles = self.fd_lora_handles()
         name = adapter_name or f"default_{len(self._fd_all_names())}"
         if name in self._fd_all_names():
@@ -168,7 +170,8 @@ class FdLoraPipelineMixin:
         before = {c: dict(h.state.active) for c, h in handles.items()}  # an eviction below may deactivate
         for comp, adapter in adapters.items():
             model = modules[comp]
-            self._fd_refuse_peft(comp, model)  # (the pool fits CLIP paths with or without `text_model.`)
+            if trees[comp].peft:  # (the pool fits CLIP paths with or without `text_model.`)
+                self._fd_refuse_peft(comp)
             h = handles.get(comp)
             fresh = h is None
             need = max(padded_rank(m.rank) for m in adapter.modules.values())
@@ -282,7 +285,8 @@ class FdLoraPipelineMixin:
         handles = self.fd_lora_handles()
         notes = []
         for comp in comps:
-            kinds = Counter(k for lay in handles[comp].layers.values() if (k := quantized.kind(lay.base)))
+            kinds = Counter(k for lay in handles[comp].layers.values() if not _plain(lay.base)
+                            and (k := quantized.kind(lay.base)))
             if kinds:
                 n = len(handles[comp].layers)
                 notes.append(f"{comp}: {sum(kinds.values())} of {n} LoRA layers have quantized bases ("
@@ -302,14 +306,11 @@ class FdLoraPipelineMixin:
                 h.wrap(match_targets(h.model, targets))
 
     @staticmethod
-    def _fd_refuse_peft(comp: str, model: nn.Module) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        if any(isinstance(m, BaseTunerLayer) for m in model.modules()):
-            raise FdLoraError(
-                f"{comp} already holds LoRA layers from diffusers' load_lora_weights (PEFT). Convert them with "
-                "fdlora.from_diffusers(pipe), or remove them with pipe.unload_lora_weights() before load_fd_lora."
-            )
+    def _fd_refuse_peft(comp: str) -> None:
+        raise FdLoraError(
+            f"{comp} already holds LoRA layers from diffusers' load_lora_weights (PEFT). Convert them with "
+            "fdlora.from_diffusers(pipe), or remove them with pipe.unload_lora_weights() before load_fd_lora."
+        )
 
     def _fd_all_names(self) -> list[str]:
         """Every loaded adapter, resident in a GPU slot or evicted to RAM."""
@@ -559,6 +560,19 @@ class FdLoraPipelineMixin:
 
 
 _SUBCLASSES: dict[type, type] = {}
+
+
+def _plain(base: nn.Module) -> bool:
+    """A plain float weight with no diffusers hook, asked in a few dictionary reads: what quantized.kind (~4 us a
+    layer, on every load's 722 SDXL layers) answers None for; False means "ask quantized.kind"."""
+    d = base.__dict__
+    w = d["_parameters"].get("weight")
+    return (type(w) in _PLAIN_WEIGHTS and "_diffusers_hook" not in d and w.dtype in _FLOATS
+            and getattr(type(base), "weight", None) is None)
+
+
+_PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def enable_fd_lora(pipe: Any) -> Any:
