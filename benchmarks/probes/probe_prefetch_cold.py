@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--cpu-clock", action="store_true", help="time by this process's CPU clock, one torch thread "
                     "(steadier than the wall clock on a shared box; excludes waiting for the disk)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--narrow", action="store_true", help="SDXL's structure at 1/10 widths (_cpu_setup)")
     a = ap.parse_args()
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     clock = time.process_time if a.cpu_clock else time.perf_counter
@@ -77,7 +78,7 @@ def main() -> None:
     import bench_prefetch as bp
 
     t0 = time.perf_counter()
-    pipe, unet, *_ = bp.setup(False) if torch.cuda.is_available() else _cpu_setup()
+    pipe, unet, *_ = bp.setup(False) if torch.cuda.is_available() else _cpu_setup(narrow=a.narrow)
     folder = tempfile.mkdtemp(prefix="fdlora-cold-")
     if a.format == "kohya":
         write_kohya(unet, 32, folder)
@@ -123,13 +124,22 @@ def main() -> None:
         a.out.write_text(json.dumps(res, indent=1) + "\n")
 
 
-def _cpu_setup():
-    """bench_prefetch's setup at full size on the CPU (fp16 weights; nothing is run)."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+NARROW = dict(block_out_channels=(32, 64, 128), attention_head_dim=(1, 2, 4), cross_attention_dim=64,
+              addition_time_embed_dim=8, projection_class_embeddings_input_dim=80)  # SDXL's structure, 1/10 widths
+
+
+def _cpu_setup(narrow: bool = False):
+    """bench_prefetch's setup at full size on the CPU (fp16 weights; nothing is run); `narrow`: the same structure
+    (722 LoRA layers) at 1/10 widths (NARROW)."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
     from fdlora.pipelines import fullsize
 
-    unet = fullsize.sdxl_unet("cpu", torch.float16).requires_grad_(False)
+    if narrow:
+        with fullsize.built_on("cpu", torch.float16):
+            unet = UNet2DConditionModel(**{**fullsize.SDXL_UNET, **NARROW}).eval().requires_grad_(False)
+    else:
+        unet = fullsize.sdxl_unet("cpu", torch.float16).requires_grad_(False)
     pipe = StableDiffusionXLPipeline(vae=None, text_encoder=None, text_encoder_2=None, tokenizer=None,
                                      tokenizer_2=None, unet=unet, scheduler=EulerDiscreteScheduler())
     return pipe, unet
