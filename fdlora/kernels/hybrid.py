@@ -27,8 +27,16 @@ from .cuda.ops import (
     prepare_linear,
     prepare_linear_rows,
 )
-from .triton.ops import lora_delta_rows, lora_merge, lora_merge_many, merge_table, prepare_delta_rows, prepare_merge
+from .triton.ops import (
+    lora_delta_rows,
+    lora_merge,
+    lora_merge_many,
+    merge_table,
+    prepare_delta_rows,
+    prepare_merge,
+    prepare_merge_many,
+)
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
            "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups", "prepare_linear",
-           "prepare_linear_rows", "prepare_merge"]
+           "prepare_linear_rows", "prepare_merge", "prepare_merge_many"]

@@ -76,11 +76,13 @@ def _replay(st, device: torch.device) -> bool:
         call()
     items = kept[1]
     table = st.table
+    # One pass: each layer that passes its check holds the new blend (its merge ran on these tensors) and takes the
+    # new key; at the first failure the rest keep their old keys, so the full pass merges them again.
     for lay, m, w, ptr, bank in items:
         if m.buf is None or lay.base._parameters["weight"] is not w or w.data_ptr() != ptr or lay.bank is not bank:
             return False
-    for _, m, w, ptr, bank in items:
-        m._mark_stale()
+        if m.stamp is not None:
+            m._mark_stale()
         m.key = blend_key_of(table, bank, ptr, _version(w))
     hot.rearm(st, [m for _, m, *_ in items])
     return True
@@ -124,7 +126,7 @@ def _full(layer, device: torch.device) -> None:
             w = lay.base._parameters["weight"]
             items.append((lay, m, w, w.data_ptr(), lay.bank))
             entries.append((lay, m, w, None, lay.scale_blend))
-    st.fast_pass = ((st.epoch, device, BUDGET.generation, st.mode), items, _calls(st, entries))
+    st.fast_pass = ((st.epoch, device, BUDGET.generation, st.mode), items, _calls(st, entries, kept=True))
     PASS_HOLDERS.add(st)
 
 
@@ -197,9 +199,11 @@ def _merge(st, todo: list[tuple]) -> None:
         call()
 
 
-def _calls(st, todo: list[tuple]) -> list:
+def _calls(st, todo: list[tuple], kept: bool = False) -> list:
     """The launches that merge (layer, copy, W, key, scale) entries: one lora_merge_many per (device, dtype, bank
-    shape) where the backend has it, one lora_merge per layer elsewhere (the torch reference, convs)."""
+    shape) where the backend has it, one lora_merge per layer elsewhere (the torch reference, convs). kept: the
+    slider replay's, relaunched while its key holds (the backend's prepare_merge_many, where it has one, then
+    checks only the weights' addresses per relaunch)."""
     calls, batches = [], {}
     for lay, m, w, _, scale in todo:
         e = entry(lay, m.buf, w, scale)
@@ -214,5 +218,7 @@ def _calls(st, todo: list[tuple]) -> list:
         table = st.merge_tables.get(shape)
         if table is None:
             table = st.merge_tables[shape] = ops.merge_table()
-        calls.append(functools.partial(ops.lora_merge_many, entries, table))
+        prepare = getattr(ops, "prepare_merge_many", None) if kept else None
+        calls.append(prepare(entries, table) if prepare is not None else
+                     functools.partial(ops.lora_merge_many, entries, table))
     return calls

@@ -68,3 +68,31 @@ def test_merge_many_matches_the_oracle_and_one_layer_merges(device, layers, dtyp
         if not zero_slot:  # the one-layer kernel reads every slot; it agrees to the last rounding
             ops.lora_merge(one, W, A, B, scale, ranks.to(W.device))
             assert ((one.double().cpu() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_kept_launch_rebuilds_its_table_only_when_a_weight_moves(device):
+    """prepare_merge_many (the slider replay's launch): relaunches read the new blend, keep the table while no
+    weight's storage moved, and merge from a weight whose `.data` was swapped (its new address) when one did."""
+    skip_unless(device)
+    from fdlora.kernels.triton import ops
+
+    entries, oracles = _case(device, torch.float32, 2, 16, False, ALIGNED)
+    table = ops.merge_table()
+    launch = ops.prepare_merge_many(entries, table)
+    launch()
+    built = table.tables
+    for (out, *_), exact in zip(entries, oracles):
+        torch.testing.assert_close(out.double().cpu(), exact, rtol=1e-5, atol=1e-5)
+    for _, _, _, _, scale, _ in entries:  # a slider move: the scale rows change in place
+        scale.mul_(-0.5)
+    launch()
+    assert table.tables is built  # nothing moved: the same device table
+    W0 = entries[0][1]
+    W0.data = torch.randn_like(W0)  # the storage swapped under the same tensor object
+    launch()
+    assert table.tables is not built
+    for out, W, A, B, scale, _ in entries:
+        N, K = W.shape
+        exact = W.double() + (B.double() * scale.double()[None, :, None]).reshape(N, -1) @ A.double().reshape(-1, K)
+        torch.testing.assert_close(out.double().cpu(), exact.cpu(), rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ kernel runs. Everything else goes through torch.ops.fdlora.*, which compile and 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -41,7 +42,7 @@ from . import lora_merge_many as _many
 from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
-           "lora_shrink", "merge_table", "prepare_linear", "prepare_merge"]
+           "lora_shrink", "merge_table", "prepare_linear", "prepare_merge", "prepare_merge_many"]
 
 
 def lora_shrink(
@@ -184,6 +185,13 @@ def lora_merge_many(entries: list[tuple[torch.Tensor, ...]], table: _many.MergeT
     fp32, ranks [S]) of one device, dtype and bank shape; the eager merged-weight cache's refresh
     (fdlora.layers.remerge)."""
     table.launch([e[:5] for e in entries])
+
+
+def prepare_merge_many(entries: list[tuple[torch.Tensor, ...]], table: _many.MergeTable) -> Callable[[], None]:
+    """lora_merge_many kept for relaunches while no bank, copy or scale row is replaced or resized (the slider
+    replay of fdlora.layers.remerge): each relaunch checks only the weights' addresses."""
+    kept = [e[:5] for e in entries]
+    return functools.partial(table.launch, kept, kept=True)
 
 
 # (device, dtype, stream) -> the merged weight of the layer running now, held weakly: the kept launches that write
