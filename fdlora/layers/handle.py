@@ -19,7 +19,7 @@ from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, F
 from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from ..hub.formats import lycoris
-from . import moe, shared
+from . import hot, moe, shared
 from .bank import AdapterBank, padded_rank
 from .bank import arena as bank_arena
 from .bulk import write_staged
@@ -232,6 +232,7 @@ class FdLoraHandle:
             self.set_adapters([plan.name])
         else:
             self.state.table.flush()
+            hot.rekey(self.state, self.layers.values())  # copies the blend did not change serve the next step
         return plan.slot
 
     def _unmatched_hint(self, adapter: LoraAdapter) -> str:
