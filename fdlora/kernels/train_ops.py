@@ -37,6 +37,10 @@ from torch import Tensor
 from .. import env
 from .reference import lora_train as ref
 
+# FDLORA_TRAIN_BACKWARD, read once (a process setting): the eager forward asks at every call, and reading the
+# environment there cost a few us per layer on host-bound steps.
+_TRITON_BACKWARD = env.train_backward() == "triton"
+
 
 @torch.library.custom_op("fdlora::lora_train_linear", mutates_args=())
 def lora_train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | None, bias: Tensor | None,
@@ -59,7 +63,7 @@ def lora_train_linear_backward(gy: Tensor, u: Tensor, h: Tensor, W: Tensor | Non
 
 @lora_train_linear_backward.register_kernel("cuda")
 def _cuda_linear_backward(gy, u, h, W, A, B, scale):
-    if env.train_backward() == "triton":
+    if _TRITON_BACKWARD:
         try:
             from .triton.lora_backward import lora_backward
         except ImportError:  # CUDA without triton: cuBLAS below
@@ -155,7 +159,7 @@ _UNIFORM, _HALF, _MIXED = "uniform", "half", "mixed"  # which forward an eager c
 def _half_pair(u: Tensor) -> bool:
     """Whether an eager call runs the half-precision pair: half-precision activations on CUDA with the cuBLAS
     backward (on CPU the BLAS cannot write fp32 from half inputs, so the reference's fp32 h keeps its accuracy)."""
-    return u.is_cuda and u.dtype in (torch.float16, torch.bfloat16) and env.train_backward() != "triton"
+    return u.is_cuda and (u.dtype is torch.bfloat16 or u.dtype is torch.float16) and not _TRITON_BACKWARD
 
 
 # A reshape that autograd does not record as a view: a view made inside a Function's forward and returned cannot be
@@ -173,11 +177,17 @@ class _Linear(torch.autograd.Function):
       half     half-precision activations on CUDA with the cuBLAS backward: lora_train_linear_half, which keeps h,
                A and s B cast;
       mixed    anything else (e.g. bf16 activations on CPU, an fp16 outside base under fp32 A/B): the op's own
-               reference forward and its device's backward."""
+               reference forward and its device's backward.
+    With `base` (a frozen module whose input gradient is gy W, W = weight(base, dtype) [N, K]: a 4-bit
+    bitsandbytes layer, see train_linear_over) y0 = base(x) is computed here, so it has no graph node of its own, the
+    delta is added into it in place, and W is rebuilt in the backward for grad_x = gy W + g A in one in-place GEMM
+    pair (instead of the base's own backward, a second [M, K] gradient and their sum)."""
 
     @staticmethod
-    def forward(ctx, x, u, y0, W, bias, A, B, scale):
+    def forward(ctx, x, u, y0, W, bias, A, B, scale, base=None, weight=None):
         shape = ctx.shape = x.shape
+        if base is not None:
+            y0 = base(x)  # grad mode is off in here: the base records nothing
         if len(shape) != 2:
             x = x.reshape(-1, shape[-1])
             u = None if u is None else u.reshape(-1, shape[-1])
@@ -185,19 +195,20 @@ class _Linear(torch.autograd.Function):
         lora_in = x if u is None else u
         dt = lora_in.dtype
         ctx.a_dtype, ctx.b_dtype = A.dtype, B.dtype
+        own = base is not None
         if (dt is x.dtype is A.dtype is B.dtype and (dt is torch.float32 or dt is torch.float64)
                 and (W is None or W.dtype is dt) and (bias is None or bias.dtype is dt)
                 and (y0 is None or y0.dtype is dt)):
             ctx.how = _UNIFORM
-            y, h = ref.lora_train_linear_uniform(x, lora_in, y0, W, bias, A, B, scale)
+            y, h = ref.lora_train_linear_uniform(x, lora_in, y0, W, bias, A, B, scale, own)
         elif _half_pair(lora_in):
             ctx.how = _HALF
-            y, h, A, B = ref.lora_train_linear_half(x, lora_in, y0, W, bias, A, B, scale)  # A, B kept cast
+            y, h, A, B = ref.lora_train_linear_half(x, lora_in, y0, W, bias, A, B, scale, own)  # A, B kept cast
         else:
             ctx.how = _MIXED
             y, h = ref.lora_train_linear(x, lora_in, y0, W, bias, A, B, scale)
-        ctx.u_is_x, ctx.scale = u is None, scale
-        ctx.y0_dtype = None if y0 is None else y0.dtype
+        ctx.u_is_x, ctx.scale, ctx.base, ctx.weight = u is None, scale, base, weight
+        ctx.y0_dtype = None if y0 is None or own else y0.dtype
         ctx.save_for_backward(lora_in, h, W, A, B)
         return y if len(shape) == 2 else _unsafe_view(y, (*shape[:-1], y.shape[-1]))
 
@@ -208,13 +219,15 @@ class _Linear(torch.autograd.Function):
         need_u = need[0] if u_is_x else need[1]  # (no grad_x for an input that needs none, as autograd does)
         if len(shape) != 2:
             gy = gy.reshape(-1, gy.shape[-1])
+        if ctx.how is not _UNIFORM:
+            gy = gy.contiguous()
+        gy_u = gy if gy.dtype is u.dtype else gy.to(u.dtype)
+        if ctx.base is not None and need[0]:  # the base's part of grad_x: gy W, W rebuilt (dequantized) now
+            W = ctx.weight(ctx.base, gy_u.dtype)
         if ctx.how is _UNIFORM:
-            gy_u = gy
             grad_u, grad_A, grad_B = ref.lora_train_linear_backward_uniform(gy, u, h, W if u_is_x else None, A, B,
                                                                             ctx.scale, need_u)
         else:
-            gy = gy.contiguous()
-            gy_u = gy if gy.dtype is u.dtype else gy.to(u.dtype)
             if ctx.how is _HALF:
                 grad_u, grad_A, grad_B = ref.lora_train_linear_backward_half(gy_u, u, h, W if u_is_x else None, A, B,
                                                                              ctx.scale, need_u)
@@ -233,7 +246,12 @@ class _Linear(torch.autograd.Function):
             grad_x = None if grad_x is None else grad_x.view(shape)
             grad_u = None if grad_u is None else grad_u.view(shape)
             grad_y0 = None if grad_y0 is None else grad_y0.view(*shape[:-1], gy.shape[-1])
-        return grad_x, grad_u, grad_y0, None, None, grad_A, grad_B, None
+        return grad_x, grad_u, grad_y0, None, None, grad_A, grad_B, None, None, None
+
+
+# Function.apply without its Python wrapper (argument binding for setup_context Functions, functorch unwrapping):
+# _FunctionBase.apply itself, used while no functorch transform is active. A few us per call on a host-bound step.
+_linear_apply = super(torch.autograd.Function, _Linear).apply
 
 
 class _Conv2d(torch.autograd.Function):
@@ -264,7 +282,20 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
                                                None if y0 is None else y0.reshape(-1, y0.shape[-1]), W, bias, A, B,
                                                scale)[0]
         return y.view(*x.shape[:-1], y.shape[-1])
-    return _Linear.apply(x, u, y0, W, bias, A, B, scale)
+    if torch._C._are_functorch_transforms_active():
+        return _Linear.apply(x, u, y0, W, bias, A, B, scale)
+    return _linear_apply(x, u, y0, W, bias, A, B, scale)
+
+
+def train_linear_over(base, weight, x: Tensor, u: Tensor | None, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
+    """base(x) + the LoRA part, for a frozen `base` module whose input gradient is gy W with W = weight(base, dtype)
+    [N, K] (a bitsandbytes 4-bit layer: its own backward dequantizes W in the same way). In eager the base runs inside
+    the Function (see _Linear): no graph node, no saved state and no backward of its own, the delta added into its
+    output in place, grad_x in one tensor. Under torch.compile: base(x) through its own autograd and the registered
+    op, as for any outside base."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return train_linear(x, u, base(x), None, None, A, B, scale)
+    return _linear_apply(x, u, None, None, None, A, B, scale, base, weight)
 
 
 def train_conv2d(u: Tensor, y0: Tensor, A: Tensor, B: Tensor, scale: Tensor, stride: list[int],

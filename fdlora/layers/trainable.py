@@ -6,7 +6,11 @@
 transformers' Conv1D, a bitsandbytes Linear4bit / Linear8bitLt, or an inference `FusedLoraLinear` whose loaded
 adapters then stay active as a fixed, frozen blend under the new one. A plain frozen nn.Linear goes into the op
 whole (base GEMM, LoRA and grad_x = gy W + LoRA part in one op call each way); any other base runs its own forward
-(and its own backward for grad_x, e.g. bitsandbytes' dequantizing one) and the op adds the LoRA part in fp32.
+(and its own backward for grad_x, e.g. bitsandbytes' dequantizing one) and the op adds the LoRA part in fp32. A
+frozen 4-bit bitsandbytes base runs inside the op's eager Function instead (fdlora.kernels.train_ops.train_linear_over):
+the delta is added into its output in place and grad_x = gy W + the LoRA part comes out of one in-place GEMM pair, W
+dequantized in the backward as bitsandbytes' own backward does, so neither a copy of the base output nor a second
+[M, K] input gradient and their sum are made.
 
 Why not a trainable slot inside the AdapterBank (DESIGN.md's sketch): bank slots are zero-padded, rank-16-aligned
 buffers shared by every adapter of a layer, sized for serving; an optimizer needs exactly [r, K] / [N, r]
@@ -22,6 +26,7 @@ so each adapter gets the gradients it would get alone.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +36,7 @@ from torch import nn
 from ..errors import FdLoraError
 from ..kernels import train_ops
 from .fused import FusedLoraLinear, linear_dims
+from .quantized import input_grad_weight
 from .state import Mode
 
 
@@ -43,6 +49,25 @@ class TrainState:
     samples: list[str | None] | None = None
     configs: dict[str, object] = field(default_factory=dict)  # name -> the LoraConfig it was made from
     _index: dict = field(default_factory=dict)  # (samples tuple, name, device) -> index tensor
+    _cast: tuple | None = field(default=None, repr=False, compare=False)  # the last autocast cast (see cast)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_cast": None}  # (weak references do not pickle)
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x.to(dtype), made once for the layers that read one input in turn (q, k and v of one norm output): the
+        last cast is reused while x is unchanged (same tensor, same version) and the cast is still alive (saved by
+        the layer that made it), in the same grad mode. Autocast caches its weight casts in the same way; PEFT and
+        plain nn.Linear layers cast the shared input once per layer, and each cast is a launch forward and one
+        backward on host-bound steps (its gradients then add up in `dtype` before the one cast back)."""
+        c, grad = self._cast, torch.is_grad_enabled()
+        if c is not None and c[0]() is x and c[1] == x._version and c[2] is dtype and c[3] is grad:
+            xc = c[4]()
+            if xc is not None:
+                return xc
+        xc = x.to(dtype)
+        self._cast = (weakref.ref(x), x._version, dtype, grad, weakref.ref(xc))
+        return xc
 
     def sample_index(self, name: str, device: torch.device) -> torch.Tensor | None:
         key = (tuple(self.samples), name, device)
@@ -68,14 +93,18 @@ class _Passthrough(nn.Module):
             return getattr(inner, name)
 
 
-def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+def _autocast_input(x: torch.Tensor, st: TrainState) -> torch.Tensor:
     """x in autocast's dtype while autocast is on for its device: what the wrapped nn.Linear / nn.Conv2d and PEFT's
     lora_A would compute in. The ops are custom ops, which autocast leaves alone; without this, the fp32 output of
-    an autocast LayerNorm / GroupNorm made every base and LoRA GEMM of the layer an fp32 one."""
+    an autocast LayerNorm / GroupNorm made every base and LoRA GEMM of the layer an fp32 one. Eager casts go
+    through the model's TrainState.cast (one cast per shared input)."""
     dev = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(dev):
-        return x.to(torch.get_autocast_dtype(dev))
-    return x
+    if not (x.is_floating_point() and torch.is_autocast_enabled(dev)):
+        return x
+    dt = torch.get_autocast_dtype(dev)
+    if x.dtype is dt:
+        return x
+    return x.to(dt) if torch.compiler.is_compiling() else st.cast(x, dt)
 
 
 class _TrainableLora(_Passthrough):
@@ -125,8 +154,8 @@ class _TrainableLora(_Passthrough):
         return m["lora_A"]._parameters[name], m["lora_B"]._parameters[name], self._buffers[f"scaling_{name}"]
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        x = _autocast_input(x)
         st = self.state
+        x = _autocast_input(x, st)
         if st.samples is None:
             have = self._modules["lora_A"]._parameters
             names = [n for n in st.active if n in have]
@@ -161,6 +190,7 @@ class TrainableLoraLinear(_TrainableLora):
         super().__init__(base, path, state)
         self.in_features, self.out_features = dims
         self.a_shape = (dims[0],)
+        self._grad_weight = input_grad_weight(base)  # chosen once: a 4-bit base's dequantizer, or None
 
     def _plain_weight(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(W, bias) when the base is a frozen float nn.Linear the op can run itself, else None."""
@@ -191,8 +221,25 @@ class TrainableLoraLinear(_TrainableLora):
             d = d + inner.scale_blend[:S] @ b.bias.float()
         return (y.float() + d.view(*y.shape)).to(y.dtype)
 
+    def _inside_base(self, args: tuple, kwargs: dict) -> nn.Module | None:
+        """The base, when the op may run it inside (a frozen 4-bit base called on x alone, with no backward hooks
+        and no trainable bias: all its backward would do is gy W), else None."""
+        if self._grad_weight is None or args or kwargs:
+            return None
+        b = self._modules["base"]
+        bias = b._parameters.get("bias")
+        if b._backward_hooks or b._backward_pre_hooks or (bias is not None and bias.requires_grad):
+            return None
+        return b
+
     def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
         plain = self._plain_weight(args, kwargs)
+        if plain is None and (inside := self._inside_base(args, kwargs)) is not None:
+            y = train_ops.train_linear_over(inside, self._grad_weight, x, self._lora_input(names[0], x),
+                                            *self._lora(names[0]))
+            for name in names[1:]:
+                y = self._add_lora(x, y, name)
+            return y
         y, (W, bias) = (None, plain) if plain is not None else (self._base_out(x, args, kwargs), (None, None))
         for name in names:
             y = train_ops.train_linear(x, self._lora_input(name, x), y, W, bias, *self._lora(name))

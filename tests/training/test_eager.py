@@ -123,3 +123,127 @@ def test_input_without_grad(dt_case, use_u, monkeypatch):
         grads.append((As.grad, Bs.grad))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+class _Base(torch.nn.Module):
+    """A frozen base with a known input gradient gy W (a stand-in for a 4-bit bitsandbytes layer)."""
+
+    def __init__(self, W, b):
+        super().__init__()
+        self.W, self.b, self.calls = W, b, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.nn.functional.linear(x, self.W.to(x.dtype), self.b.to(x.dtype))
+
+
+def _weight(m, dtype):
+    return m.W.to(dtype)
+
+
+# (id, LoRA input u = dropout(x) rather than x, leading dims)
+OVER_CASES = [("x-3d", False, (2, 3)), ("u-2d", True, (5,)), ("x-1d", False, ())]
+
+
+@pytest.mark.parametrize("dt_case", DTYPES, ids=[c[0] for c in DTYPES])
+@pytest.mark.parametrize("case", OVER_CASES, ids=[c[0] for c in OVER_CASES])
+def test_base_run_inside_equals_base_outside(case, dt_case, monkeypatch):
+    """train_linear_over (a frozen base run inside the Function, its grad_x rebuilt as gy W): the same y and
+    gradients as the base run outside through its own autograd (train_linear with y0 = base(x)), the base called
+    once, and one graph node (none of the base's)."""
+    _, use_u, lead = case
+    _, dtype, half_pair = dt_case
+    if half_pair:
+        monkeypatch.setattr(train_ops, "_half_pair", lambda u: u.dtype in (torch.float16, torch.bfloat16))
+    x0, u0, _, W, b, A0, B0 = _tensors(lead, K=24, N=20, r=4, seed=5)
+    gy = torch.randn(*lead, 20, generator=torch.Generator().manual_seed(6), dtype=D).to(dtype)
+    s = torch.tensor(0.5)
+    base = _Base(W.float(), b.float())
+    out = []
+    for inside in (True, False):
+        x, u = x0.to(dtype).requires_grad_(True), u0.to(dtype).requires_grad_(True) if use_u else None
+        A, B = A0.float().requires_grad_(True), B0.float().requires_grad_(True)
+        calls = base.calls
+        if inside:
+            y = train_ops.train_linear_over(base, _weight, x, u, A, B, s)
+            assert y.grad_fn.next_functions[0][0].variable is x and not y._is_view()
+        else:
+            y = train_ops.train_linear(x, u, base(x), None, None, A, B, s)
+        assert base.calls == calls + 1
+        y.backward(gy)
+        out.append([y.detach(), x.grad, A.grad, B.grad] + ([u.grad] if use_u else []))
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for i, (a, w) in enumerate(zip(*out)):
+        assert a.dtype == w.dtype and not torch.isnan(a).any(), i
+        assert rel(a, w) < tol, (i, rel(a, w))
+
+
+def test_base_run_inside_x_without_grad():
+    """No input gradient is asked for: the base's weight is never rebuilt."""
+    x, _, _, W, b, A, B = (t.float() for t in _tensors((3,)))
+    A, B = A.requires_grad_(True), B.requires_grad_(True)
+    rebuilt = []
+    y = train_ops.train_linear_over(_Base(W, b), lambda m, dt: rebuilt.append(dt) or m.W.to(dt), x, None, A, B,
+                                    torch.tensor(0.5))
+    y.sum().backward()
+    assert not rebuilt and A.grad is not None and x.grad is None
+
+
+class _QKV(torch.nn.Module):
+    def __init__(self, K=16):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(K)
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(K, K) for _ in range(3))
+
+    def forward(self, x, bump=False):
+        n = self.norm(x)
+        q = self.q_proj(n)
+        if bump:
+            n.add_(1.0)  # changed in place: the next layer must cast it anew
+        return q + self.k_proj(n) * self.v_proj(n)
+
+
+def _cast_nodes(t):
+    seen, todo, n = set(), [t.grad_fn], 0
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        n += type(f).__name__.startswith("ToCopyBackward")
+        todo.extend(g for g, _ in f.next_functions)
+    return n
+
+
+@pytest.mark.parametrize("bump", [False, True], ids=["shared", "changed-in-place"])
+def test_autocast_casts_a_shared_input_once(bump):
+    """Under autocast, layers that read one fp32 tensor in turn (q, k, v of a norm output) share one cast of it (one
+    cast node in the graph) unless it changed in between; gradients as PEFT's, which casts it per layer."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    import fdlora
+
+    from .helpers import peft_lora_modules
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"])
+    base = _QKV().requires_grad_(False)
+    pm, fm = get_peft_model(copy.deepcopy(base), copy.deepcopy(cfg)), fdlora.add_trainable_adapter(base, "a", cfg)
+    theirs = peft_lora_modules(pm)
+    with torch.no_grad():
+        for path, (A, B) in fdlora.lora_parameters(fm, "a").items():
+            B.normal_(0, 0.1)
+            theirs[path].lora_A["default"].weight.copy_(A)
+            theirs[path].lora_B["default"].weight.copy_(B)
+    x = torch.randn(2, 5, 16)
+    for m in (pm, fm):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x.clone().requires_grad_(True), bump=bump)
+        if m is fm:
+            assert _cast_nodes(y) == (2 if bump else 1)
+        y.float().sum().backward()
+    for path, (A, B) in fdlora.lora_parameters(fm, "a").items():
+        assert rel(A.grad, theirs[path].lora_A["default"].weight.grad) < 3e-2, path
+        assert rel(B.grad, theirs[path].lora_B["default"].weight.grad) < 3e-2, path

@@ -57,6 +57,25 @@ def _base(x: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias
     return base
 
 
+def _add_delta(base: torch.Tensor | None, y0: torch.Tensor | None, h: torch.Tensor, Bs: torch.Tensor,
+               own_y0: bool = False) -> torch.Tensor:
+    """base + h Bs^T by the expand GEMM itself; into base in place when it is a fresh tensor (a plain base's GEMM
+    output, or an outside y0 the caller owns), which saves a copy of [M, N] and, on CUDA, a launch."""
+    if base is None:
+        return h @ Bs.t()
+    if base is y0 and not own_y0:
+        return torch.addmm(base, h, Bs.t())
+    return base.addmm_(h, Bs.t())
+
+
+def _scaled(B: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """s B in `dtype`, multiplied in B's precision (fp32 for fp32 B) and rounded once, in one op (a product then a
+    cast is two launches)."""
+    if dtype is B.dtype:
+        return B * scale
+    return torch.mul(B, scale, out=B.new_empty(B.shape, dtype=dtype))
+
+
 def lora_train_linear(
     x: torch.Tensor,  # [M, K]
     u: torch.Tensor,  # [M, K] LoRA input (x or dropout(x))
@@ -73,9 +92,7 @@ def lora_train_linear(
     out = y0.dtype if y0 is not None else x.dtype
     base = _base(x, y0, W, bias, out)
     Bs = (B.to(h.dtype) * scale.to(h.dtype)).to(out)
-    if base is None:
-        return h.to(out) @ Bs.t(), h
-    return torch.addmm(base, h.to(out), Bs.t()), h
+    return _add_delta(base, y0, h.to(out), Bs), h
 
 
 def lora_train_linear_backward(
@@ -110,7 +127,7 @@ def lora_train_linear_backward_blas(
     grad_A = (g.t() @ u).float()
     grad_u = g @ A.to(dt)
     if W is not None:
-        grad_u = torch.addmm(grad_u, gy, W.to(dt))
+        grad_u.addmm_(gy, W.to(dt))
     return grad_u, grad_A, grad_B
 
 
@@ -124,21 +141,21 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def lora_train_linear_half(
     x: torch.Tensor, u: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias: torch.Tensor | None,
-    A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+    A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, own_y0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # y, h [M, r] in u's dtype, As, Bs
     """`lora_train_linear` for half-precision activations, as eager CUDA steps run it: the same products and roundings
     (h = u As^T rounded to the activations' dtype, as the fp32 h of the op holds it; the delta added by the expand
     GEMM with s folded into B), keeping h in that dtype and returning As = A and Bs = s B cast once, which the
-    backward reuses: 6 launches for a plain base, against 8 (eager steps of many small layers are host-bound)."""
+    backward reuses. The delta goes into the base output in place when that is fresh (a plain base's GEMM output, or
+    y0 with own_y0: a base the caller ran for this call alone): 5 launches for a plain base, against 8 for the
+    reference (eager steps of many small layers are host-bound)."""
     dt = u.dtype
     As = _to(A, dt)
     h = u @ As.t()
     out = y0.dtype if y0 is not None else x.dtype
     base = _base(x, y0, W, bias, out)
-    Bs = _to(B * scale, out)  # s B rounded once (a half-precision B multiplies in fp32 too)
-    if base is None:
-        return _to(h, out) @ Bs.t(), h, As, Bs
-    return torch.addmm(base, _to(h, out), Bs.t()), h, As, Bs
+    Bs = _scaled(B, scale, out)  # s B rounded once (a half-precision B multiplies in fp32 too)
+    return _add_delta(base, y0, _to(h, out), Bs, own_y0), h, As, Bs
 
 
 def lora_train_linear_backward_half(
@@ -150,24 +167,25 @@ def lora_train_linear_backward_half(
     CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`."""
     dt = u.dtype
     g = gy @ _to(Bs, dt)  # [M, r]
-    grad_B = _mm_f32(gy.t(), h) * scale
+    grad_B = _mm_f32(gy.t(), h).mul_(scale)
     grad_A = _mm_f32(g.t(), u)
     if not need_u:
         return None, grad_A, grad_B
     grad_u = g @ As
     if W is not None:
-        grad_u = torch.addmm(grad_u, gy, _to(W, dt))
+        grad_u.addmm_(gy, _to(W, dt))  # in place: no copy of grad_u
     return grad_u, grad_A, grad_B
 
 
 def lora_train_linear_uniform(
     x: torch.Tensor, u: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias: torch.Tensor | None,
-    A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
+    A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, own_y0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # y [M, N], hs = s h [M, r], both in the one dtype
     """`lora_train_linear` when every tensor is in one dtype that is its own accumulation dtype (fp32, or fp64), as
-    eager steps run it: nothing to cast, so the base GEMM writes y and the expand GEMM adds the delta into it in place,
-    and s is folded into h (hs = s u A^T), which the backward then uses as is for grad_B: 4 ops for a plain base
-    (eager steps of many small layers are host-bound)."""
+    eager steps run it: nothing to cast, so the base GEMM writes y and the expand GEMM adds the delta into it in place
+    (into y0 itself with own_y0: a base the caller ran for this call alone), and s is folded into h (hs = s u A^T),
+    which the backward then uses as is for grad_B: 4 ops for a plain base (eager steps of many small layers are
+    host-bound)."""
     hs = F.linear(u, A).mul_(scale)  # [M, r]
     if W is not None:
         y = F.linear(x, W, bias)
@@ -175,7 +193,7 @@ def lora_train_linear_uniform(
             y.add_(y0)
         return y.addmm_(hs, B.t()), hs
     if y0 is not None:
-        return torch.addmm(y0, hs, B.t()), hs
+        return (y0.addmm_(hs, B.t()) if own_y0 else torch.addmm(y0, hs, B.t())), hs
     return torch.mm(hs, B.t()), hs
 
 
