@@ -151,7 +151,7 @@ def lora_train_linear_half(
     reference (eager steps of many small layers are host-bound)."""
     dt = u.dtype
     As = _to(A, dt)
-    h = u @ As.t()
+    h = F.linear(u, As)  # (linear, mm: not matmul's extra dispatch layer, nor a Python-level transpose)
     out = y0.dtype if y0 is not None else x.dtype
     base = _base(x, y0, W, bias, out)
     Bs = _scaled(B, scale, out)  # s B rounded once (a half-precision B multiplies in fp32 too)
@@ -163,15 +163,15 @@ def lora_train_linear_backward_half(
     scale: torch.Tensor, need_u: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:  # grad_u (u's dtype; None: not needed), fp32 grads
     """The backward of `lora_train_linear_half` from its saved h, As and Bs: g = gy Bs, grad_B = s gy^T h,
-    grad_A = g^T u, grad_u = g As (+ gy W), the weight gradients accumulated and returned in fp32 by the GEMM itself on
-    CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`."""
+    grad_A = g^T u, grad_u = g As (+ gy W, added in place), the weight gradients accumulated and returned in fp32 by
+    the GEMM itself on CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`."""
     dt = u.dtype
-    g = gy @ _to(Bs, dt)  # [M, r]
+    g = torch.mm(gy, _to(Bs, dt))  # [M, r]
     grad_B = _mm_f32(gy.t(), h).mul_(scale)
     grad_A = _mm_f32(g.t(), u)
     if not need_u:
         return None, grad_A, grad_B
-    grad_u = g @ As
+    grad_u = torch.mm(g, As)
     if W is not None:
         grad_u.addmm_(gy, _to(W, dt))  # in place: no copy of grad_u
     return grad_u, grad_A, grad_B
