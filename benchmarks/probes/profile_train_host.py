@@ -5,12 +5,14 @@ A stack of `--layers` frozen Linear(K, K) layers (every layer's input requires g
 by fd-lora's trainable layer (`fdlora.add_trainable_adapter`) or by PEFT's LoRA layer (same LoraConfig), or left a
 plain frozen nn.Linear. Reported per layer: forward and forward + backward in us, the median over `--rounds` of the
 median of `--repeats` steps of the whole stack divided by the layer count, and the best round (a shared host slows
-some rounds); then, for fd-lora, cProfile's top Python frames by own time and torch.profiler's top ops by self CPU
-time over one forward + backward.
+some rounds); the ops per layer step that do device work (torch.profiler's leaf ops less views and allocations: on
+CUDA each is a kernel launch, the host cost that CPU timings here understate); then, for fd-lora, cProfile's top
+Python frames by own time and torch.profiler's top ops by self CPU time over one forward + backward.
 
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py                     # fp32
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py --autocast bf16     # as the SDXL step runs (CPU here)
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py --autocast bf16 --half-pair  # and CUDA's eager pair
+    PYTHONPATH=. python benchmarks/probes/profile_train_host.py --autocast bf16 --half-pair --base-dtype bf16  # SDXL's
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py --no-profile --out /tmp/host.json
 """
 
@@ -47,11 +49,11 @@ class Stack(nn.Module):
         return x
 
 
-def build(kind: str, n: int, k: int, r: int, dropout: float) -> nn.Module:
+def build(kind: str, n: int, k: int, r: int, dropout: float, base_dtype: torch.dtype = torch.float32) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    base = Stack(n, k).requires_grad_(False)
+    base = Stack(n, k).requires_grad_(False).to(base_dtype)
     cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=r"layers\.\d+")
     if kind == "fd-lora":
         return fdlora.add_trainable_adapter(base, "default", cfg).train()
@@ -81,6 +83,40 @@ def per_layer_us(model: nn.Module, x: torch.Tensor, n: int, repeats: int, autoca
         if i >= 3:  # warm-up
             times.append(clock() - t)
     return statistics.median(times) * 1e6 / n
+
+
+# leaf ops that move no data: no kernel on CUDA (a leaf aten::to is a no-op one)
+_METADATA = {"aten::to", "aten::t", "aten::transpose", "aten::view", "aten::reshape", "aten::_unsafe_view",
+             "aten::as_strided", "aten::expand", "aten::detach", "detach", "aten::alias", "aten::resolve_conj",
+             "aten::resolve_neg",
+             "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh",
+             "aten::result_type", "aten::promote_types", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
+             "aten::squeeze", "aten::unsqueeze", "aten::slice", "aten::select", "aten::permute"}
+
+
+_GEMMS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}  # one launch each, whatever the
+# CPU BLAS calls under them (a copy_ under addmm is one on CUDA too, for a 2-D input; for a 1-D bias CUDA fuses it)
+
+
+def device_ops(model: nn.Module, x: torch.Tensor, n: int, autocast: torch.dtype | None) -> tuple[float, dict]:
+    """Ops per layer step that do device work (GEMMs, and leaf aten ops less metadata ones), and their counts by
+    name."""
+    params = [p for p in model.parameters() if p.requires_grad] + [x]
+
+    def step():
+        for p in params:
+            p.grad = None
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            y = model(x)
+        y.float().sum().backward()
+
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    names = [e.name for e in prof.events() if e.name in _GEMMS or (
+        e.name.startswith("aten::") and not e.cpu_children and e.name not in _METADATA)]
+    counts = {k: round(names.count(k) / n, 2) for k in sorted(set(names))}
+    return len(names) / n, counts
 
 
 def profile(model: nn.Module, x: torch.Tensor, autocast: torch.dtype | None, top: int) -> None:
@@ -124,6 +160,9 @@ def main() -> None:
     ap.add_argument("--half-pair", action="store_true",
                     help="with --autocast: run the eager half-precision pair that CUDA runs (fdlora.kernels.train_ops."
                          "_half_pair) on CPU too, to time its host cost here")
+    ap.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="the frozen base's dtype (bf16: as bench_train's SDXL UNet, trained under bf16 autocast; the "
+                         "adapters stay fp32 in both fd-lora and PEFT)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: the process's CPU time (steadier on a shared host; with one thread it is the host time "
@@ -142,9 +181,10 @@ def main() -> None:
         train_ops._half_pair = lambda u: u.dtype in (torch.float16, torch.bfloat16)
     x = torch.randn(*([a.batch] if a.batch else []), a.tokens, a.features, requires_grad=True)
     result = {k: getattr(a, k) for k in ("layers", "features", "rank", "tokens", "batch", "dropout", "autocast",
-                                         "half_pair", "clock")}
+                                         "half_pair", "clock", "base_dtype")}
     result.update(torch=torch.__version__, rows={})
-    models = {k: build(k, a.layers, a.features, a.rank, a.dropout) for k in a.kinds}
+    base_dtype = torch.bfloat16 if a.base_dtype == "bf16" else torch.float32
+    models = {k: build(k, a.layers, a.features, a.rank, a.dropout, base_dtype) for k in a.kinds}
     samples = {k: ([], []) for k in models}
     for _ in range(a.rounds):  # the kinds interleaved, so a slow spell of a shared host hits them alike
         for kind, model in models.items():
@@ -156,6 +196,11 @@ def main() -> None:
         result["rows"][kind] = {k: round(v, 1) for k, v in row.items()}
         print(f"{kind:<8} forward {row['fwd_us']:6.1f} (best {row['fwd_best_us']:6.1f}) us/layer   forward+backward "
               f"{row['fwd_bwd_us']:6.1f} (best {row['fwd_bwd_best_us']:6.1f}) us/layer")
+    for kind, model in models.items():
+        ops, by_name = device_ops(model, x, a.layers, autocast)
+        result["rows"][kind].update(device_ops=round(ops, 2), device_ops_by_name=by_name)
+        print(f"{kind:<8} device-work ops per layer step {ops:5.2f}: "
+              + ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in by_name.items()))
     if "peft" in result["rows"] and "fd-lora" in result["rows"]:
         rows = result["rows"]
         ratio = rows["fd-lora"]["fwd_bwd_us"] / rows["peft"]["fwd_bwd_us"]
