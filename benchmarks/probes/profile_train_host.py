@@ -98,9 +98,8 @@ _GEMMS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm
 # CPU BLAS calls under them (a copy_ under addmm is one on CUDA too, for a 2-D input; for a 1-D bias CUDA fuses it)
 
 
-def device_ops(model: nn.Module, x: torch.Tensor, n: int, autocast: torch.dtype | None) -> tuple[float, dict]:
-    """Ops per layer step that do device work (GEMMs, and leaf aten ops less metadata ones), and their counts by
-    name."""
+def stepper(model: nn.Module, x: torch.Tensor, autocast: torch.dtype | None):
+    """One training step of the stack (forward under autocast, backward of the sum), gradients cleared first."""
     params = [p for p in model.parameters() if p.requires_grad] + [x]
 
     def step():
@@ -110,6 +109,13 @@ def device_ops(model: nn.Module, x: torch.Tensor, n: int, autocast: torch.dtype 
             y = model(x)
         y.float().sum().backward()
 
+    return step
+
+
+def device_ops(model: nn.Module, x: torch.Tensor, n: int, autocast: torch.dtype | None) -> tuple[float, dict]:
+    """Ops per layer step that do device work (GEMMs, and leaf aten ops less metadata ones), and their counts by
+    name."""
+    step = stepper(model, x, autocast)
     step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
@@ -120,15 +126,7 @@ def device_ops(model: nn.Module, x: torch.Tensor, n: int, autocast: torch.dtype 
 
 
 def profile(model: nn.Module, x: torch.Tensor, autocast: torch.dtype | None, top: int) -> None:
-    params = [p for p in model.parameters() if p.requires_grad] + [x]
-
-    def step():
-        for p in params:
-            p.grad = None
-        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            y = model(x)
-        y.float().sum().backward()
-
+    step = stepper(model, x, autocast)
     step()
     pr = cProfile.Profile()
     pr.enable()
