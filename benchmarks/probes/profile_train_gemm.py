@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from fdlora.testing import step_ms
+
 # (case, M, K, N): bench_train's ViT-L/16 batch 64 (qkv, fc1, fc2), Llama-3-8B layer rows, SDXL attention (1024^2)
 SHAPES = [("vit-qkv", 12608, 1024, 1024), ("vit-fc1", 12608, 1024, 4096), ("vit-fc2", 12608, 4096, 1024),
           ("llama-q", 8192, 4096, 4096), ("llama-kv", 8192, 4096, 1024), ("llama-up", 8192, 4096, 14336),
@@ -33,17 +35,10 @@ SHAPES = [("vit-qkv", 12608, 1024, 1024), ("vit-fc1", 12608, 1024, 4096), ("vit-
 
 
 def median_us(fn, repeats: int) -> float:
+    """Median us of single calls between CUDA events (fdlora.testing.step_ms), after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return statistics.median(step_ms(fn, "cuda") for _ in range(repeats)) * 1e3
 
 
 def forms(M: int, K: int, N: int, r: int = 16, dt=torch.bfloat16) -> dict:
