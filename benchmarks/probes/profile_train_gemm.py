@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-from fdlora.testing import step_ms
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fdlora.testing import step_ms  # noqa: E402
 
 # (case, M, K, N): bench_train's ViT-L/16 batch 64 (qkv, fc1, fc2), Llama-3-8B layer rows, SDXL attention (1024^2)
 SHAPES = [("vit-qkv", 12608, 1024, 1024), ("vit-fc1", 12608, 1024, 4096), ("vit-fc2", 12608, 4096, 1024),
