@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 _PLAIN_TYPES = (nn.Parameter, torch.Tensor)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                 if hasattr(torch, n))
 
@@ -46,6 +47,22 @@ def casting_hook(module: nn.Module):
 def kind(module: nn.Module) -> str | None:
     """What stores the base's weight, when it is not a plain float tensor: "torchao Int8Tensor", "gguf Q8_0",
     "bitsandbytes Linear4bit", "layerwise casting float8_e4m3fn -> float32", ...; None for a plain float weight."""
+    if _plain_float(module):  # the common case, in a few dictionary reads (a load asks it of every layer)
+        return None
+    return _stored(module)
+
+
+def _plain_float(module: nn.Module) -> bool:
+    """A plain float weight in the module's parameters, no diffusers hook, no `weight` property on its class: what
+    `_stored` answers None for, ~4 us a layer sooner (SDXL: 722 layers on every load); False: ask `_stored`."""
+    d = module.__dict__
+    w = d.get("_parameters", {}).get("weight")
+    return (type(w) in _PLAIN_TYPES and w.dtype in _FLOATS and "_diffusers_hook" not in d
+            and getattr(type(module), "weight", None) is None)
+
+
+def _stored(module: nn.Module) -> str | None:
+    """kind's full answer: hooks, the weight's type and dtype."""
     hook = casting_hook(module)
     if hook is not None:
         return f"layerwise casting {_name(hook.storage_dtype)} -> {_name(hook.compute_dtype)}"

@@ -285,8 +285,7 @@ class FdLoraPipelineMixin:
         handles = self.fd_lora_handles()
         notes = []
         for comp in comps:
-            kinds = Counter(k for lay in handles[comp].layers.values() if not _plain(lay.base)
-                            and (k := quantized.kind(lay.base)))
+            kinds = Counter(k for lay in handles[comp].layers.values() if (k := quantized.kind(lay.base)))
             if kinds:
                 n = len(handles[comp].layers)
                 notes.append(f"{comp}: {sum(kinds.values())} of {n} LoRA layers have quantized bases ("
@@ -560,19 +559,6 @@ class FdLoraPipelineMixin:
 
 
 _SUBCLASSES: dict[type, type] = {}
-
-
-def _plain(base: nn.Module) -> bool:
-    """A plain float weight with no diffusers hook, asked in a few dictionary reads: what quantized.kind (~4 us a
-    layer, on every load's 722 SDXL layers) answers None for; False means "ask quantized.kind"."""
-    d = base.__dict__
-    w = d["_parameters"].get("weight")
-    return (type(w) in _PLAIN_WEIGHTS and "_diffusers_hook" not in d and w.dtype in _FLOATS
-            and getattr(type(base), "weight", None) is None)
-
-
-_PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor)
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def enable_fd_lora(pipe: Any) -> Any:

@@ -15,7 +15,6 @@ from torch import nn
 
 from fdlora import errors
 from fdlora.layers import quantized
-from fdlora.pipelines.diffusers import pipeline as fd_pipeline
 
 from .test_prefetch import WAIT, assert_same, gen, snapshot
 
@@ -123,8 +122,9 @@ def _bases() -> dict[str, nn.Module]:
 
 @pytest.mark.parametrize("name", list(_bases()))
 def test_the_quantized_notes_fast_path_agrees_with_quantized_kind(name):
-    """`_plain` says True only where quantized.kind says None (the load report's note asks kind for the rest)."""
+    """quantized.kind's fast path (`_plain_float`) says True only where its full answer (`_stored`) is None."""
     base = _bases()[name]
-    if fd_pipeline._plain(base):
-        assert quantized.kind(base) is None
-    assert fd_pipeline._plain(base) == (name in ("fp32", "fp16", "bf16", "conv"))
+    if quantized._plain_float(base):
+        assert quantized._stored(base) is None
+    assert quantized._plain_float(base) == (name in ("fp32", "fp16", "bf16", "conv"))
+    assert (quantized.kind(base) is None) == (name in ("fp32", "fp16", "bf16", "conv", "no-weight"))
