@@ -192,9 +192,9 @@ class FdLoraHandle:
                                 f"({env.MAX_RANK_VAR}={rank}) if the adapter is genuine.")
         if padded_rank(rank) > self.max_rank:
             raise CapacityError(
-                f"{what}: {path} has rank {m.rank}, above this model's rank capacity {self.max_rank}. "
-                f"Raise max_rank (fdlora.inject(..., max_rank={padded_rank(m.rank)}) or "
-                f"handle.grow(max_rank={padded_rank(m.rank)}))."
+                f"{what}: {path} has rank {rank}, above this model's rank capacity {self.max_rank}. "
+                f"Raise max_rank (fdlora.inject(..., max_rank={padded_rank(rank)}) or "
+                f"handle.grow(max_rank={padded_rank(rank)}))."
             )
         return layer is None
 
