@@ -1,5 +1,7 @@
 """Where a training step's time goes, fd-lora vs PEFT (bench_train's cases): torch.profiler over `--steps` AdamW steps
-after a warm-up, top ops by self CUDA time and by self CPU time, and the step's wall time.
+after a warm-up, top ops by self CUDA time and by self CPU time, and the step's wall time; then the same for the floor
+(bench_train's: the base alone, frozen, its input gradient flowing back from the first targeted block), so what the
+LoRA part adds shows op by op.
 
     python benchmarks/probes/profile_train.py --case sdxl --out $OUT/profile_train_sdxl.json     # GPU
     python benchmarks/probes/profile_train.py --case sdxl --smoke                              # CPU, toy shapes
@@ -37,20 +39,26 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
-    build, cfg, batch, _, loss_fn, dtype, _ = bt.CASES[a.case](dev, a.smoke)
+    build, cfg, batch, _, loss_fn, dtype, first = bt.CASES[a.case](dev, a.smoke)
     pm, fm = bt._pair(build, cfg, dev)
     pm.train(), fm.train()
     result = {}
-    for name, model in (("peft", pm), ("fd-lora", fm)):
+    for name, model in (("peft", pm), ("fd-lora", fm), ("floor", None)):
+        if model is None:
+            del pm, fm
+            model = build().to(dev).train()
+            model.requires_grad_(False)
+            first(model).register_forward_hook(lambda mod, args, out: out.requires_grad_(True))
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-5)
+        opt = torch.optim.AdamW(params, lr=1e-5) if params else None
 
         def step(model=model, opt=opt):
             with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
                 loss = loss_fn(model, batch)
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
         for _ in range(2):
             step()
