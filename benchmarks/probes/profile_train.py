@@ -63,6 +63,13 @@ def main() -> None:
         for _ in range(2):
             step()
         bt._sync(dev)
+        host, walls = [], []  # unprofiled: the host's enqueue time per step against the step's wall time
+        for _ in range(3):
+            t = time.perf_counter()
+            step()
+            host.append((time.perf_counter() - t) * 1e3)
+            bt._sync(dev)
+            walls.append((time.perf_counter() - t) * 1e3)
         t = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                     + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])) as prof:
@@ -70,9 +77,12 @@ def main() -> None:
                 step()
             bt._sync(dev)
         wall = (time.perf_counter() - t) * 1e3 / a.steps
-        result[name] = {"step_ms_profiled": wall, "by_cuda": table(prof, "self_device_time_total", a.top),
+        gpu = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3
+        result[name] = {"step_ms_profiled": wall, "host_ms": min(host), "wall_ms": min(walls),
+                        "gpu_ms": gpu / a.steps, "by_cuda": table(prof, "self_device_time_total", a.top),
                         "by_cpu": table(prof, "self_cpu_time_total", a.top)}
-        print(f"== {name}: {wall:.1f} ms/step (profiled)")
+        print(f"== {name}: {wall:.1f} ms/step (profiled); unprofiled host {min(host):.1f} ms of {min(walls):.1f} ms wall, "
+              f"kernels {gpu / a.steps:.1f} ms/step")
         for key in ("by_cuda", "by_cpu"):
             print(f"  -- top by {key[3:]}")
             for r in result[name][key]:
