@@ -1,4 +1,5 @@
-"""Where a slider step's extra host time goes on the full-size SDXL UNet (bench_fullsize's slider_every_step: the
+"""Where a slider step's extra host time goes on the full-size SDXL UNet or Flux-dev transformer (`--model flux`)
+(bench_fullsize's slider_every_step: the
 step after `set_adapters(['a0'], [w])`, every cached layer re-merged): host ms of set_adapters, of the replay
 (remerge._replay: its launch and its per-layer checks), of the rest of the step, and how many layer calls missed
 the hot path, against a plain cached step. Results: benchmarks/results/<gpu>/probe_slider_host.json.
@@ -62,7 +63,10 @@ def profile(fd, x, weights) -> dict:
         ev = prof.key_averages()
         gpu = sorted(ev, key=lambda e: -e.device_time_total)[:12]
         cpu = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:12]
-        out[case] = {"gpu_ms_per_step": [(e.key[:90], e.count / 2, e.device_time_total / 2e3) for e in gpu],
+        kernels = sum(e.self_device_time_total for e in ev if e.device_type.name == "CUDA") / 2e3
+        print(f"== {case}: kernels {kernels:.2f} ms per step")
+        out[case] = {"kernels_ms_per_step": kernels,
+                     "gpu_ms_per_step": [(e.key[:90], e.count / 2, e.device_time_total / 2e3) for e in gpu],
                      "host_ms_per_step": [(e.key[:90], e.count / 2, e.self_cpu_time_total / 2e3) for e in cpu]}
         print(f"== {case}: top kernels (GPU ms per step)")
         for k, n, ms in out[case]["gpu_ms_per_step"]:
@@ -77,17 +81,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--model", choices=["sdxl", "flux"], default="sdxl")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler, 2 plain and 2 slider steps: top kernels by GPU time, ops by host time")
     args = ap.parse_args()
     from peft import LoraConfig
 
-    model = fullsize.sdxl_unet("cuda", torch.float16)
-    x = fullsize.sdxl_inputs(model, 2)
+    if args.model == "sdxl":
+        model, targets = fullsize.sdxl_unet("cuda", torch.float16), fullsize.SDXL_TARGETS
+        x = fullsize.sdxl_inputs(model, 2)
+    else:
+        model, targets = fullsize.flux_transformer("cuda", torch.bfloat16), fullsize.FLUX_TARGETS
+        x = fullsize.flux_inputs(model)
     with torch.device("cuda"):
         for i, n in enumerate(("a0", "a1")):
             torch.manual_seed(i + 1)
-            model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=fullsize.SDXL_TARGETS,
+            model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=targets,
                                          init_lora_weights=False), n)
     fd = fdlora.from_peft(model)
     clock = Clock()
@@ -129,7 +138,8 @@ def main() -> int:
             rows["profile"] = profile(fd, x, weights)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "layers": len(fdlora.handle(fd).layers),
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "model": args.model,
+                                        "layers": len(fdlora.handle(fd).layers),
                                         "rows": rows}, indent=1))
     return 0
 

@@ -14,6 +14,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (N, K) per layer: odd sizes, one layer narrower than a tile, one wider than several; one transposed (Conv1D)
 LAYERS = [(40, 24, False), (16, 70, False), (33, 33, False), (20, 48, True), (130, 17, False)]
 ALIGNED = [(40, 32, False), (16, 64, False), (130, 160, False)]  # K % 16 == 0, contiguous: the vectorized form
+WIDE = [(40, 256, False), (70, 512, False), (130, 768, False)]  # every K % 256 == 0: the wide K tile on a GPU
 
 
 def _case(device, dtype, S, R, zero_slot, layers):
@@ -43,7 +44,7 @@ def _case(device, dtype, S, R, zero_slot, layers):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layers", [LAYERS, ALIGNED], ids=["odd", "aligned"])
+@pytest.mark.parametrize("layers", [LAYERS, ALIGNED, WIDE], ids=["odd", "aligned", "wide"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("S,R,zero_slot", [(1, 16, False), (3, 16, True), (2, 32, False)],
                          ids=["S1-R16", "S3-R16-idle", "S2-R32"])
@@ -57,7 +58,9 @@ def test_merge_many_matches_the_oracle_and_one_layer_merges(device, layers, dtyp
     entries, oracles = _case(device, dt, S, R, zero_slot, layers)
     table = ops.merge_table()
     ops.lora_merge_many(entries, table)
-    assert table.tables[4] == (layers is ALIGNED)  # the case exercises the form it names
+    assert table.tables[4] == (layers is not LAYERS)  # the case exercises the form it names
+    if device == "cuda":
+        assert table.tables[5]["BK"] == (256 if layers is WIDE else 128)
     eps = torch.finfo(dt).eps
     for (out, W, A, B, scale, ranks), exact in zip(entries, oracles):
         got = out.double().cpu()
