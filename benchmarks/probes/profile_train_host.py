@@ -13,6 +13,7 @@ Python frames by own time and torch.profiler's top ops by self CPU time over one
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py --autocast bf16     # as the SDXL step runs (CPU here)
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py --autocast bf16 --half-pair  # and CUDA's eager pair
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py --autocast bf16 --half-pair --base-dtype bf16  # SDXL's
+    PYTHONPATH=. python benchmarks/probes/profile_train_host.py --autocast bf16 --half-pair --base nf4  # ViT QLoRA's
     PYTHONPATH=. python benchmarks/probes/profile_train_host.py --no-profile --out /tmp/host.json
 """
 
@@ -49,11 +50,21 @@ class Stack(nn.Module):
         return x
 
 
-def build(kind: str, n: int, k: int, r: int, dropout: float, base_dtype: torch.dtype = torch.float32) -> nn.Module:
+def build(kind: str, n: int, k: int, r: int, dropout: float, base_dtype: torch.dtype = torch.float32,
+          nf4: bool = False) -> nn.Module:
+    """The stack as `kind` wraps it; with nf4 its layers are bitsandbytes nf4 Linear4bit ones (double-quantized,
+    computing in base_dtype, biases fp32), swapped in by fdlora.training.quant.quantize_manual into the fp32 stack as
+    bench_train's ViT case does."""
     from peft import LoraConfig, get_peft_model
 
+    from fdlora.training.quant import QuantSpec, quantize_manual
+
     torch.manual_seed(0)
-    base = Stack(n, k).requires_grad_(False).to(base_dtype)
+    base = Stack(n, k).requires_grad_(False)
+    if nf4:
+        quantize_manual(base, QuantSpec("nf4", "bfloat16" if base_dtype is torch.bfloat16 else "float32", True))
+    else:
+        base = base.to(base_dtype)
     cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=r"layers\.\d+")
     if kind == "fd-lora":
         return fdlora.add_trainable_adapter(base, "default", cfg).train()
@@ -112,15 +123,31 @@ def stepper(model: nn.Module, x: torch.Tensor, autocast: torch.dtype | None):
     return step
 
 
+def _under_bnb_kernel(e) -> bool:
+    """Whether a profiler event runs inside an innermost bitsandbytes op (on CUDA one kernel, called from Python)."""
+    p = e.cpu_parent
+    while p is not None:
+        if _bnb_kernel(p):
+            return True
+        p = p.cpu_parent
+    return False
+
+
+def _bnb_kernel(e) -> bool:
+    """A bitsandbytes op with no bitsandbytes op under it (dequantize_blockwise, dequantize_4bit: one CUDA launch
+    each, a C call or torch ops on CPU); gemm_4bit is not one: on CUDA it runs them, an add and a GEMM."""
+    return e.name.startswith("bitsandbytes::") and not any(c.name.startswith("bitsandbytes::") for c in e.cpu_children)
+
+
 def device_ops(model: nn.Module, x: torch.Tensor, n: int, autocast: torch.dtype | None) -> tuple[float, dict]:
-    """Ops per layer step that do device work (GEMMs, and leaf aten ops less metadata ones), and their counts by
-    name."""
+    """Ops per layer step that do device work (GEMMs, leaf aten ops less metadata ones, innermost bitsandbytes ops
+    counted as one, not by the aten ops their CPU kernels run), and their counts by name."""
     step = stepper(model, x, autocast)
     step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
-    names = [e.name for e in prof.events() if e.name in _GEMMS or (
-        e.name.startswith("aten::") and not e.cpu_children and e.name not in _METADATA)]
+    names = [e.name for e in prof.events() if _bnb_kernel(e) or ((e.name in _GEMMS or (
+        e.name.startswith("aten::") and not e.cpu_children and e.name not in _METADATA)) and not _under_bnb_kernel(e))]
     counts = {k: round(names.count(k) / n, 2) for k in sorted(set(names))}
     return len(names) / n, counts
 
@@ -161,6 +188,10 @@ def main() -> None:
     ap.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="the frozen base's dtype (bf16: as bench_train's SDXL UNet, trained under bf16 autocast; the "
                          "adapters stay fp32 in both fd-lora and PEFT)")
+    ap.add_argument("--base", choices=["linear", "nf4"], default="linear",
+                    help="nf4: the layers are bitsandbytes nf4 Linear4bit (QLoRA; --base-dtype is then their compute "
+                         "dtype: --autocast bf16 --half-pair --base-dtype bf16 is bench_train's ViT case on CUDA); the "
+                         "linear kind then times the frozen 4-bit layers with their input gradient")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: the process's CPU time (steadier on a shared host; with one thread it is the host time "
@@ -179,10 +210,10 @@ def main() -> None:
         train_ops._half_pair = lambda u: u.dtype in (torch.float16, torch.bfloat16)
     x = torch.randn(*([a.batch] if a.batch else []), a.tokens, a.features, requires_grad=True)
     result = {k: getattr(a, k) for k in ("layers", "features", "rank", "tokens", "batch", "dropout", "autocast",
-                                         "half_pair", "clock", "base_dtype")}
+                                         "half_pair", "clock", "base_dtype", "base")}
     result.update(torch=torch.__version__, rows={})
     base_dtype = torch.bfloat16 if a.base_dtype == "bf16" else torch.float32
-    models = {k: build(k, a.layers, a.features, a.rank, a.dropout, base_dtype) for k in a.kinds}
+    models = {k: build(k, a.layers, a.features, a.rank, a.dropout, base_dtype, a.base == "nf4") for k in a.kinds}
     samples = {k: ([], []) for k in models}
     for _ in range(a.rounds):  # the kinds interleaved, so a slow spell of a shared host hits them alike
         for kind, model in models.items():
