@@ -183,16 +183,16 @@ class _Linear(torch.autograd.Function):
                A and s B cast;
       mixed    anything else (e.g. bf16 activations on CPU, an fp16 outside base under fp32 A/B): the op's own
                reference forward and its device's backward.
-    With `base` (a frozen module whose input gradient is gy W, W = weight(base, dtype) [N, K]: a 4-bit
-    bitsandbytes layer, see train_linear_over) y0 = base(x) is computed here, so it has no graph node of its own, the
-    delta is added into it in place, and W is rebuilt in the backward for grad_x = gy W + g A in one in-place GEMM
-    pair (instead of the base's own backward, a second [M, K] gradient and their sum)."""
+    With `run` (a frozen base whose input gradient is gy W: run.forward(x) -> (y0, saved), run.weight(saved, dtype)
+    -> W [N, K]; a 4-bit bitsandbytes layer, see train_linear_over) y0 is computed here, so it has no graph node of
+    its own, the delta is added into it in place, and W is rebuilt in the backward for grad_x = gy W + g A in one
+    in-place GEMM pair (instead of the base's own backward, a second [M, K] gradient and their sum)."""
 
     @staticmethod
-    def forward(ctx, x, u, y0, W, bias, A, B, scale, base=None, weight=None):
+    def forward(ctx, x, u, y0, W, bias, A, B, scale, run=None):
         shape = ctx.shape = x.shape
-        if base is not None:
-            y0 = base(x)  # grad mode is off in here: the base records nothing
+        if run is not None:
+            y0, ctx.saved = run.forward(x)  # grad mode is off in here: the base records nothing
         if len(shape) != 2:
             x = x.reshape(-1, shape[-1])
             u = None if u is None else u.reshape(-1, shape[-1])
@@ -200,7 +200,7 @@ class _Linear(torch.autograd.Function):
         lora_in = x if u is None else u
         dt = lora_in.dtype
         ctx.a_dtype, ctx.b_dtype = A.dtype, B.dtype
-        own = base is not None
+        own = run is not None
         if (dt is x.dtype is A.dtype is B.dtype and (dt is torch.float32 or dt is torch.float64)
                 and (W is None or W.dtype is dt) and (bias is None or bias.dtype is dt)
                 and (y0 is None or y0.dtype is dt)):
@@ -212,7 +212,7 @@ class _Linear(torch.autograd.Function):
         else:
             ctx.how = _MIXED
             y, h = ref.lora_train_linear(x, lora_in, y0, W, bias, A, B, scale)
-        ctx.u_is_x, ctx.scale, ctx.base, ctx.weight = u is None, scale, base, weight
+        ctx.u_is_x, ctx.scale, ctx.run = u is None, scale, run
         ctx.y0_dtype = None if y0 is None or own else y0.dtype
         ctx.save_for_backward(lora_in, h, W, A, B)
         return y if len(shape) == 2 else _unsafe_view(y, (*shape[:-1], y.shape[-1]))
@@ -227,8 +227,8 @@ class _Linear(torch.autograd.Function):
         if ctx.how is not _UNIFORM:
             gy = gy.contiguous()
         gy_u = gy if gy.dtype is u.dtype else gy.to(u.dtype)
-        if ctx.base is not None and need[0]:  # the base's part of grad_x: gy W, W rebuilt (dequantized) now
-            W = ctx.weight(ctx.base, gy_u.dtype)
+        if ctx.run is not None and need[0]:  # the base's part of grad_x: gy W, W rebuilt (dequantized) now
+            W = ctx.run.weight(ctx.saved, gy_u.dtype)
         if ctx.how is _UNIFORM:
             grad_u, grad_A, grad_B = ref.lora_train_linear_backward_uniform(gy, u, h, W if u_is_x else None, A, B,
                                                                             ctx.scale, need_u)
@@ -251,7 +251,7 @@ class _Linear(torch.autograd.Function):
             grad_x = None if grad_x is None else grad_x.view(shape)
             grad_u = None if grad_u is None else grad_u.view(shape)
             grad_y0 = None if grad_y0 is None else grad_y0.view(*shape[:-1], gy.shape[-1])
-        return grad_x, grad_u, grad_y0, None, None, grad_A, grad_B, None, None, None
+        return grad_x, grad_u, grad_y0, None, None, grad_A, grad_B, None, None
 
 
 # Function.apply without its Python wrapper (argument binding for setup_context Functions, functorch unwrapping):
@@ -292,15 +292,15 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
     return _linear_apply(x, u, y0, W, bias, A, B, scale)
 
 
-def train_linear_over(base, weight, x: Tensor, u: Tensor | None, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
-    """base(x) + the LoRA part, for a frozen `base` module whose input gradient is gy W with W = weight(base, dtype)
-    [N, K] (a bitsandbytes 4-bit layer: its own backward dequantizes W in the same way). In eager the base runs inside
-    the Function (see _Linear): no graph node, no saved state and no backward of its own, the delta added into its
-    output in place, grad_x in one tensor. Under torch.compile: base(x) through its own autograd and the registered
-    op, as for any outside base."""
+def train_linear_over(base, run, x: Tensor, u: Tensor | None, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
+    """base(x) + the LoRA part, for a frozen `base` module whose input gradient is gy W, and `run` computing both as
+    the module does: run.forward(x) -> (base(x), saved), run.weight(saved, dtype) -> W [N, K] (a bitsandbytes 4-bit
+    layer: fdlora.layers.frozen_4bit). In eager the base runs inside the Function (see _Linear): no graph node and no
+    backward of its own, the delta added into its output in place, grad_x in one tensor. Under torch.compile:
+    base(x) through its own autograd and the registered op, as for any outside base."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return train_linear(x, u, base(x), None, None, A, B, scale)
-    return _linear_apply(x, u, None, None, None, A, B, scale, base, weight)
+    return _linear_apply(x, u, None, None, None, A, B, scale, run)
 
 
 def train_conv2d(u: Tensor, y0: Tensor, A: Tensor, B: Tensor, scale: Tensor, stride: list[int],

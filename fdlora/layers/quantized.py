@@ -16,8 +16,8 @@ transformers Conv1D or nn.Conv2d, and for nothing else:
 
 Such bases run as `base(x)` (through the module and its hooks) + the LoRA delta, and no merged copy is made:
 a dequantized W' would cost the memory the quantization saved. Fusing into them is refused (fdlora.pipelines.fuse).
-This module only looks at types and attributes; it imports neither torchao, gguf, bitsandbytes nor diffusers (the one
-exception, `input_grad_weight`'s dequantizer, imports bitsandbytes when it runs, for a module that is one of its).
+This module only looks at types and attributes; it imports neither torchao, gguf, bitsandbytes nor diffusers (a
+frozen 4-bit bitsandbytes base under a trainable adapter is run by fdlora.layers.frozen_4bit).
 """
 
 from __future__ import annotations
@@ -108,21 +108,3 @@ def compute_dtype(module: nn.Module) -> torch.dtype | None:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def input_grad_weight(module: nn.Module):
-    """For training through a frozen quantized base: a function (module, dtype) -> W [N, K] with the base's input
-    gradient gy W, rebuilt the way the base's own backward rebuilds it, or None where fd-lora does not know it.
-    bitsandbytes' Linear4bit (nf4 / fp4): its MatMul4Bit backward is gy dequantize_4bit(weight).to(gy's dtype), with
-    the unpacked weight's quant_state giving [N, K] in every bitsandbytes version."""
-    t = type(module)
-    if t.__name__ == "Linear4bit" and t.__module__.split(".")[0] == "bitsandbytes":
-        return _bnb_4bit_weight
-    return None
-
-
-def _bnb_4bit_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    import bitsandbytes.functional as bnb_f
-
-    w = module.weight
-    return bnb_f.dequantize_4bit(w, w.quant_state).to(dtype)

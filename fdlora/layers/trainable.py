@@ -7,10 +7,11 @@ transformers' Conv1D, a bitsandbytes Linear4bit / Linear8bitLt, or an inference 
 adapters then stay active as a fixed, frozen blend under the new one. A plain frozen nn.Linear goes into the op
 whole (base GEMM, LoRA and grad_x = gy W + LoRA part in one op call each way); any other base runs its own forward
 (and its own backward for grad_x, e.g. bitsandbytes' dequantizing one) and the op adds the LoRA part in fp32. A
-frozen 4-bit bitsandbytes base runs inside the op's eager Function instead (fdlora.kernels.train_ops.train_linear_over):
-the delta is added into its output in place and grad_x = gy W + the LoRA part comes out of one in-place GEMM pair, W
-dequantized in the backward as bitsandbytes' own backward does, so neither a copy of the base output nor a second
-[M, K] input gradient and their sum are made.
+frozen 4-bit bitsandbytes base runs inside the op's eager Function instead (fdlora.kernels.train_ops.train_linear_over,
+the base computed as bitsandbytes computes it, without its Python layers: fdlora.layers.frozen_4bit): the delta is
+added into its output in place and grad_x = gy W + the LoRA part comes out of one in-place GEMM pair, W dequantized in
+the backward as bitsandbytes' own backward does, so neither a copy of the base output nor a second [M, K] input
+gradient and their sum are made.
 
 Why not a trainable slot inside the AdapterBank (DESIGN.md's sketch): bank slots are zero-padded, rank-16-aligned
 buffers shared by every adapter of a layer, sized for serving; an optimizer needs exactly [r, K] / [N, r]
@@ -35,8 +36,8 @@ from torch import nn
 
 from ..errors import FdLoraError
 from ..kernels import train_ops
+from .frozen_4bit import frozen_4bit
 from .fused import FusedLoraLinear, linear_dims
-from .quantized import input_grad_weight
 from .state import Mode
 
 
@@ -190,7 +191,7 @@ class TrainableLoraLinear(_TrainableLora):
         super().__init__(base, path, state)
         self.in_features, self.out_features = dims
         self.a_shape = (dims[0],)
-        self._grad_weight = input_grad_weight(base)  # chosen once: a 4-bit base's dequantizer, or None
+        self._run_4bit = frozen_4bit(base)  # chosen once: how a 4-bit base runs inside the op, or None
 
     def _plain_weight(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(W, bias) when the base is a frozen float nn.Linear the op can run itself, else None."""
@@ -224,9 +225,10 @@ class TrainableLoraLinear(_TrainableLora):
     def _inside_base(self, args: tuple, kwargs: dict) -> nn.Module | None:
         """The base, when the op may run it inside (a frozen 4-bit base called on x alone, with no backward hooks
         and no trainable bias: all its backward would do is gy W), else None."""
-        if self._grad_weight is None or args or kwargs:
-            return None
+        run = self._run_4bit
         b = self._modules["base"]
+        if run is None or args or kwargs or run.module is not b:
+            return None
         bias = b._parameters.get("bias")
         if b._backward_hooks or b._backward_pre_hooks or (bias is not None and bias.requires_grad):
             return None
@@ -235,7 +237,7 @@ class TrainableLoraLinear(_TrainableLora):
     def _blend(self, x: torch.Tensor, names: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
         plain = self._plain_weight(args, kwargs)
         if plain is None and (inside := self._inside_base(args, kwargs)) is not None:
-            y = train_ops.train_linear_over(inside, self._grad_weight, x, self._lora_input(names[0], x),
+            y = train_ops.train_linear_over(inside, self._run_4bit, x, self._lora_input(names[0], x),
                                             *self._lora(names[0]))
             for name in names[1:]:
                 y = self._add_lora(x, y, name)

@@ -137,8 +137,19 @@ class _Base(torch.nn.Module):
         return torch.nn.functional.linear(x, self.W.to(x.dtype), self.b.to(x.dtype))
 
 
-def _weight(m, dtype):
-    return m.W.to(dtype)
+class _Run:
+    """How train_linear_over runs _Base inside the op (fdlora.layers.frozen_4bit's protocol); `rebuilt` records the
+    dtypes W is rebuilt in."""
+
+    def __init__(self, base):
+        self.base, self.rebuilt = base, []
+
+    def forward(self, x):
+        return self.base(x), self.base.W
+
+    def weight(self, W, dtype):
+        self.rebuilt.append(dtype)
+        return W.to(dtype)
 
 
 # (id, LoRA input u = dropout(x) rather than x, leading dims)
@@ -165,7 +176,7 @@ def test_base_run_inside_equals_base_outside(case, dt_case, monkeypatch):
         A, B = A0.float().requires_grad_(True), B0.float().requires_grad_(True)
         calls = base.calls
         if inside:
-            y = train_ops.train_linear_over(base, _weight, x, u, A, B, s)
+            y = train_ops.train_linear_over(base, _Run(base), x, u, A, B, s)
             assert y.grad_fn.next_functions[0][0].variable is x and not y._is_view()
         else:
             y = train_ops.train_linear(x, u, base(x), None, None, A, B, s)
@@ -182,11 +193,11 @@ def test_base_run_inside_x_without_grad():
     """No input gradient is asked for: the base's weight is never rebuilt."""
     x, _, _, W, b, A, B = (t.float() for t in _tensors((3,)))
     A, B = A.requires_grad_(True), B.requires_grad_(True)
-    rebuilt = []
-    y = train_ops.train_linear_over(_Base(W, b), lambda m, dt: rebuilt.append(dt) or m.W.to(dt), x, None, A, B,
-                                    torch.tensor(0.5))
+    base = _Base(W, b)
+    run = _Run(base)
+    y = train_ops.train_linear_over(base, run, x, None, A, B, torch.tensor(0.5))
     y.sum().backward()
-    assert not rebuilt and A.grad is not None and x.grad is None
+    assert not run.rebuilt and A.grad is not None and x.grad is None
 
 
 class _QKV(torch.nn.Module):

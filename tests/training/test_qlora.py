@@ -90,3 +90,44 @@ def test_qlora_trains(method, tmp_path):
     assert sum(r.losses[-3:]) < 0.7 * sum(r.losses[:3])
     quant = [m for m in r.model.modules() if type(m).__name__ == "Linear4bit"]
     assert len(quant) >= 8 and all(not m.weight.requires_grad for m in quant)
+
+
+# (id, quant type, double quant, compute dtype, input dtype)
+FROZEN_CASES = [("nf4-dq-bf16", "nf4", True, torch.bfloat16, torch.bfloat16),
+                ("nf4-dq-fp32", "nf4", True, torch.float32, torch.float32),
+                ("fp4-fp32", "fp4", False, torch.float32, torch.float32),
+                ("nf4-fp32-in-bf16", "nf4", False, torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("case", FROZEN_CASES, ids=[c[0] for c in FROZEN_CASES])
+def test_frozen_4bit_equals_the_module(case):
+    """fdlora.layers.frozen_4bit runs a frozen Linear4bit without its Python layers: the module's own output, bit for
+    bit, and W as its MatMul4Bit backward rebuilds it (dequantized, then cast to gy's dtype), bit for bit; with a
+    forward hook on the module it runs the module itself."""
+    from fdlora.layers.frozen_4bit import frozen_4bit
+
+    _, qtype, dq, compute, dtype = case
+
+    def layer():
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(128, 96)
+        q = bnb.nn.Linear4bit(128, 96, compute_dtype=compute, compress_statistics=dq, quant_type=qtype)
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type=qtype, compress_statistics=dq)
+        q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+        return q.to("cpu").train()
+
+    x = torch.randn(3, 7, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    mine, theirs = layer(), layer()
+    run = frozen_4bit(mine)
+    with torch.no_grad():
+        y, absmax = run.forward(x)
+        want = theirs(x)
+    assert absmax is not None and y.dtype == want.dtype and torch.equal(y, want)
+    w = theirs.weight
+    for dt in (torch.float32, torch.bfloat16):
+        assert torch.equal(run.weight(absmax, dt), bnb.functional.dequantize_4bit(w, w.quant_state).to(dt))
+    calls = []
+    mine.register_forward_hook(lambda m, a, o: calls.append(1))
+    with torch.no_grad():
+        y, absmax = run.forward(x)
+    assert calls and absmax is None and torch.equal(y, want)

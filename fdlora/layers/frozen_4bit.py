@@ -1,0 +1,116 @@
+"""A frozen bitsandbytes 4-bit base (Linear4bit: nf4 / fp4) run inside fd-lora's trainable op, for QLoRA.
+
+The op's eager Function (fdlora.kernels.train_ops.train_linear_over) computes the base output and, in the backward,
+the base's input gradient gy W itself. `Frozen4bit` does both as bitsandbytes does them, through its public
+`bitsandbytes.functional` only:
+
+    forward   absmax = the block scales (dequantize_blockwise of the double-quantized ones + offset, once a call)
+              W = dequantize_4bit(weight, absmax) in the compute dtype           [N, K]
+              y0 = linear(x in the compute dtype, W, bias), in x's dtype
+    backward  W = dequantize_4bit(weight, the saved absmax) in gy's dtype         (grad_x = gy W + the LoRA part)
+
+which is Linear4bit.forward's no-grad path (bnb.matmul_4bit -> gemm_4bit: dequantize, then F.linear; on CUDA that
+path runs from M > 1536 rows, below it bitsandbytes has a fused kernel with another summation order) and
+MatMul4Bit's backward (gy dequantize_4bit(W).to(gy's dtype)), without their Python layers: Linear4bit.forward,
+matmul_4bit, the gemm_4bit op's dispatch, MatMul4Bit. The block scales are dequantized once a call and kept for the
+backward (fp32, 1/16 byte a weight while the step's graph lives), and the backward dequantizes W straight into gy's
+dtype (the kernel rounds its fp32 product once either way) rather than into the stored dtype and then casting: 1
+launch where MatMul4Bit's backward takes 4. Eager QLoRA steps of many small layers are host-bound (issue 23).
+
+Anything else runs the module itself (`forward` returns None for the saved state; `weight` then dequantizes as
+MatMul4Bit's backward does): forward hooks or a patched forward (accelerate's), a weight without its quant state
+(bitsandbytes restores it in its forward), the CPU inference path (an eval-mode module, an input without grad: on a
+CPU with AVX512-BF16 bitsandbytes repacks the weight for its bf16 kernel), the legacy [K, N] weight orientation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as _nn_module
+
+_bnb_f = None  # bitsandbytes.functional, imported by the first Frozen4bit (this module imports no bitsandbytes)
+
+
+def frozen_4bit(module: nn.Module) -> Frozen4bit | None:
+    """A Frozen4bit for a bitsandbytes Linear4bit (or a subclass keeping its forward), else None."""
+    t = type(module)
+    if t.__module__.split(".")[0] != "bitsandbytes":
+        return None
+    import bitsandbytes as bnb
+
+    if not isinstance(module, bnb.nn.Linear4bit) or t.forward is not bnb.nn.Linear4bit.forward:
+        return None
+    return Frozen4bit(module)
+
+
+class Frozen4bit:
+    """forward(x) -> (y0, saved) and weight(saved, dtype) -> W [N, K] of one frozen Linear4bit (see the module
+    docstring)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        global _bnb_f
+        if _bnb_f is None:
+            import bitsandbytes.functional
+
+            _bnb_f = bitsandbytes.functional
+        self.module = module
+
+    def _direct(self, x: Tensor):
+        """(the packed weight as a plain tensor, its quant state) when forward may skip the module, else None. (The
+        weight is a Params4bit, whose Python __torch_function__ every op on it would go through, a few us each.)"""
+        m = self.module
+        d = m.__dict__
+        if (d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks):
+            return None
+        if x.is_cpu and not (m.training or x.requires_grad) and getattr(m, "support_avx512bf16_for_cpu", False):
+            return None  # Linear4bit.forward repacks the weight for its CPU bf16 inference kernel, and runs that
+        w = d["_parameters"]["weight"]
+        qs = getattr(w, "quant_state", None)
+        if qs is None or getattr(qs, "packing_format_for_cpu", False) or qs.shape[-1] != x.shape[-1] \
+                or w.shape[0] == 1:
+            return None
+        return w.data, qs
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """y0 = the module's output for x, and what `weight` needs (the block scales; None: the module ran)."""
+        m = self.module
+        direct = self._direct(x)
+        if direct is None:
+            return m(x), None
+        w, qs = direct
+        if not m.compute_type_is_set:  # Linear4bit.forward: the first input's dtype may set the compute dtype
+            m.set_compute_type(x)
+            m.compute_type_is_set = True
+        cd = m.compute_dtype
+        xc = x if cd is None or x.dtype is cd else x.to(cd)
+        absmax = qs.absmax
+        if qs.nested:
+            absmax = _bnb_f.dequantize_blockwise(absmax, qs.state2)
+            absmax += qs.offset
+            if absmax.dtype is not torch.float32:
+                absmax = absmax.float()
+        W = _dequantize(w, qs, absmax, xc.dtype)
+        bias = m._parameters["bias"]
+        if bias is not None and bias.dtype is not xc.dtype:
+            bias.data = bias.data.to(xc.dtype)  # as Linear4bit.forward does: its bias is kept in the compute dtype
+        y0 = F.linear(xc, W, bias)
+        return (y0 if y0.dtype is x.dtype else y0.to(x.dtype)), absmax
+
+    def weight(self, absmax: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """W [N, K] in dtype, from the block scales `forward` returned (None: dequantized as MatMul4Bit does)."""
+        w = self.module._parameters["weight"]
+        if absmax is None:
+            return _bnb_f.dequantize_4bit(w, w.quant_state).to(dtype)
+        return _dequantize(w.data, w.quant_state, absmax, dtype)
+
+
+def _dequantize(w: Tensor, qs, absmax: Tensor, dtype: torch.dtype) -> Tensor:
+    """The packed weight w with quant state qs dequantized into dtype [N, K], given its fp32 block scales."""
+    st = _bnb_f.QuantState(absmax=absmax, shape=qs.shape, code=qs.code, blocksize=qs.blocksize,
+                           quant_type=qs.quant_type, dtype=dtype)
+    return _bnb_f.dequantize_4bit(w, st)
