@@ -265,11 +265,13 @@ class MergedWeight:
             copy.release()
         self.groups = {}
 
-    def release(self) -> None:
-        """Give the buffer's bytes back to the budget; a buffer a CUDA graph captured is kept and only marked stale
-        (its next use re-merges: fuse / unfuse change W in place, which a replay then reads)."""
+    def release(self, groups: bool = True) -> None:
+        """Give the buffer's bytes back to the budget (and the per-prompt copies', unless `groups` is False); a buffer
+        a CUDA graph captured is kept and only marked stale (its next use re-merges: fuse / unfuse change W in place,
+        which a replay then reads)."""
         self.hot = None
-        self.release_groups()
+        if groups:
+            self.release_groups()
         for st in list(PASS_HOLDERS):  # a kept refresh must neither keep this buffer alive nor write it
             st.fast_pass = None
         PASS_HOLDERS.clear()

@@ -144,7 +144,10 @@ def groupable(layer, device: torch.device) -> bool:
 def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> list[torch.Tensor] | None:
     """W'_b of `layer` for each per-sample blend b (weights per slot; W itself for an all-zero blend), after merging
     every missing or stale copy of those blends in every groupable layer of its model; None when the budget gives
-    `layer` no copy of one of them. When room runs out, a layer's copies of other blends go first."""
+    `layer` no copy of one of them. When room runs out, a layer's copies of other blends go first, then every layer's
+    blend copy (idle while per-sample batches run, and regenerable: the mirror of `_full`, where the blend takes the
+    per-prompt copies' room). Flux-dev, H100, default budget: after a blend step its copies held 16 of the 20 GiB,
+    and a per-prompt step ran at 1.12x base; with that room, 1.06x (probe_per_prompt.json)."""
     st = layer.state
     device = layer.bank.A.device
     live = [b for b in dict.fromkeys(blends) if any(b)]
@@ -166,13 +169,19 @@ def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> l
             elif m.key != key:
                 stale.append(e)
     homeless.sort(key=lambda e: e[2].numel())
+    dropped = False  # every layer's blend copy, released once in this pass
     for e in homeless:
         lay, m, w = e[:3]
         if m._buffer(w) is None:
             for b in [b for b in lay.merged.groups if b not in scales]:
                 lay.merged.groups.pop(b).release()
             m.denied = -1
-            if m._buffer(w) is None:
+            if m._buffer(w) is None and not dropped:
+                for other in st.members.values():
+                    other.merged.release(groups=False)
+                dropped, m.denied = True, -1
+                m._buffer(w)
+            if m.buf is None:
                 continue
         stale.append(e)
     for lay in st.members.values():

@@ -161,3 +161,26 @@ def test_the_blend_takes_room_from_every_layers_per_prompt_copies(cache_on):
     for i, w in enumerate(([1.0, 0.0], [0.0, 1.0])):
         torch.testing.assert_close(y[i].double(), oracle(model, ads, w, x[i]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(y1.double(), oracle(model, ads, [1.0, 0.0], x), rtol=1e-4, atol=1e-5)
+
+
+def test_per_prompt_copies_take_room_from_every_layers_idle_blend_copy(cache_on):
+    """The mirror of the test above: the blend's copies fill the budget, then a per-sample batch still gets copies
+    (smallest layers first, as if the budget were empty): blend copies are idle while per-sample batches run, and
+    regenerable (Flux-dev, session 23: a per-prompt step after a blend step ran at 1.12x base with 4 of the 20 GiB
+    left to it, 1.06x with the room). The next blend call merges its copies again."""
+    model, h, ads = model_and_adapters()
+    fdlora.set_merge_cache(sum(k * n * 4 for k, n in SIZES))  # one copy of every weight
+    x = torch.randn(2, 64, SIZES[0][0])  # 64 rows per sample: the per-prompt path takes per-blend copies
+    with torch.inference_mode():
+        h.set_adapters(["a"], [1.0])
+        model(x)
+        assert all(layer.merged.buf is not None for layer in model)  # the blend holds the whole budget
+        with h.per_sample(["a", "b"]):
+            y = model(x)
+        held = [sum(c.buf is not None for c in layer.merged.groups.values()) for layer in model]
+        assert held == [2, 0, 2, 2], held
+        y1 = model(x)
+        assert all(layer.merged.buf is not None for layer in model)
+    for i, w in enumerate(([1.0, 0.0], [0.0, 1.0])):
+        torch.testing.assert_close(y[i].double(), oracle(model, ads, w, x[i]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y1.double(), oracle(model, ads, [1.0, 0.0], x), rtol=1e-4, atol=1e-5)
