@@ -31,7 +31,11 @@ On CUDA each op that does device work is a launch, which CPU timings understate:
 base under bf16 autocast (SDXL's case) and q, k, v reading one fp32 norm output, a LoRA layer's step does 17 such ops
 on CPU (about 15 on CUDA, where the fp32 weight gradients need no cast) against PEFT's 23 and 7 without LoRA (21 before
 session 23: the in-place delta and grad_x, s B in one op, one shared cast of q/k/v's input); callgrind, bf16 base:
-504k instructions against PEFT's 907k (543k before).
+504k instructions against PEFT's 907k (543k before). With a frozen nf4 base (bench_train's ViT case, `--base nf4`; it
+runs inside the Function through fdlora.layers.frozen_4bit, not bitsandbytes' Python layers), under bf16 autocast
+through the CUDA half pair: 350 us against PEFT's 450 and the frozen 4-bit layer's own 275 (408 before
+frozen_4bit), in 18 device ops on CPU against PEFT's 31 and the frozen layer's 14 (21 before; a bitsandbytes
+dequantization counted as one op, one launch on CUDA).
 """
 
 from __future__ import annotations

@@ -9,13 +9,14 @@ the base's input gradient gy W itself. `Frozen4bit` does both as bitsandbytes do
               y0 = linear(x in the compute dtype, W, bias), in x's dtype
     backward  W = dequantize_4bit(weight, the saved absmax) in gy's dtype         (grad_x = gy W + the LoRA part)
 
-which is Linear4bit.forward's no-grad path (bnb.matmul_4bit -> gemm_4bit: dequantize, then F.linear; on CUDA that
-path runs from M > 1536 rows, below it bitsandbytes has a fused kernel with another summation order) and
+which is Linear4bit.forward's no-grad path (bnb.matmul_4bit -> gemm_4bit: dequantize, then F.linear; on CUDA
+bitsandbytes 0.50 takes that path from M > 1536 rows, below it a fused kernel with another summation order) and
 MatMul4Bit's backward (gy dequantize_4bit(W).to(gy's dtype)), without their Python layers: Linear4bit.forward,
-matmul_4bit, the gemm_4bit op's dispatch, MatMul4Bit. The block scales are dequantized once a call and kept for the
-backward (fp32, 1/16 byte a weight while the step's graph lives), and the backward dequantizes W straight into gy's
-dtype (the kernel rounds its fp32 product once either way) rather than into the stored dtype and then casting: 1
-launch where MatMul4Bit's backward takes 4. Eager QLoRA steps of many small layers are host-bound (issue 23).
+matmul_4bit, the gemm_4bit op's dispatch, MatMul4Bit. Double-quantized block scales are dequantized once a call and
+kept for the backward (fp32: 1/16 byte a weight while the step's graph lives), and the backward dequantizes W straight
+into gy's dtype (the kernel rounds its fp32 product once either way) rather than into the stored dtype and then
+casting: 1 launch where MatMul4Bit's backward takes 4 (scales, offset, W, cast). Eager QLoRA steps of many small
+layers are host-bound (issue 23).
 
 Anything else runs the module itself (`forward` returns None for the saved state; `weight` then dequantizes as
 MatMul4Bit's backward does): forward hooks or a patched forward (accelerate's), a weight without its quant state
@@ -67,17 +68,19 @@ class Frozen4bit:
         if (d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or _nn_module._global_forward_hooks
                 or _nn_module._global_forward_pre_hooks):
             return None
-        if x.is_cpu and not (m.training or x.requires_grad) and getattr(m, "support_avx512bf16_for_cpu", False):
-            return None  # Linear4bit.forward repacks the weight for its CPU bf16 inference kernel, and runs that
         w = d["_parameters"]["weight"]
         qs = getattr(w, "quant_state", None)
-        if qs is None or getattr(qs, "packing_format_for_cpu", False) or qs.shape[-1] != x.shape[-1] \
-                or w.shape[0] == 1:
+        if qs is None or qs.shape[-1] != x.shape[-1]:
             return None
-        return w.data, qs
+        if x.is_cpu and (getattr(qs, "packing_format_for_cpu", False) or not (m.training or x.requires_grad)
+                         and getattr(m, "support_avx512bf16_for_cpu", False)):
+            return None  # Linear4bit.forward repacks the weight for its CPU bf16 inference kernel, and runs that
+        w = w.data
+        return (w, qs) if w.shape[0] != 1 else None  # (dequantize_4bit transposes a [1, n] weight)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """y0 = the module's output for x, and what `weight` needs (the block scales; None: the module ran)."""
+    def forward(self, x: Tensor) -> tuple[Tensor, tuple | None]:
+        """y0 = the module's output for x, and what `weight` needs (the packed weight, its quant state and block
+        scales: the backward rebuilds the W this forward used; None: the module ran)."""
         m = self.module
         direct = self._direct(x)
         if direct is None:
@@ -99,14 +102,15 @@ class Frozen4bit:
         if bias is not None and bias.dtype is not xc.dtype:
             bias.data = bias.data.to(xc.dtype)  # as Linear4bit.forward does: its bias is kept in the compute dtype
         y0 = F.linear(xc, W, bias)
-        return (y0 if y0.dtype is x.dtype else y0.to(x.dtype)), absmax
+        return (y0 if y0.dtype is x.dtype else y0.to(x.dtype)), (w, qs, absmax)
 
-    def weight(self, absmax: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """W [N, K] in dtype, from the block scales `forward` returned (None: dequantized as MatMul4Bit does)."""
-        w = self.module._parameters["weight"]
-        if absmax is None:
+    def weight(self, saved: tuple | None, dtype: torch.dtype) -> Tensor:
+        """W [N, K] in dtype, from what `forward` returned (None: the module's weight dequantized as MatMul4Bit
+        does)."""
+        if saved is None:
+            w = self.module._parameters["weight"]
             return _bnb_f.dequantize_4bit(w, w.quant_state).to(dtype)
-        return _dequantize(w.data, w.quant_state, absmax, dtype)
+        return _dequantize(*saved, dtype)
 
 
 def _dequantize(w: Tensor, qs, absmax: Tensor, dtype: torch.dtype) -> Tensor:
