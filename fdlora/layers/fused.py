@@ -208,6 +208,7 @@ class _FusedLora(nn.Module):
         key holds, nothing about the bank can have changed, so only per-call conditions are checked."""
         params = self.base._parameters  # _plain: a plain nn.Linear / Conv1D / nn.Conv2d
         w = params["weight"]
+        remerge.note_rows(self, x)
         if ((torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
                 or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
             return None
@@ -406,6 +407,7 @@ class FusedLoraLinear(_FusedLora):
         W = self.base.weight
         K, N = self.in_features, self.out_features
         M = x.numel() // K if K else 0
+        remerge.note_rows(self, x)
         if (st.static or torch.compiler.is_compiling() or type(self.base) is not nn.Linear or not self._plain
                 or self.offloaded
                 or M < GROUP_MIN_ROWS * len(groups.of_sample) or len(groups.blends) > remerge.MAX_GROUP_COPIES

@@ -173,7 +173,7 @@ class MergedWeight:
     """One layer's W' buffer, the host key it was merged under (eager calls), and its device stamp (the weights and
     bank version it holds, which compiled and captured calls check on the device)."""
 
-    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "groups", "kept", "hot", "_free", "__weakref__")
+    __slots__ = ("buf", "key", "stamp", "pinned", "denied", "groups", "kept", "hot", "rows", "_free", "__weakref__")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -185,6 +185,7 @@ class MergedWeight:
         self.groups: dict[tuple, MergedWeight] = {}  # per-sample blend -> its copy, least recently used first
         self.kept: tuple | None = None  # (addresses, the stamped merge kept ready) of weight_on_device
         self.hot: tuple | None = None  # the layer's hot path (fdlora.layers.hot): dropped with the buffer
+        self.rows = 0  # rows per sample of the layer's last cache-deciding call (fdlora.layers.remerge.note_rows)
         BUDGET.caches.add(self)
 
     def _buffer(self, W: torch.Tensor) -> torch.Tensor | None:

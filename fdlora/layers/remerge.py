@@ -3,9 +3,8 @@
 Why: a switch or a slider move makes every cached layer stale together. Re-merged lazily one layer at a time,
 each layer paid a launch and its host work inside the step (SDXL: 722 launches; a slider moved every step cost
 2.8x the base step). Here the first layer that finds its copy stale refreshes the whole model: it lists the
-stale layers (one host key compare each), gives buffers to layers that have none — smallest weights first, so a
-budget that cannot hold every layer goes to the layers where a copy saves the most per byte (the per-call cost
-is a fixed host cost plus M(K + N) bytes, against N*K bytes of copy) — and merges them with one
+stale layers (one host key compare each), gives buffers to layers that have none — most saved per byte of copy
+first (`benefit`), so a budget that cannot hold every layer goes where a copy saves the most — and merges them with one
 lora_merge_many launch per (device, dtype, bank shape), from W, never from W' (nothing drifts). Layers whose
 backend has no lora_merge_many (the torch reference, conv layers) merge one by one.
 """
@@ -49,6 +48,29 @@ def entry(layer, out: torch.Tensor, W: torch.Tensor, scale: torch.Tensor) -> tup
     return out, W, A, b.B, scale, b.ranks
 
 
+# What a per-call layer pays besides its GEMM, beyond the bytes: its shrink and expand launches with their host work,
+# as the CUDA backend's cost model counts them (10e6 bytes-equivalent a launch, H100 host; csrc/ops.cpp merged_wins).
+PER_CALL_FIXED_BYTES = 20e6
+
+
+def note_rows(layer, x: torch.Tensor) -> None:
+    """Remember the rows per sample of this call (tokens of a [B, T, K] input, pixels of an NCHW one, 1 for a 2-D
+    input), which `benefit` weighs copies by: within one model, the layers' relative row counts (Flux-dev's text
+    stream runs 512 tokens per sample beside the image stream's 4096) hold across batch sizes."""
+    shape = x.shape
+    if len(shape) > 2:
+        layer.merged.rows = x.numel() // (shape[0] * (shape[1] if layer.kind == "conv2d" else shape[-1]))
+
+
+def benefit(layer, W: torch.Tensor) -> float:
+    """Bytes a merged copy of W saves per call, per byte of the copy: a per-call layer pays a fixed launch and host
+    cost plus M (K + 2N) elements (x read, y read and written by the expand), the copy N K elements. Rows not seen
+    yet count as 0 (then the smallest weights come first, as the fixed cost dominates)."""
+    N = layer.out_features
+    K = W.numel() // N
+    return (PER_CALL_FIXED_BYTES / W.element_size() + layer.merged.rows * (K + 2 * N)) / (N * K)
+
+
 def refresh(layer, W: torch.Tensor) -> torch.Tensor | None:
     """W' of `layer` for the current blend, after re-merging every stale cached layer of its model; None when the
     budget gives `layer` no buffer."""
@@ -89,8 +111,8 @@ def _replay(st, device: torch.device) -> bool:
 
 
 def _full(layer, device: torch.device) -> None:
-    """List every cacheable layer, give buffers to those without (smallest first), merge the stale ones, and keep
-    the pass for _replay."""
+    """List every cacheable layer, give buffers to those without (most `benefit` first), merge the stale ones, and
+    keep the pass for _replay."""
     st = layer.state
     stale, homeless = [], []
     for lay in list(layer.state.members.values()):
@@ -103,7 +125,7 @@ def _full(layer, device: torch.device) -> None:
             homeless.append((lay, m, w, key, lay.scale_blend))
         elif m.key != key:
             stale.append((lay, m, w, key, lay.scale_blend))
-    homeless.sort(key=lambda e: e[2].numel())
+    homeless.sort(key=lambda e: -benefit(e[0], e[2]))
     dropped = False  # every layer's per-prompt copies, released once in this pass
     for lay, m, w, _, _ in homeless:
         # per-prompt copies are regenerable and the blend serves every call: it goes first, taking this layer's
@@ -144,7 +166,9 @@ def groupable(layer, device: torch.device) -> bool:
 def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> list[torch.Tensor] | None:
     """W'_b of `layer` for each per-sample blend b (weights per slot; W itself for an all-zero blend), after merging
     every missing or stale copy of those blends in every groupable layer of its model; None when the budget gives
-    `layer` no copy of one of them. When room runs out, a layer's copies of other blends go first, then every layer's
+    `layer` no copy of one of them. Copies go to the layers of most `benefit` first (Flux-dev's text-stream layers,
+    512 tokens a sample, after the image stream's: at the default budget a per-prompt step ran at 1.057x base with
+    copies given smallest first). When room runs out, a layer's copies of other blends go first, then every layer's
     blend copy (idle while per-sample batches run, and regenerable: the mirror of `_full`, where the blend takes the
     per-prompt copies' room). Flux-dev, H100, default budget: after a blend step its copies held 16 of the 20 GiB,
     and a per-prompt step ran at 1.12x base; with that room, 1.06x (probe_per_prompt.json)."""
@@ -168,7 +192,7 @@ def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> l
                 homeless.append(e)
             elif m.key != key:
                 stale.append(e)
-    homeless.sort(key=lambda e: e[2].numel())
+    homeless.sort(key=lambda e: -benefit(e[0], e[2]))
     dropped = False  # every layer's blend copy, released once in this pass
     for e in homeless:
         lay, m, w = e[:3]

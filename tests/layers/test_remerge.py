@@ -184,3 +184,46 @@ def test_per_prompt_copies_take_room_from_every_layers_idle_blend_copy(cache_on)
     for i, w in enumerate(([1.0, 0.0], [0.0, 1.0])):
         torch.testing.assert_close(y[i].double(), oracle(model, ads, w, x[i]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(y1.double(), oracle(model, ads, [1.0, 0.0], x), rtol=1e-4, atol=1e-5)
+
+
+class TwoStreams(nn.Module):
+    """Two equal layers, the first of the pair seeing 4 rows per sample, the second 64 (Flux-dev's text and image
+    streams: 512 and 4096 tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.txt, self.img = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.img(x).sum(1) + self.txt(c).sum(1)
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["blend", "per-prompt"])
+def test_a_tight_budget_goes_to_the_layer_that_runs_more_rows(cache_on, per_sample):
+    """Two layers of one size, room for one copy (per blend): it goes to the layer whose per-call path would move
+    more bytes per call (64 rows a sample, not 4), whichever comes first in the model."""
+    torch.manual_seed(0)
+    model = TwoStreams()
+    g = torch.Generator().manual_seed(1)
+    h = fdlora.inject(model, ["txt", "img"])
+    for name in ("a", "b"):
+        h.add_adapter(LoraAdapter({k: ModuleLora(torch.randn(4, 16, generator=g), torch.randn(16, 4, generator=g),
+                                                 alpha=8.0) for k in ("txt", "img")}), name)
+    x, c = torch.randn(2, 64, 16), torch.randn(2, 4, 16)
+    with torch.inference_mode():
+        fdlora.set_merge_cache(0)
+        model(x, c)  # the per-call path: each layer notes its rows
+        fdlora.set_merge_cache(16 * 16 * 4 * (2 if per_sample else 1))
+        if per_sample:
+            with h.per_sample(["a", "b"]):
+                y = model(x, c)
+            copies = {n: sum(m.buf is not None for m in getattr(model, n).merged.groups.values())
+                      for n in ("txt", "img")}
+            assert copies == {"txt": 0, "img": 2}, copies
+        else:
+            y = model(x, c)
+            assert model.img.merged.buf is not None and model.txt.merged.buf is None
+        fdlora.set_merge_cache(0)
+        with h.per_sample(["a", "b"]) if per_sample else torch.inference_mode():
+            ref = model(x, c)  # the per-call kernels throughout
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
