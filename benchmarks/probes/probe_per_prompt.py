@@ -67,7 +67,8 @@ def main() -> int:
         with fdlora.per_sample(fd, ["a0", "a1"]):
             return fd(**x)
 
-    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "cache": args.cache, "layers": len(layers)}
+    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "cache": args.cache,
+           "layers": len(layers)}
     with torch.inference_mode():
         fdlora.set_adapters(fd, ["a0"])
         for _ in range(2):

@@ -81,8 +81,8 @@ def main() -> None:
         result[name] = {"step_ms_profiled": wall, "host_ms": min(host), "wall_ms": min(walls),
                         "gpu_ms": gpu / a.steps, "by_cuda": table(prof, "self_device_time_total", a.top),
                         "by_cpu": table(prof, "self_cpu_time_total", a.top)}
-        print(f"== {name}: {wall:.1f} ms/step (profiled); unprofiled host {min(host):.1f} ms of {min(walls):.1f} ms wall, "
-              f"kernels {gpu / a.steps:.1f} ms/step")
+        print(f"== {name}: {wall:.1f} ms/step (profiled); unprofiled host {min(host):.1f} ms of {min(walls):.1f} ms "
+              f"wall, kernels {gpu / a.steps:.1f} ms/step")
         for key in ("by_cuda", "by_cpu"):
             print(f"  -- top by {key[3:]}")
             for r in result[name][key]:
