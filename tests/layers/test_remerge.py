@@ -1,5 +1,6 @@
 """The eager merged-weight cache's refresh (fdlora.layers.remerge): the first stale layer re-merges the whole model,
-a slider moved 1000 times never drifts, and a budget too small for every layer goes to the smallest weights first.
+a slider moved 1000 times never drifts, and a budget too small for every layer goes where a copy saves the most per
+byte (the smallest weights first where the layers run alike rows, the layer with more rows where sizes are alike).
 Runs on the torch backend here and on the Triton backend under TRITON_INTERPRET=1 (test_triton_interpret.py)."""
 
 from __future__ import annotations
