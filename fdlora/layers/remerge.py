@@ -168,10 +168,11 @@ def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> l
     every missing or stale copy of those blends in every groupable layer of its model; None when the budget gives
     `layer` no copy of one of them. Copies go to the layers of most `benefit` first (Flux-dev's text-stream layers,
     512 tokens a sample, after the image stream's: at the default budget a per-prompt step ran at 1.057x base with
-    copies given smallest first). When room runs out, a layer's copies of other blends go first, then every layer's
-    blend copy (idle while per-sample batches run, and regenerable: the mirror of `_full`, where the blend takes the
-    per-prompt copies' room). Flux-dev, H100, default budget: after a blend step its copies held 16 of the 20 GiB,
-    and a per-prompt step ran at 1.12x base; with that room, 1.06x (probe_per_prompt.json)."""
+    copies given smallest first, 1.023x in this order; fullsize.json). When room runs out, a layer's copies of other
+    blends go first, then every layer's blend copy (idle while per-sample batches run, and regenerable: the mirror of
+    `_full`, where the blend takes the per-prompt copies' room). Flux-dev, H100, default budget: after a blend step
+    its copies held 16 of the 20 GiB, and a per-prompt step ran at 1.12x base; with that room, 1.06x
+    (probe_per_prompt.json)."""
     st = layer.state
     device = layer.bank.A.device
     live = [b for b in dict.fromkeys(blends) if any(b)]
