@@ -209,12 +209,18 @@ def sdxl_case(dev, smoke):
 CASES = {"llama": llama_case, "vit": vit_case, "sdxl": sdxl_case}
 
 
-def floor_ms(build, first, loss_fn, batch, steps, dev, autocast) -> float:
-    """Step ms of the base alone (no adapter, every weight frozen) with the input gradient flowing back from `first`'s
-    output through every layer after it: the forward and backward any LoRA training step of this model must run."""
+def floor_model(build, first, dev):
+    """The base alone (no adapter, every weight frozen) with the input gradient flowing back from `first`'s output
+    through every layer after it: the forward and backward any LoRA training step of this model must run."""
     model = build().to(dev).train()
     model.requires_grad_(False)
     first(model).register_forward_hook(lambda mod, args, out: out.requires_grad_(True))
+    return model
+
+
+def floor_ms(build, first, loss_fn, batch, steps, dev, autocast) -> float:
+    """Step ms of `floor_model`."""
+    model = floor_model(build, first, dev)
     ms, _ = _time(model, loss_fn, batch, steps, dev, autocast)
     del model
     if dev.type == "cuda":

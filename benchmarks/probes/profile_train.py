@@ -46,9 +46,7 @@ def main() -> None:
     for name, model in (("peft", pm), ("fd-lora", fm), ("floor", None)):
         if model is None:
             del pm, fm
-            model = build().to(dev).train()
-            model.requires_grad_(False)
-            first(model).register_forward_hook(lambda mod, args, out: out.requires_grad_(True))
+            model = bt.floor_model(build, first, dev)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5) if params else None
 

@@ -104,7 +104,7 @@ class MergeTable:
 
     def __init__(self) -> None:
         self.host: list[int] | None = None
-        self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool] | None = None
+        self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool, dict] | None = None
         self.kept: list | None = None  # the entries list of the last `kept` launch, and its weights' addresses
         self.kept_w: list[int] | None = None
 
