@@ -38,3 +38,14 @@ def pair(model_name: str, config, seed: int = 0, randomize_B: bool = True):
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def count_nodes(t: torch.Tensor, name: str) -> int:
+    """Nodes of t's autograd graph whose type name starts with `name` (e.g. "ToCopyBackward", "MatMul4BitBackward")."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            todo.extend(g for g, _ in f.next_functions)
+    return sum(type(f).__name__.startswith(name) for f in seen)

@@ -9,7 +9,7 @@ import torch
 
 from fdlora.kernels import train_ops
 
-from .helpers import rel
+from .helpers import count_nodes, peft_lora_modules, rel
 
 D = torch.float64
 
@@ -214,18 +214,6 @@ class _QKV(torch.nn.Module):
         return q + self.k_proj(n) * self.v_proj(n)
 
 
-def _cast_nodes(t):
-    seen, todo, n = set(), [t.grad_fn], 0
-    while todo:
-        f = todo.pop()
-        if f is None or f in seen:
-            continue
-        seen.add(f)
-        n += type(f).__name__.startswith("ToCopyBackward")
-        todo.extend(g for g, _ in f.next_functions)
-    return n
-
-
 @pytest.mark.parametrize("bump", [False, True], ids=["shared", "changed-in-place"])
 def test_autocast_casts_a_shared_input_once(bump):
     """Under autocast, layers that read one fp32 tensor in turn (q, k, v of a norm output) share one cast of it (one
@@ -235,8 +223,6 @@ def test_autocast_casts_a_shared_input_once(bump):
     from peft import LoraConfig, get_peft_model
 
     import fdlora
-
-    from .helpers import peft_lora_modules
 
     torch.manual_seed(0)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"])
@@ -253,7 +239,7 @@ def test_autocast_casts_a_shared_input_once(bump):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = m(x.clone().requires_grad_(True), bump=bump)
         if m is fm:
-            assert _cast_nodes(y) == (2 if bump else 1)
+            assert count_nodes(y, "ToCopyBackward") == (2 if bump else 1)
         y.float().sum().backward()
     for path, (A, B) in fdlora.lora_parameters(fm, "a").items():
         assert rel(A.grad, theirs[path].lora_A["default"].weight.grad) < 3e-2, path

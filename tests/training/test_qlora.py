@@ -12,7 +12,7 @@ import fdlora
 from fdlora.training import schema, tiny, trainer
 from fdlora.training.quant import QuantSpec, hf_quantization_config, quantize_manual, quantized_modules
 
-from .helpers import peft_lora_modules, rel
+from .helpers import count_nodes, peft_lora_modules, rel
 
 bnb = pytest.importorskip("bitsandbytes")
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1", "fc2"])
@@ -31,16 +31,6 @@ def _quantized(method: str, qtype: str, tmp_path):
         tiny.build("tiny-vit").save_pretrained(d)
     return transformers.ViTForImageClassification.from_pretrained(d, quantization_config=hf_quantization_config(spec),
                                                                   device_map="cpu")
-
-
-def _count_nodes(t: torch.Tensor, name: str) -> int:
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        f = todo.pop()
-        if f is not None and f not in seen:
-            seen.add(f)
-            todo.extend(g for g, _ in f.next_functions)
-    return sum(type(f).__name__.startswith(name) for f in seen)
 
 
 CASES = [("manual", "nf4"), ("manual", "fp4"), ("hf", "nf4"), ("hf", "fp4"), ("manual", "int8")]
@@ -63,7 +53,7 @@ def test_grads_equal_peft_qlora(method, qtype, tmp_path):
     nodes = []
     for m in (pm, fm):
         loss = tiny.loss_of("image-classification", m, batch)
-        nodes.append(_count_nodes(loss, "MatMul4BitBackward"))
+        nodes.append(count_nodes(loss, "MatMul4BitBackward"))
         loss.backward()
     # a 4-bit base under a trainable layer runs inside fd-lora's op: no backward node of its own (the untargeted
     # ones keep theirs); int8 bases run their own backward
