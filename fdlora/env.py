@@ -122,8 +122,9 @@ TRAIN_BACKWARD_VAR = "FDLORA_TRAIN_BACKWARD"
 def train_backward() -> str:
     """`FDLORA_TRAIN_BACKWARD`: how a trainable layer's LoRA backward runs on CUDA: "blas" (default: four cuBLAS
     GEMMs in the activations' dtype, fdlora.kernels.reference.lora_train.lora_train_linear_backward_blas) or
-    "triton" (the two-pass fused kernels of fdlora.kernels.triton.lora_backward, slower on an H200 at every
-    measured Llama-3-8B layer shape: benchmarks/results/nvidia-h200/train.json)."""
+    "triton" (the two-pass fused kernels of fdlora.kernels.triton.lora_backward: one read of gy, one of u, split-K
+    partial sums instead of atomics; still slower than the cuBLAS path at every measured Llama-3-8B layer shape on an
+    H100, 0.21-0.41 vs 0.15-0.26 ms: benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward.json)."""
     raw = os.environ.get(TRAIN_BACKWARD_VAR, "blas").strip().lower()
     return raw if raw in ("blas", "triton") else "blas"
 
