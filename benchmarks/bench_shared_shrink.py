@@ -1,7 +1,8 @@
 """One shrink for layers that read the same input (fdlora.layers.shared) vs one delta per layer.
 
     separate: y_i += (x A_i^T * w) B_i^T          lora_delta (or lora_delta_rows) once per member: x read n times
-    grouped:  h = x [A_1; ...; A_n]^T once         lora_shrink over the stacked banks, then
+    grouped:  h = x [A_1; ...; A_n]^T once         lora_shrink (Triton: lora_shrink_split, partial sums kept) over
+                                                   the members' stacked live slots, then
               y_i += (h_i * w) B_i^T               lora_expand_add per member on its columns of h
 
 Shapes from real models: Flux double-block q/k/v (3072 -> 3072 x3, 4096 + 512 tokens) and single-block
@@ -86,10 +87,12 @@ def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen, sh
     gw = torch.ones(1, S, device=device)
     row_slot = torch.randint(-1, live, (s.M,), generator=gen, dtype=torch.int32).to(device)
     ys = [torch.randn(s.M, n, generator=gen).to(device, dtype) for n in s.Ns]
-    A_stack = torch.cat(As).contiguous()  # what ShrinkGroup._stacked holds
+    # what ShrinkGroup._stacked holds: each member's slots up to the last live one (blend: the active adapters'
+    # range; per row: the slots up to the last one used), a shared A once
+    A_stack = torch.cat([A[:live] for A in As]).contiguous()
     if shared_a:
         As = [As[0]] * len(As)
-        A_stack = As[0].contiguous()
+        A_stack = As[0][:live].contiguous()
     return x, As, Bs, ranks, scale, gw, row_slot, ys, A_stack
 
 
@@ -99,18 +102,22 @@ def separate_fn(ops, mode, x, As, Bs, ranks, scale, gw, row_slot):
     return lambda ys: [ops.lora_delta(y, x, A, B, scale, gw, ranks) for y, A, B in zip(ys, As, Bs)]
 
 
-def grouped_fn(ops, mode, x, Bs, scale, gw, row_slot, A_stack):
-    """What ShrinkGroup.delta runs for the members of one input (per-row weights as a [M, S] group weight)."""
+def grouped_fn(ops, mode, x, Bs, scale, gw, row_slot, A_stack, U: int):
+    """What ShrinkGroup.delta runs for the members of one input: one shrink over the stack (its K-split partial sums
+    where the backend keeps them: lora_shrink_split), then each member's expand on its columns of h, over the stack's
+    U slots (the live range; per-row weights as a [M, U] group weight)."""
     S, R = Bs[0].shape[1:]
-    w = (row_slot.long()[:, None] == torch.arange(S, device=x.device)).float() if mode == "rows" else gw
-    cols = S * R
-    one = A_stack.shape[0] == S  # a shared A: every member reads the same columns
+    w = (row_slot.long()[:, None] == torch.arange(U, device=x.device)).float() if mode == "rows" else gw[:, :U]
+    cols = U * R
+    one = A_stack.shape[0] == U  # a shared A: every member reads the same columns
+    shrink = getattr(ops, "lora_shrink_split", ops.lora_shrink)
+    Bu, su = [B[:, :U] for B in Bs], scale[:U]
 
     def f(ys):
-        h = ops.lora_shrink(x, A_stack)
-        for i, (y, B) in enumerate(zip(ys, Bs)):
+        h = shrink(x, A_stack)
+        for i, (y, B) in enumerate(zip(ys, Bu)):
             c = 0 if one else i * cols
-            ops.lora_expand_add(y, h[:, c:c + cols], B, scale, w)
+            ops.lora_expand_add(y, h[..., c:c + cols], B, su, w)
     return f
 
 
@@ -130,7 +137,7 @@ def run_case(s: Shape, mode_name: str, ops, dtype, device, timer) -> dict:
     x, As, Bs, ranks, scale, gw, row_slot, ys0, A_stack = build(s, mode, S, R, live, dtype, device, gen,
                                                              mode_name.endswith("sharedA"))
     sep = separate_fn(ops, mode, x, As, Bs, ranks, scale, gw, row_slot)
-    grp = grouped_fn(ops, mode, x, Bs, scale, gw, row_slot, A_stack)
+    grp = grouped_fn(ops, mode, x, Bs, scale, gw, row_slot, A_stack, live)
     # verify first: both against a float64 oracle, bound from eager torch's own error in this dtype
     w = ((row_slot.long()[:, None] == torch.arange(S, device=device)).double() if mode == "rows"
          else gw.double()) * scale.double()  # [M or 1, S]

@@ -1,6 +1,7 @@
 """One shrink for the layers that read the same input: q/k/v, gate/up, Flux single blocks' q/k/v/proj_mlp.
 
-    h   = x [A_1; A_2; ...; A_n]^T       once per input: one lora_shrink over the members' stacked banks
+    h   = x [A_1; A_2; ...; A_n]^T       once per input: one lora_shrink over the members' stacked banks (on
+                                         Triton its K-split partial sums, which the expands add: lora_shrink_split)
     y_i += (h_i * w_i) B_i^T              per member, when the model calls it: lora_expand_add on its columns
 
 Why this form. The members are separate modules that the model's own code calls one after another
@@ -179,10 +180,11 @@ class ShrinkGroup:
         got = self._h
         if got is None or got[0] != xkey or got[1]() is not x:
             x2 = x.reshape(M, A.shape[2]).to(A.dtype)
-            got = self._h = (xkey, weakref.ref(x), ops.lora_shrink(x2, A), set())
+            split = getattr(ops, "lora_shrink_split", None)  # K-split partials the expand adds (Triton): no sum launch
+            got = self._h = (xkey, weakref.ref(x), split(x2, A) if split else ops.lora_shrink(x2, A), set())
             self.shrinks += 1
         at, bank = columns[next(i for i, m in enumerate(self.members) if m is layer)], layer.bank
-        h = got[2][:, at:at + S * R] if isinstance(at, int) else got[2].index_select(1, at)
+        h = got[2][..., at:at + S * R] if isinstance(at, int) else got[2].index_select(-1, at)
         ops.lora_expand_add(y2, h, bank.B[:, lo:hi, :R], scale[lo:hi], gw[:, lo:hi])
         self.expands += 1
         if bank._buffers["bias"] is not None:

@@ -231,6 +231,34 @@ def test_shrink_and_expand_add_match_reference(tops, device: str, dtype: str) ->
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_shrink_split_partials_feed_expand_add(tops, device: str, dtype: str) -> None:
+    """lora_shrink_split's K-split partial sums [P, M, S*R] add up to h, and lora_expand_add takes them as they are,
+    sliced to one member's columns as fdlora.layers.shared does, matching the reference on the summed h."""
+    skip_unless(device)
+    case = Case(f"split-partials-{dtype}", "groups", 26, 160, 34, 32, (32, 7, 16), (1.0, 0.0, 0.5), G=2, dtype=dtype)
+    d = make_inputs(case, device)
+    clean = d["clean"]
+    x, A, B = clean["x"].to(device), clean["A"].to(device), clean["B"].to(device)
+    parts = tops.lora_shrink_split(x, A)
+    S, R = A.shape[:2]
+    h_ref = ref.lora_shrink(x.double(), A.double())
+    assert parts.dim() == 3 and parts.shape[1:] == h_ref.shape and not parts.isnan().any()
+    if device == "cpu":  # the interpreter splits K whenever K > 64: the partial path is the one under test
+        assert parts.shape[0] > 1
+    eps = torch.finfo(x.dtype).eps
+    # exact products of the inputs, summed in fp32 over K: a bound of fp32 summation's own error
+    bound = 2 * torch.finfo(torch.float32).eps * x.shape[1] ** 0.5 * h_ref.abs().max().item()
+    assert (parts.sum(0).double() - h_ref).abs().max().item() <= bound
+    wide = torch.cat([parts, torch.full_like(parts[..., :5], float("nan"))], -1)[..., :S * R]  # a strided slice
+    y = clean["y"].to(device)
+    y_ref = y.double().clone()
+    tops.lora_expand_add(y, wide, B, d["scale"], d["group_weight"])
+    ref.lora_expand_add(y_ref, h_ref, B.double(), d["scale"].double(), d["group_weight"].double())
+    assert (y.double() - y_ref).abs().max().item() <= 4 * eps * y_ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_switching_scale_in_place_needs_no_new_shapes(tops, device: str) -> None:
     """One set of buffers, several active sets and weights written in place (what CUDA graphs replay)."""
     skip_unless(device)

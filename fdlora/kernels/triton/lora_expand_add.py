@@ -116,7 +116,7 @@ def launch_expand_add(
 
 def lora_expand_add(
     y: torch.Tensor,  # [M, N], updated in place
-    h: torch.Tensor,  # [M, S*R] fp32
+    h: torch.Tensor,  # [M, S*R] fp32, or [P, M, S*R]: partial sums (lora_shrink_split), added here
     B: torch.Tensor,  # [N, S, R]
     scale: torch.Tensor,  # [S] fp32
     group_weight: torch.Tensor,  # [G, S] fp32
@@ -125,10 +125,12 @@ def lora_expand_add(
     M, N = C.dims(y)
     _, S, R = C.dims(B)
     G = C.dims(group_weight)[0]
-    if tuple(h.shape) != (M, S * R) or group_weight.shape[1] != S or scale.shape[0] != S or G < 1 or M % G:
+    if (tuple(h.shape[-2:]) != (M, S * R) or h.dim() not in (2, 3) or group_weight.shape[1] != S
+            or scale.shape[0] != S or G < 1 or M % G):
         raise C.FdLoraError(
             f"fdlora triton lora_expand_add: h {tuple(h.shape)}, scale {tuple(scale.shape)} and group_weight "
-            f"{tuple(group_weight.shape)} must be [M, S*R], [S], [G, S] with M={M}, S={S}, R={R}, G dividing M."
+            f"{tuple(group_weight.shape)} must be [M, S*R] (or [P, M, S*R]), [S], [G, S] with M={M}, S={S}, R={R}, "
+            "G dividing M."
         )
     if M == 0 or N == 0:
         return

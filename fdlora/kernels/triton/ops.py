@@ -11,7 +11,8 @@ Which kernel runs:
   kernel's per-program re-reads of A dominate; fused above (diffusion sizes).
 - lora_delta_rows: always one launch (lora_delta_rows.py); `prepare_delta_rows` also returns that launch
   kept ready, which eager decode layers replay (fdlora.layers.decode).
-- lora_shrink / lora_expand_add: the two halves, also usable on their own.
+- lora_shrink / lora_expand_add: the two halves, also usable on their own; lora_shrink_split (eager only) keeps
+  the shrink's K-split partial sums for lora_expand_add to add (fdlora.layers.shared's one shrink per input).
 Conv LoRA stays on the torch backend (the registry says so: kinds={"linear"}).
 
 Plain eager calls (no compile, no tracing mode, plain tensors, no autograd) skip the dispatcher
@@ -42,7 +43,7 @@ from . import lora_merge_many as _many
 from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
-           "lora_shrink", "merge_table", "prepare_linear", "prepare_merge", "prepare_merge_many"]
+           "lora_shrink", "lora_shrink_split", "merge_table", "prepare_linear", "prepare_merge", "prepare_merge_many"]
 
 
 def lora_shrink(
@@ -55,9 +56,17 @@ def lora_shrink(
     return torch.ops.fdlora.lora_shrink(x, A)
 
 
+def lora_shrink_split(
+    x: torch.Tensor,  # [M, K]
+    A: torch.Tensor,  # [S, R, K]
+) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums over K
+    with set_wrap_triton_enabled(False):
+        return _shrink.lora_shrink_split(x, A)
+
+
 def lora_expand_add(
     y: torch.Tensor,  # [M, N], updated in place
-    h: torch.Tensor,  # [M, S*R] fp32
+    h: torch.Tensor,  # [M, S*R] fp32 (or [P, M, S*R] partial sums, eager)
     B: torch.Tensor,  # [N, S, R]
     scale: torch.Tensor,  # [S] fp32
     group_weight: torch.Tensor,  # [G, S] fp32

@@ -1,0 +1,110 @@
+"""Where a shared shrink's time goes (bench_shared_shrink's q/k/v shapes, one adapter r16 in banks of 4 slots, blend):
+the separate deltas, the bench's grouped form (the stack over all 4 slots of each member), the form ShrinkGroup.delta
+runs in blend mode (the stack over the active slot only), that stack read as one wide-rank slot with its K-split
+partial sums handed to the expands (no sum launch), and a cuBLAS shrink; each kernel alone too. Every form is
+checked against the separate deltas first.
+
+    python benchmarks/probes/sweep_shared_shrink.py --out $OUT/sweep_shared_shrink.json     # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_delta import gpu_us  # noqa: E402
+from bench_shared_shrink import SHAPES, build  # noqa: E402
+
+from fdlora.kernels import registry  # noqa: E402
+from fdlora.kernels.triton.lora_expand_add import launch_expand_add  # noqa: E402
+from fdlora.kernels.triton.lora_shrink import launch_shrink  # noqa: E402
+
+
+def run_case(s, ops, dev, dt) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    x, As, Bs, ranks, scale, gw, _, ys0, A_stack = build(s, "blend", 4, 16, 1, dt, dev, gen)
+    n = len(As)
+    live = torch.cat([A[:1] for A in As]).contiguous()  # [n, 16, K]: ShrinkGroup's stack over slot 0
+    wide = live.view(1, n * 16, s.K)
+    B1 = [B[:, :1] for B in Bs]
+    sc1, gw1 = scale[:1].contiguous(), gw[:, :1].contiguous()
+    flat = live.view(n * 16, s.K)
+
+    def separate(ys):
+        for y, A, B in zip(ys, As, Bs):
+            ops.lora_delta(y, x, A, B, scale, gw, ranks)
+
+    def bench_grouped(ys):
+        h = ops.lora_shrink(x, A_stack)
+        for i, (y, B) in enumerate(zip(ys, Bs)):
+            ops.lora_expand_add(y, h[:, i * 64:(i + 1) * 64], B, scale, gw)
+
+    def prod(ys):
+        h = ops.lora_shrink(x, live)
+        for i, (y, B) in enumerate(zip(ys, B1)):
+            ops.lora_expand_add(y, h[:, i * 16:(i + 1) * 16], B, sc1, gw1)
+
+    def wide_partials(ys):
+        h = launch_shrink(x, wide)  # [P, M, n*16]
+        for i, (y, B) in enumerate(zip(ys, B1)):
+            launch_expand_add(y, h[:, :, i * 16:(i + 1) * 16], B, sc1, gw1)
+
+    def cublas_shrink(ys):
+        h = torch.mm(x, flat.t(), out_dtype=torch.float32)
+        for i, (y, B) in enumerate(zip(ys, B1)):
+            launch_expand_add(y, h[:, i * 16:(i + 1) * 16], B, sc1, gw1)
+
+    forms = {"separate": separate, "bench_grouped": bench_grouped, "prod": prod, "wide_partials": wide_partials,
+             "cublas_shrink": cublas_shrink}
+    want = [y.clone() for y in ys0]
+    separate(want)
+    row = {"case": s.name, "M": s.M, "K": s.K, "Ns": list(s.Ns), "us": {}, "err": {}}
+    for name, fn in forms.items():
+        got = [y.clone() for y in ys0]
+        fn(got)
+        row["err"][name] = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
+        work = [y.clone() for y in ys0]
+        row["us"][name] = gpu_us(lambda fn=fn, work=work: fn(work))
+    h = torch.mm(x, flat.t(), out_dtype=torch.float32)
+    work = [y.clone() for y in ys0]
+    parts = {
+        "shrink_bench": lambda: ops.lora_shrink(x, A_stack),
+        "shrink_prod": lambda: ops.lora_shrink(x, live),
+        "shrink_wide": lambda: launch_shrink(x, wide),
+        "shrink_cublas": lambda: torch.mm(x, flat.t(), out_dtype=torch.float32),
+        **{f"expand_{i}": (lambda i=i, y=y: launch_expand_add(y, h[:, i * 16:(i + 1) * 16], B1[i], sc1, gw1))
+           for i, y in enumerate(work)},
+        **{f"delta_{i}": (lambda i=i, y=y: ops.lora_delta(y, x, As[i], Bs[i], scale, gw, ranks))
+           for i, y in enumerate(work)},
+    }
+    row["parts_us"] = {k: gpu_us(f) for k, f in parts.items()}
+    row["ratio"] = {k: v / row["us"]["separate"] for k, v in row["us"].items()}
+    print(f"{s.name}: " + "  ".join(f"{k} {v:.1f}us (x{row['ratio'][k]:.3f})" for k, v in row["us"].items()),
+          flush=True)
+    print("    parts: " + "  ".join(f"{k} {v:.1f}" for k, v in row["parts_us"].items()), flush=True)
+    print("    max abs diff vs separate: " + "  ".join(f"{k} {v:.2e}" for k, v in row["err"].items()), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    ops, dev, dt = registry.ops("triton"), "cuda", torch.bfloat16
+    rows = [run_case(s, ops, dev, dt) for s in SHAPES if s.target is not None]
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
