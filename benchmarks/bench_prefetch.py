@@ -9,7 +9,8 @@ loaded by `load_fd_lora`.
 
 Rows (written to benchmarks/results/<gpu>/prefetch.json):
   steps   median UNet step (batch 2, 1024^2 latents) idle, and while `prefetch_fd_lora` loads the adapter from
-          disk (RAM cache off) in the background; ratio (target <= 1.05). Each step holds the pipeline's lock as
+          disk (RAM cache off) in the background, in alternating rounds (idle steps, then one load's steps); ratio
+          (target <= 1.05). Each step holds the pipeline's lock as
           a generation does, so every prefetch publishes between two steps. `fdlora.pipelines.warmup.warmup` runs
           first, as in a server: it starts the reader process (fdlora.hub.worker), page-locks the host arena the
           reader writes into and builds the bulk bank writer; `arena` says whether the blocks came from the
@@ -42,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's fdlora, also in the cold-start subprocesses
 WEIGHTS = "pytorch_lora_weights.safetensors"
+IDLE_PER_ROUND = 4  # idle steps before each prefetch: about the steps one load spans on an H100
 
 
 def args(argv=None) -> argparse.Namespace:
@@ -209,9 +211,13 @@ def verify(pipe, folder: str) -> None:
 
 
 def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
-    """Idle step times, then step times while prefetches of the adapter (from disk) run, until n such steps; then
-    the same window again after `gc.freeze()` (a server's usual move: the collector stops walking the model's and
-    the libraries' objects). Each step is filed under the prefetch stage it started and ended in."""
+    """Step times in rounds, each `IDLE_PER_ROUND` idle steps and then steps while a prefetch of the adapter (from
+    disk) runs, until n steps of each kind: idle and loading steps alternate within seconds of each other, so a host
+    whose speed drifts over a call (SDXL base steps 60-107 ms within one call in session 23) moves both alike.
+    Each round then deletes its adapter and runs one untimed step (what the delete leaves for the next step to
+    redo is the delete's cost, not the load's: `after_delete_ms` reports it). Then the same rounds again after
+    `gc.freeze()` (a server's usual move: the collector stops walking the model's and the libraries' objects).
+    Each loading step is filed under the prefetch stage it started and ended in."""
     import gc
 
     import torch
@@ -227,9 +233,10 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
         with lock:  # what a generation holds: a prefetch publishes only between steps
             unet(**inputs)
 
-    def window(tag: str) -> tuple[list[float], dict]:
-        during, loads, rounds, by_stage, clock, pageable = [], [], 0, {}, GcClock(), 0
-        while len(during) < n and rounds < 50:
+    def rounds_of(tag: str) -> tuple[list[float], list[float], dict]:
+        idle, during, loads, rounds, by_stage, clock, pageable, after = [], [], [], 0, {}, GcClock(), 0, []
+        while (len(during) < n or len(idle) < n) and rounds < 50:
+            idle.extend(timed(step, sync) for _ in range(IDLE_PER_ROUND))
             job = pipe.prefetch_fd_lora(folder, adapter_name=f"bg{tag}{rounds}", cache=None)
             t = time.perf_counter()
             while not job.done():
@@ -241,12 +248,20 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
             loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()},
                           "cpu": {k: round(v, 4) for k, v in job.cpu_seconds.items()}})
             pipe.delete_adapters(f"bg{tag}{rounds}")
+            after.append(timed(step, sync) * 1e3)
             rounds += 1
         gc.callbacks.remove(clock._tick)
-        return during, {"prefetches": len(loads), "prefetch_seconds": loads[:5], "gc_seconds": clock.take(),
-                        "pageable_blocks_seen": pageable,
-                        "steps_by_stage": {k: {"steps": len(v), "median_ms": statistics.median(v), "max_ms": max(v)}
-                                           for k, v in by_stage.items()}}
+        return idle, during, {
+            "prefetches": len(loads), "prefetch_seconds": loads[:5], "gc_seconds": clock.take(),
+            "pageable_blocks_seen": pageable, "after_delete_ms": statistics.median(after),
+            "steps_by_stage": {k: {"steps": len(v), "median_ms": statistics.median(v), "max_ms": max(v)}
+                               for k, v in by_stage.items()}}
+
+    def summary(idle: list[float], during: list[float]) -> dict:
+        return {"idle_ms": statistics.median(idle) * 1e3, "during_prefetch_ms": statistics.median(during) * 1e3,
+                "ratio": statistics.median(during) / statistics.median(idle),
+                "mean_ratio": statistics.mean(during) / statistics.mean(idle),
+                "during_prefetch_max_ms": max(during) * 1e3, "steps_idle": len(idle), "steps_during": len(during)}
 
     warmup(pipe, tokens=())  # what a server runs before serving (the steps below have built the layers' kernels)
     with torch.inference_mode():
@@ -254,21 +269,14 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
         pipe.delete_adapters("warm")  # and its first conversion ran, so no window below is a start-up
         for _ in range(1 if n < 3 else 3):
             timed(step, sync)
-        idle = [timed(step, sync) for _ in range(n)]
-        during, detail = window("")
+        idle, during, detail = rounds_of("")
         gc.freeze()
         try:
-            frozen, frozen_detail = window("f")
+            f_idle, frozen, frozen_detail = rounds_of("f")
         finally:
             gc.unfreeze()
-    med_idle, med_during = statistics.median(idle), statistics.median(during)
-    return {"idle_ms": med_idle * 1e3, "during_prefetch_ms": med_during * 1e3, "ratio": med_during / med_idle,
-            "mean_ratio": statistics.mean(during) / statistics.mean(idle), "during_prefetch_max_ms": max(during) * 1e3,
-            "reader": env.prefetch_reader(), "arena": worker.ARENA.stats(), "steps_idle": len(idle),
-            "steps_during": len(during), **detail,
-            "gc_frozen": {"during_prefetch_ms": statistics.median(frozen) * 1e3,
-                          "ratio": statistics.median(frozen) / med_idle,
-                          "mean_ratio": statistics.mean(frozen) / statistics.mean(idle), **frozen_detail}}
+    return {**summary(idle, during), "reader": env.prefetch_reader(), "arena": worker.ARENA.stats(), **detail,
+            "gc_frozen": {**summary(f_idle, frozen), **frozen_detail}}
 
 
 def environment(device: str) -> dict:
