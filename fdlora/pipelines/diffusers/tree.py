@@ -24,17 +24,31 @@ class Tree:
 
 
 def scan(model: nn.Module) -> Tree:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     peft = fused = False
+    kinds = _kinds
     stack = [model]
     while stack:
         m = stack.pop()
-        if isinstance(m, BaseTunerLayer):
-            peft = True
         d = m.__dict__
+        kind = kinds.get(type(m))
+        if kind is None:
+            kind = _kind(type(m))
+        if kind[0]:
+            peft = True
         if d["fused_projections"] if "fused_projections" in d else getattr(type(m), "fused_projections", False):
             fused = True
-        if not isinstance(m, _FusedLora):
+        if not kind[1]:
             stack.extend(d["_modules"].values())
     return Tree(peft, fused)
+
+
+_kinds: dict[type, tuple[bool, bool]] = {}
+
+
+def _kind(cls: type) -> tuple[bool, bool]:
+    """(a PEFT tuner layer, an fd-lora layer) for modules of class `cls`, asked once per class: isinstance against
+    PEFT's abstract base class runs Python on every call."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    kind = _kinds[cls] = (issubclass(cls, BaseTunerLayer), issubclass(cls, _FusedLora))
+    return kind
