@@ -81,8 +81,13 @@ class FdLoraPipelineMixin:
 
     def fd_lora_handles(self) -> dict[str, FdLoraHandle]:
         """Component name -> fd-lora handle, for components holding fd-lora layers."""
+        return self._fd_handles(self._fd_modules())
+
+    @staticmethod
+    def _fd_handles(modules: Mapping[str, nn.Module]) -> dict[str, FdLoraHandle]:
+        """fd_lora_handles over `modules` (`_fd_modules()`: diffusers' `components` inspects signatures each call)."""
         out = {}
-        for name, m in self._fd_modules().items():
+        for name, m in modules.items():
             h = registry_of_models.get(m)
             if h is not None:
                 out[name] = h
@@ -161,9 +166,10 @@ class FdLoraPipelineMixin:
         trees = {c: tree.scan(modules[c]) for c in adapters}  # PEFT layers, fused q/k/v: one walk per component
         adapters = {c: fused_qkv.retarget(modules[c], a) if trees[c].fused else a  # fuse_qkv_projections
                     for c, a in adapters.items()}
-        handles = self.fd_lora_handles()
-        name = adapter_name or f"default_{len(self._fd_all_names())}"
-        if name in self._fd_all_names():
+        handles = self._fd_handles(modules)
+        names = self._fd_all_names(handles)
+        name = adapter_name or f"default_{len(names)}"
+        if name in names:
             raise DuplicateAdapterError(f"an adapter named {name!r} is already loaded; delete_adapters() it "
                                         "first or pick another adapter_name.")
         plans = []
@@ -174,7 +180,7 @@ class FdLoraPipelineMixin:
                 self._fd_refuse_peft(comp)
             h = handles.get(comp)
             fresh = h is None
-            need = max(padded_rank(m.rank) for m in adapter.modules.values())
+            need = padded_rank(max(m.rank for m in adapter.modules.values()))
             if fresh:
                 h = FdLoraHandle(model, max_slots=max_slots or DEFAULT_SLOTS,
                                  max_rank=max(max_rank or DEFAULT_RANK, need))
@@ -216,7 +222,7 @@ class FdLoraPipelineMixin:
                 _reapply_group_offloading(h.model)
         if activate:
             self.set_adapters([name])
-        return self._fd_note_quantized([comp for comp, *_ in plans], report)
+        return self._fd_note_quantized([comp for comp, *_ in plans], report, self._fd_handles(modules))
 
     def _fd_reactivate(self, active: Mapping[str, Mapping[str, Any]]) -> None:
         """Put back each component's active set (after a call that changed it: a failed load whose room-making
@@ -279,10 +285,9 @@ class FdLoraPipelineMixin:
             logger.info("fd-lora: %s: %s", c, why)
         return report
 
-    def _fd_note_quantized(self, comps: Sequence[str], report: Any):
-        """Say in the report (and the log) which wrapped layers have quantized or float8-stored bases (torchao,
-        GGUF, bitsandbytes, layerwise casting): they run base output + delta and keep no merged copy."""
-        handles = self.fd_lora_handles()
+    def _fd_note_quantized(self, comps: Sequence[str], report: Any, handles: Mapping[str, FdLoraHandle]):
+        """Say in the report (and the log) which wrapped layers of `handles` have quantized or float8-stored bases
+        (torchao, GGUF, bitsandbytes, layerwise casting): they run base output + delta and keep no merged copy."""
         notes = []
         for comp in comps:
             kinds = Counter(k for lay in handles[comp].layers.values() if (k := quantized.kind(lay.base)))
@@ -311,9 +316,10 @@ class FdLoraPipelineMixin:
             "fdlora.from_diffusers(pipe), or remove them with pipe.unload_lora_weights() before load_fd_lora."
         )
 
-    def _fd_all_names(self) -> list[str]:
-        """Every loaded adapter, resident in a GPU slot or evicted to RAM."""
-        return list(dict.fromkeys(n for p in self.fd_lora_pools().values() for n in p.names()))
+    def _fd_all_names(self, handles: Mapping[str, FdLoraHandle] | None = None) -> list[str]:
+        """Every loaded adapter, resident in a GPU slot or evicted to RAM (`handles`: fd_lora_handles())."""
+        handles = self.fd_lora_handles() if handles is None else handles
+        return list(dict.fromkeys(n for h in handles.values() for n in AdapterPool.of(h).names()))
 
     # --- switching -----------------------------------------------------------------------------
     def set_adapters(self, adapter_names: str | Sequence[str], adapter_weights: Any = None) -> None:
