@@ -127,7 +127,8 @@ class ModuleLora:
 
     @property
     def rank(self) -> int:
-        return int(self.A.shape[1 if self.A.dim() == 3 else 0])
+        shape = self.A.shape  # (loads ask it of every module, several times: one tensor call)
+        return int(shape[1 if len(shape) == 3 else 0])
 
     @property
     def kind(self) -> LayerKind:
@@ -189,10 +190,10 @@ class LoraAdapter:
         passed before are skipped (they are treated as read-only once loaded; an in-place edit must reset
         `ModuleLora.finite`); scales are checked every time (a float each)."""
         who = f"adapter {name or self.name!r}" if (name or self.name) else "the adapter"
-        todo = []
+        todo, rslora, isfinite = [], self.use_rslora, math.isfinite
         for path, m in self.modules.items():
-            scale = m.scaling(self.use_rslora)
-            if not (math.isfinite(scale) and abs(scale) <= MAX_SCALE):
+            scale = m.scaling(rslora)
+            if not (isfinite(scale) and -MAX_SCALE <= scale <= MAX_SCALE):
                 raise NonFiniteError(
                     f"{who}: {path} has alpha {m.alpha:g} at rank {m.rank}, a scale of {scale:g} (limit "
                     f"+-{MAX_SCALE:g}); the file's alpha is corrupt. Load another revision, or pass validate=False "
@@ -209,7 +210,8 @@ class LoraAdapter:
                     "or pass validate=False to skip this check."
                 )
         for m in self.modules.values():
-            m.finite = True
+            if not m.finite:
+                m.finite = True
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> LoraAdapter:
         def cv(t: torch.Tensor | None) -> torch.Tensor | None:
