@@ -181,6 +181,14 @@ class LoraAdapter:
     def scaling(self, path: str) -> float:
         return self.modules[path].scaling(self.use_rslora)
 
+    def scales(self) -> list[float]:
+        """Every module's `ModuleLora.scaling`, in module order, in one loop (a load asks for ~700 of them twice,
+        between two steps when it is a prefetch's publication)."""
+        ranks = [s[1 if len(s) == 3 else 0] for s in (m.A.shape for m in self.modules.values())]
+        if self.use_rslora:
+            return [m.alpha / math.sqrt(r) for m, r in zip(self.modules.values(), ranks)]
+        return [m.alpha / r for m, r in zip(self.modules.values(), ranks)]
+
     def nbytes(self) -> int:
         return sum(m.nbytes() for m in self.modules.values())
 
@@ -190,10 +198,9 @@ class LoraAdapter:
         passed before are skipped (they are treated as read-only once loaded; an in-place edit must reset
         `ModuleLora.finite`); scales are checked every time (a float each)."""
         who = f"adapter {name or self.name!r}" if (name or self.name) else "the adapter"
-        todo, rslora, isfinite = [], self.use_rslora, math.isfinite
-        for path, m in self.modules.items():
-            scale = m.scaling(rslora)
-            if not (isfinite(scale) and -MAX_SCALE <= scale <= MAX_SCALE):
+        todo = []
+        for (path, m), scale in zip(self.modules.items(), self.scales()):
+            if not -MAX_SCALE <= scale <= MAX_SCALE:  # (False for NaN and +-Inf too)
                 raise NonFiniteError(
                     f"{who}: {path} has alpha {m.alpha:g} at rank {m.rank}, a scale of {scale:g} (limit "
                     f"+-{MAX_SCALE:g}); the file's alpha is corrupt. Load another revision, or pass validate=False "

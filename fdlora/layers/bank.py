@@ -179,14 +179,16 @@ class AdapterBank(nn.Module):
         """(A slot 0, A slot stride, B slot 0, B slot stride, N, B row stride, ranks slot 0, ranks slot stride,
         dtype, device): addresses in bytes (row stride in elements) for the bulk writer (fdlora.layers.bulk)."""
         buffers = self._buffers
-        A, B, ranks = buffers["A"], buffers["B"], buffers["ranks"]
-        key = (A.data_ptr(), B.data_ptr(), ranks.data_ptr())
+        A = buffers["A"]
         got = self.__dict__.get("_addresses")
-        if got is None or got[0] != key:
-            isz = A.element_size()
-            got = self.__dict__["_addresses"] = (key, (A.data_ptr(), A.stride(0) * isz, B.data_ptr(), B.stride(1) * isz,
-                                                       B.shape[0], B.stride(0), ranks.data_ptr(), ranks.element_size(),
-                                                       A.dtype, A.device))
+        # keyed on A's address: the three buffers are only ever replaced together (resize, nn.Module._apply: a new
+        # A at a new address while the old one lives), a copy or unpickled bank has its own; ~700 banks a load
+        if got is None or got[0] != A.data_ptr():
+            B, ranks, isz = buffers["B"], buffers["ranks"], A.element_size()
+            got = self.__dict__["_addresses"] = (A.data_ptr(), (A.data_ptr(), A.stride(0) * isz, B.data_ptr(),
+                                                                B.stride(1) * isz, B.shape[0], B.stride(0),
+                                                                ranks.data_ptr(), ranks.element_size(), A.dtype,
+                                                                A.device))
         return got[1]
 
     @staticmethod
@@ -258,6 +260,7 @@ class AdapterBank(nn.Module):
         ranks = self.ranks.new_zeros(slots)
         ranks[:S0] = self.ranks
         self.A, self.B, self.ranks = A, B, ranks
+        self.__dict__.pop("_addresses", None)
         if self.bias is not None:
             bias = self.bias.new_zeros(slots, self.bias.shape[1])
             bias[:S0] = self.bias

@@ -228,14 +228,12 @@ class FdLoraHandle:
         wrapped = self.wrap(plan.to_wrap)
         scaling = self.state.table.scaling
         try:
-            writes, rows, scales = [], [], []
-            rslora = plan.adapter.use_rslora
+            writes, rows, layers, slot = [], [], self.layers, plan.slot
             for path, m in plan.adapter.modules.items():
-                layer = self.layers[path]
-                writes.append((layer.bank, plan.slot, m))
+                layer = layers[path]
+                writes.append((layer.bank, slot, m))
                 rows.append(layer.index)
-                scales.append(m.scaling(rslora))
-            scaling[rows, plan.slot] = torch.tensor(scales, dtype=scaling.dtype)
+            scaling[rows, slot] = torch.tensor(plan.adapter.scales(), dtype=scaling.dtype)
             if plan.staged is not None:
                 write_staged(writes, plan.staged)
             else:
