@@ -160,10 +160,13 @@ class AdapterBank(nn.Module):
     def mark(self, slot: int, rank: int, device: bool = True) -> None:
         """Bookkeeping after slot `slot` was written with `rank` (0: cleared): host mirrors, both versions (the
         device one unless `device` is False: write_many bumps those in one grouped launch)."""
-        self.used[slot] = rank > 0
-        self.host_ranks[slot] = rank
-        self.__dict__["version"] += 1  # (not through nn.Module.__setattr__: loads mark ~1000 banks)
-        sv = self.__dict__.setdefault("slot_version", [0] * len(self.used))  # (a bank pickled before it had one)
+        d = self.__dict__
+        d["used"][slot] = rank > 0
+        d["host_ranks"][slot] = rank
+        d["version"] += 1  # (not through nn.Module.__setattr__: loads mark ~1000 banks)
+        sv = d.get("slot_version")
+        if sv is None:  # (a bank pickled before it had one)
+            sv = d["slot_version"] = [0] * len(self.used)
         sv[slot] += 1
         if device:
             self._buffers["dversion"].add_(1)

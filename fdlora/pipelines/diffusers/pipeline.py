@@ -290,7 +290,7 @@ class FdLoraPipelineMixin:
         (torchao, GGUF, bitsandbytes, layerwise casting): they run base output + delta and keep no merged copy."""
         notes = []
         for comp in comps:
-            kinds = Counter(k for lay in handles[comp].layers.values() if (k := quantized.kind(lay.base)))
+            kinds = Counter([k for lay in handles[comp].layers.values() if (k := quantized.kind(lay.base))])
             if kinds:
                 n = len(handles[comp].layers)
                 notes.append(f"{comp}: {sum(kinds.values())} of {n} LoRA layers have quantized bases ("
