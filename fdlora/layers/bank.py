@@ -182,16 +182,16 @@ class AdapterBank(nn.Module):
         """(A slot 0, A slot stride, B slot 0, B slot stride, N, B row stride, ranks slot 0, ranks slot stride,
         dtype, device): addresses in bytes (row stride in elements) for the bulk writer (fdlora.layers.bulk)."""
         buffers = self._buffers
-        A = buffers["A"]
+        A, B, ranks = buffers["A"], buffers["B"], buffers["ranks"]
+        # keyed on all three addresses: offload hooks move the buffers one at a time, and a move back may give A its
+        # old address while B gets a new one
+        key = (A.data_ptr(), B.data_ptr(), ranks.data_ptr())
         got = self.__dict__.get("_addresses")
-        # keyed on A's address: the three buffers are only ever replaced together (resize, nn.Module._apply: a new
-        # A at a new address while the old one lives), a copy or unpickled bank has its own; ~700 banks a load
-        if got is None or got[0] != A.data_ptr():
-            B, ranks, isz = buffers["B"], buffers["ranks"], A.element_size()
-            got = self.__dict__["_addresses"] = (A.data_ptr(), (A.data_ptr(), A.stride(0) * isz, B.data_ptr(),
-                                                                B.stride(1) * isz, B.shape[0], B.stride(0),
-                                                                ranks.data_ptr(), ranks.element_size(), A.dtype,
-                                                                A.device))
+        if got is None or got[0] != key:
+            isz = A.element_size()
+            got = self.__dict__["_addresses"] = (key, (A.data_ptr(), A.stride(0) * isz, B.data_ptr(), B.stride(1) * isz,
+                                                       B.shape[0], B.stride(0), ranks.data_ptr(), ranks.element_size(),
+                                                       A.dtype, A.device))
         return got[1]
 
     @staticmethod
