@@ -440,6 +440,16 @@ def run_multi(a) -> int:
     return 1 if failed else 0
 
 
+def layer_inputs(dev, dtype, M: int, K: int, N: int) -> tuple[torch.Tensor, ...]:
+    """(gy [M, N], x [M, K], A [16, K] fp32, B [N, 16] fp32, s): one layer's backward inputs, seeded."""
+    g = torch.Generator(dev).manual_seed(0)
+    gy = torch.randn(M, N, device=dev, dtype=dtype, generator=g)
+    x = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
+    A = torch.randn(16, K, device=dev, generator=g) / K ** 0.5
+    B = torch.randn(N, 16, device=dev, generator=g) / 4
+    return gy, x, A, B, torch.tensor(2.0, device=dev)
+
+
 def layer_microbench(dev, smoke, repeats) -> list[dict]:
     """LoRA backward of one layer: what an eager training step runs (on CUDA with half activations the backward of
     fdlora.kernels.train_ops' Function, from the h, A and s B its forward kept; else the registered op) vs the
@@ -452,12 +462,7 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
     shapes = [(64, 96)] if smoke else [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
     rows = []
     for K, N in shapes:
-        g = torch.Generator(dev).manual_seed(0)
-        gy = torch.randn(M, N, device=dev, dtype=dtype, generator=g)
-        x = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
-        A = torch.randn(16, K, device=dev, generator=g) / K ** 0.5
-        B = torch.randn(N, 16, device=dev, generator=g) / 4
-        s = torch.tensor(2.0, device=dev)
+        gy, x, A, B, s = layer_inputs(dev, dtype, M, K, N)
         h = (x.float() @ A.t())
 
         def op(gy=gy, x=x, h=h, A=A, B=B, s=s):  # the registered op (what torch.compile traces)

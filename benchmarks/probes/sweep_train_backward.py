@@ -17,6 +17,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_train  # noqa: E402
 
 from fdlora.kernels.reference import lora_train  # noqa: E402
 from fdlora.kernels.triton import lora_backward as LB  # noqa: E402
@@ -37,12 +40,7 @@ BLOCKS = {
 
 def run_shape(K: int, N: int, rep: int) -> dict:
     dev, dt, M = torch.device("cuda"), torch.bfloat16, 8192
-    g = torch.Generator(dev).manual_seed(0)
-    gy = torch.randn(M, N, device=dev, dtype=dt, generator=g)
-    x = torch.randn(M, K, device=dev, dtype=dt, generator=g)
-    A = torch.randn(16, K, device=dev, generator=g) / K ** 0.5
-    B = torch.randn(N, 16, device=dev, generator=g) / 4
-    s = torch.tensor(2.0, device=dev)
+    gy, x, A, B, s = bench_train.layer_inputs(dev, dt, M, K, N)
     hb, Ab, Bb, Bs = (x.float() @ A.t()).to(dt), A.to(dt), B.to(dt), (B * s).to(dt)
 
     def torch_path():
