@@ -26,9 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import env
+from . import config as C
 
-INTERPRET = env.triton_interpret()
 MAX_RANK = 64  # rank columns kept in registers next to a [BM, BN] tile; wider ranks take the torch path
 
 
@@ -127,7 +126,7 @@ class Blocks:
 
 
 DEFAULT = Blocks()
-INTERPRETED = Blocks(BM=16, BN=16, BK=16, warps=1, stages=1, fill=4)  # fill: CPU tests split N and K too
+INTERPRETED = Blocks(BM=16, BN=16, BK=16, warps=1, stages=1, fill=1)  # (the interpreter's 4 "SMs" split N and K)
 
 
 def _ranges(M: int, L: int, BM: int, BL: int, programs: int) -> tuple[int, int]:
@@ -157,7 +156,7 @@ def backward_half(
         f = dict(dtype=torch.float32, device=u.device)
         grad_u = None if not need_u else torch.zeros(M, K, dtype=dt, device=u.device)
         return grad_u, torch.zeros(r, K, **f), torch.zeros(N, r, **f)
-    b = blocks or (INTERPRETED if INTERPRET else DEFAULT)
+    b = blocks or (INTERPRETED if C.INTERPRET else DEFAULT)
     if not need_u:
         grad_u = None
     elif W is not None:
@@ -170,7 +169,7 @@ def backward_half(
 
 
 def _programs(b: Blocks, t: torch.Tensor) -> int:
-    return b.fill * (1 if INTERPRET else torch.cuda.get_device_properties(t.device).multi_processor_count)
+    return b.fill * C.device_sms(t)
 
 
 def gy_pass(
@@ -224,12 +223,12 @@ def lora_backward(
     """The registered op's backward (fdlora::lora_train_linear_backward's signature) through `backward_half`: A and
     s B cast to u's dtype once; fp32 activations run IEEE fp32 dots."""
     r = A.shape[0]
-    if r > MAX_RANK or u.dtype == torch.float64 or u.shape[0] == 0:
+    if r > MAX_RANK or u.dtype == torch.float64:
         from ..reference.lora_train import lora_train_linear_backward
 
         return lora_train_linear_backward(gy, u, h, W, A, B, scale)
     out_dtype = u.dtype
-    if INTERPRET and u.dtype == torch.bfloat16:  # the interpreter mis-computes bf16 adds: upcast there
+    if C.INTERPRET and u.dtype == torch.bfloat16:  # the interpreter mis-computes bf16 adds: upcast there
         gy, u = gy.float(), u.float()
     dt = u.dtype
     scale = scale.to(torch.float32)
