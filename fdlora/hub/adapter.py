@@ -182,12 +182,9 @@ class LoraAdapter:
         return self.modules[path].scaling(self.use_rslora)
 
     def scales(self) -> list[float]:
-        """Every module's `ModuleLora.scaling`, in module order, in one loop (a load asks for ~700 of them twice,
-        between two steps when it is a prefetch's publication)."""
-        ranks = [s[1 if len(s) == 3 else 0] for s in (m.A.shape for m in self.modules.values())]
-        if self.use_rslora:
-            return [m.alpha / math.sqrt(r) for m, r in zip(self.modules.values(), ranks)]
-        return [m.alpha / r for m, r in zip(self.modules.values(), ranks)]
+        """Every module's `ModuleLora.scaling`, in module order (check_finite and the handle's commit both ask)."""
+        rslora = self.use_rslora
+        return [m.scaling(rslora) for m in self.modules.values()]
 
     def nbytes(self) -> int:
         return sum(m.nbytes() for m in self.modules.values())

@@ -28,7 +28,6 @@ from .registry import registry_of_models
 from .state import Mode, ModelState
 
 SampleSpec = str | None | Mapping[str, float]
-_KINDS = {2: "linear", 4: "conv2d"}  # A's dims -> the layer kinds `_fits` checks (experts: `_check_module`)
 Weight = float | Callable[[str], float] | None
 
 
@@ -153,7 +152,7 @@ class FdLoraHandle:
         # the model's modules only when a path is not wrapped yet: a load into wrapped layers (every load but the
         # first, and every prefetch's publication) walks no module tree (~4k modules on an SDXL UNet once wrapped)
         modules = None if all(p in layers for p in adapter.modules) else self._modules()
-        for path, m in () if modules is None and self._fits(adapter, cap) else adapter.modules.items():
+        for path, m in adapter.modules.items():
             try:
                 if self._check_module(path, m, what, modules, cap):
                     to_wrap.append(path)
@@ -166,25 +165,6 @@ class FdLoraHandle:
         if to_wrap:
             self._reshapeable(f"wrap {len(to_wrap)} more modules for {what}")
         return LoadPlan(name, self.state.slots.check_new(name) if slot else -1, adapter, to_wrap)
-
-    def _fits(self, adapter: LoraAdapter, cap: int) -> bool:
-        """True if `_check_module` would pass every module of `adapter`, all of them going into wrapped linear or
-        conv layers whose spec is known: its checks in one loop of plain reads (a prefetch's publication checks
-        ~700 modules between two steps). False: let `_check_module` decide (and name every problem)."""
-        layers, check, kinds = self.layers, _FusedLora.check, _KINDS
-        limit = min(cap, self.max_rank)  # (max_rank is padded: padded_rank(r) <= max_rank iff r <= max_rank)
-        for path, m in adapter.modules.items():
-            layer = layers[path]
-            spec = layer.__dict__.get("_spec")
-            if spec is None or type(layer).check is not check:
-                return False
-            A, B, bias = m.A, m.B, m.bias
-            a, b = A.shape, B.shape
-            if (kinds.get(len(a)) != spec.kind or a[1:] != spec.a_shape or len(b) == 3 or b[0] != spec.out_features
-                    or a[0] > limit or not (A.is_floating_point() and B.is_floating_point())
-                    or (bias is not None and bias.shape != (spec.out_features,))):
-                return False
-        return True
 
     def _check_module(self, path: str, m, what: str, modules: dict[str, nn.Module] | None, cap: int) -> bool:
         """Raise if module `path` cannot take LoRA `m`; True if it still has to be wrapped. `modules`: the model's

@@ -260,40 +260,6 @@ def test_bad_adapter_leaves_model_unchanged(net, make, exc, match):
     assert torch.equal(net(x), out)
 
 
-FITS = [
-    ("plain", lambda: lora(QV), True),
-    ("bias", lambda: LoraAdapter({"blocks.1.v_proj": ModuleLora(torch.ones(4, 16), torch.ones(16, 4),
-                                                                bias=torch.ones(16))}), True),
-    ("rank-at-capacity", lambda: lora(QV, rank=64), True),
-    ("conv", lambda: LoraAdapter({"conv": ModuleLora(torch.ones(4, 2, 3, 3), torch.ones(16, 4, 1, 1))}), True),
-    ("fp16", lambda: lora(QV).to(dtype=torch.float16), True),
-    *((b[0], b[1], False) for b in BAD if b[0] not in ("not-a-module", "nan", "duplicate-name")),
-]
-
-
-@pytest.mark.parametrize("make,fits", [f[1:] for f in FITS], ids=[f[0] for f in FITS])
-def test_the_one_loop_fit_check_agrees_with_the_module_checks(net, make, fits):
-    """`_fits` (a publication's check of ~700 modules into wrapped layers) passes exactly what `_check_module`
-    passes, and a load it refuses still raises `_check_module`'s error."""
-    h = fdlora.inject(net, ["q_proj", "v_proj", "conv"])
-    fdlora.add_adapter(net, lora(QV, seed=5), "a")
-    fdlora.add_adapter(net, LoraAdapter({"conv": ModuleLora(torch.ones(4, 2, 3, 3), torch.ones(16, 4, 1, 1))}), "c")
-    adapter, cap = make(), fdlora.env.max_rank_limit()
-    assert h._fits(adapter, cap) is fits
-    slow = True
-    for path, m in adapter.modules.items():
-        try:
-            h._check_module(path, m, "x", None, cap)
-        except errors.FdLoraError:
-            slow = False
-    assert slow is fits
-    if fits:
-        h.plan(adapter, "new")
-    else:
-        with pytest.raises(errors.FdLoraError):
-            h.plan(adapter, "new")
-
-
 def test_bad_calls_name_the_fix(net):
     fdlora.inject(net, ["q_proj"])
     fdlora.add_adapter(net, lora([p for p in QV if "q_proj" in p]), "a")
