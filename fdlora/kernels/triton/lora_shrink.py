@@ -102,19 +102,6 @@ def _wide(A: torch.Tensor) -> torch.Tensor:
     return A.view(1, S * R, K) if A.stride(0) == R * A.stride(1) else A
 
 
-def lora_shrink(
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-) -> torch.Tensor:  # [M, S*R] fp32
-    C.check_operands("lora_shrink", None, x, A, None)
-    M, K = C.dims(x)
-    S, R, _ = C.dims(A)
-    if M == 0 or K == 0:
-        return torch.zeros(M, S * R, device=x.device, dtype=torch.float32)
-    h = launch_shrink(x, _wide(A))
-    return h[0] if h.shape[0] == 1 else h.sum(0)
-
-
 def lora_shrink_split(
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
@@ -122,7 +109,8 @@ def lora_shrink_split(
     """lora_shrink without the sum of its K-split partials: for a caller that hands h straight to lora_expand_add
     (fdlora.layers.shared), one launch fewer. Up to SPLIT_KEEP partials are kept: the expand adds them one load after
     another in each program, so many cost more than the sum (decode's 16 made Llama-3-8B gate/up's two expands
-    48 vs 30 us on an H100). Eager only (not a registered op)."""
+    48 vs 30 us on an H100). Not a registered op itself: ShrinkGroup calls it eagerly, and the registered
+    lora_shrink is it plus the sum."""
     C.check_operands("lora_shrink", None, x, A, None)
     M, K = C.dims(x)
     S, R, _ = C.dims(A)
@@ -130,6 +118,14 @@ def lora_shrink_split(
         return torch.zeros(1, M, S * R, device=x.device, dtype=torch.float32)
     h = launch_shrink(x, _wide(A))
     return h if h.shape[0] <= SPLIT_KEEP else h.sum(0, keepdim=True)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [M, K]
+    A: torch.Tensor,  # [S, R, K]
+) -> torch.Tensor:  # [M, S*R] fp32
+    h = lora_shrink_split(x, A)
+    return h[0] if h.shape[0] == 1 else h.sum(0)
 
 
 lora_shrink_op = triton_op("fdlora::lora_shrink", lora_shrink, mutates_args={})
