@@ -53,6 +53,7 @@ def args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20, help="idle steps timed, and at least as many during prefetches")
     ap.add_argument("--steps-only", action="store_true", help="the steps rows only (no cold-start processes)")
+    ap.add_argument("--cold-only", action="store_true", help="the cold-start rows only (no steps rows)")
     ap.add_argument("--cold-runs", type=int, help="fresh processes per fd-lora cold row, median first load (3; "
                     "--smoke: 1)")
     ap.add_argument("--child", choices=["fd", "fd-warmup", "diffusers"], help=argparse.SUPPRESS)
@@ -185,6 +186,7 @@ def cold_rows(folder: str, smoke: bool, runs: int) -> dict:
     for _ in range(max(1, runs)):
         for kind in samples:
             samples[kind].append(fresh(kind, folder, smoke))
+            print(f"cold {kind} run: {json.dumps(samples[kind][-1])}", flush=True)  # (a cut call keeps these)
     rows = {}
     for kind, got in samples.items():
         loads = [r["first_load_s"] for r in got]
@@ -305,9 +307,11 @@ def main(argv=None) -> int:
     pipe, unet, inputs, device, sync = setup(a.smoke)
     folder = tempfile.mkdtemp(prefix="fdlora-bench-prefetch-")
     nbytes = write_adapter(unet, 4 if a.smoke and a.rank == 32 else a.rank, folder)
-    verify(pipe, folder)
-    pipe.load_fd_lora(folder, "serving")  # the adapter the steps run with
-    steps = serving(pipe, unet, inputs, folder, sync, 2 if a.smoke else a.steps)
+    steps = {}
+    if not a.cold_only:
+        verify(pipe, folder)
+        pipe.load_fd_lora(folder, "serving")  # the adapter the steps run with
+        steps = serving(pipe, unet, inputs, folder, sync, 2 if a.smoke else a.steps)
     del pipe, unet
     cold = {} if a.steps_only else cold_rows(folder, a.smoke, a.cold_runs or (1 if a.smoke else 3))
     env = environment(device)
@@ -317,10 +321,11 @@ def main(argv=None) -> int:
     out = a.out or ROOT / "benchmarks" / "results" / env["device"].lower().replace(" ", "-") / "prefetch.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"steps: idle {steps['idle_ms']:.1f} ms, during prefetch {steps['during_prefetch_ms']:.1f} ms "
-          f"(x{steps['ratio']:.3f}, {steps['steps_during']} steps, {steps['prefetches']} prefetches); after gc.freeze "
-          f"x{steps['gc_frozen']['ratio']:.3f}; gc during: {steps['gc_seconds']}")
-    for stage, row in steps["steps_by_stage"].items():
+    if steps:
+        print(f"steps: idle {steps['idle_ms']:.1f} ms, during prefetch {steps['during_prefetch_ms']:.1f} ms "
+              f"(x{steps['ratio']:.3f}, {steps['steps_during']} steps, {steps['prefetches']} prefetches); after "
+              f"gc.freeze x{steps['gc_frozen']['ratio']:.3f}; gc during: {steps['gc_seconds']}")
+    for stage, row in steps.get("steps_by_stage", {}).items():
         print(f"  {stage:45} {row['steps']:3} steps  median {row['median_ms']:.1f} ms  max {row['max_ms']:.1f} ms")
     for kind, row in cold.items():
         print(f"cold {kind}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" if isinstance(v, float)

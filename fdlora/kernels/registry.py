@@ -163,26 +163,45 @@ def _check_name(name: str) -> str:
 def select(problem: Problem, prefer: str | None = None) -> Selection:
     """Pick the backend for `problem`: the preferred one, or the first capable one in AUTO_ORDER."""
     prefer = _check_name(prefer or preference())
-    verdicts = {name: b.refuses(problem) for name, b in _BACKENDS.items()}
-    trace = [f"{n}: {'ok' if r is None else r}" for n, r in verdicts.items()]
     if prefer != "auto":
         b = _BACKENDS[prefer]
-        if verdicts[prefer] is None:
-            return Selection(b, (f"requested {prefer!r}", *trace))
+        refused = b.refuses(problem)
+        if refused is None:
+            return Selection(b, (f"requested {prefer!r}", f"{prefer}: ok"))
         if b.unavailable() is None and problem.device not in b.capability.devices:  # runs, but not on this device
             devices = " or ".join(sorted(b.capability.devices))
             return Selection(Elsewhere(b.name, b.capability, b.module, reason=(
                 f"backend {prefer!r} (requested) does not run on {problem.device}, where this layer is. Move the "
                 f"model to {devices} (the layers reselect on .to()), or use fdlora.set_backend('auto') (or unset "
-                "FDLORA_BACKEND) to run it here.")), (f"requested {prefer!r}: no calls on {problem.device}", *trace))
+                "FDLORA_BACKEND) to run it here.")), (f"requested {prefer!r}: no calls on {problem.device}",
+                                                      f"{prefer}: {refused}"))
         raise BackendUnavailableError(
-            f"backend {prefer!r} cannot run {problem}. Every backend: " + "; ".join(trace)
+            f"backend {prefer!r} cannot run {problem}. Every backend: " + "; ".join(_trace(_verdicts(problem)))
             + ". Use fdlora.set_backend('auto') (or unset FDLORA_BACKEND) to fall back automatically."
         )
+    verdicts = _verdicts(problem, AUTO_ORDER)
     for name in AUTO_ORDER:
         if name in verdicts and verdicts[name] is None:
-            return Selection(_BACKENDS[name], (f"auto picked {name!r}", *trace))
-    raise BackendUnavailableError(f"no backend can run {problem}: " + "; ".join(trace))
+            return Selection(_BACKENDS[name], (f"auto picked {name!r}", *_trace(verdicts)))
+    raise BackendUnavailableError(f"no backend can run {problem}: " + "; ".join(_trace(verdicts)))
+
+
+def _trace(verdicts: dict[str, str | None]) -> list[str]:
+    return [f"{n}: {'ok' if r is None else r}" for n, r in verdicts.items()]
+
+
+def _verdicts(problem: Problem, order: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """Each backend's refusal of `problem`: those in `order` until one can run it (the rest are not probed), else
+    every backend (an error lists them all). Probing imports a backend, and importing the cuda backend builds its
+    extension when it is not built (a minute): a first load on a machine with nvcc and Triton must not pay that for
+    a backend auto does not pick."""
+    verdicts: dict[str, str | None] = {}
+    for name in order:
+        if name in _BACKENDS:
+            verdicts[name] = _BACKENDS[name].refuses(problem)
+            if verdicts[name] is None:
+                return verdicts
+    return {**verdicts, **{n: b.refuses(problem) for n, b in _BACKENDS.items() if n not in verdicts}}
 
 
 def ops(name: str) -> ModuleType:

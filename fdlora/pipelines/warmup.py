@@ -107,10 +107,11 @@ def _before_first_load(obj: Any) -> WarmupReport:
         t0 = time.perf_counter()
         for device, dtype in cuda:
             _warm_scatter(device, dtype)
+            _import_backends(dtype)
             torch.cuda.synchronize(device)
         report.seconds = time.perf_counter() - t0
-        report.notes.append("no fd-lora layers yet: built the bank writer of the first load; call warmup again "
-                            "after it for the layers' kernels")
+        report.notes.append("no fd-lora layers yet: built the bank writer of the first load and imported the kernel "
+                            "backends its layers select; call warmup again after it for the layers' kernels")
     logger.info("%s", report)
     return report
 
@@ -147,6 +148,16 @@ def _warm_scatter(device: torch.device, dtype: torch.dtype) -> None:
     host = pack_adapters({"": LoraAdapter({"w": m})}, pin=True)[""]
     write_staged([(bank, 0, host.modules["w"])], stage(host, device))
     mark_bulk_ready(device, dtype)
+
+
+def _import_backends(dtype: torch.dtype) -> None:
+    """Import every backend the first load's layers choose from (fdlora.kernels.registry probes each on its first
+    selection): the Triton ops modules register ~14 torch.library ops, and torch reads each one's source as it
+    registers its fake implementation, 0.4-0.9 s on an H100 host that a first load after `warmup` still paid
+    (benchmarks/probes/probe_prefetch_cold.py)."""
+    from ..kernels import registry
+
+    registry.select(registry.Problem("cuda", dtype, "linear", 16, 1))
 
 
 def _warm_layers(h, tokens: Sequence[int], batch: int, report: WarmupReport) -> None:
