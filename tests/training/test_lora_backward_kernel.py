@@ -112,3 +112,158 @@ def test_kernels_under_the_interpreter():
     assert proc.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
     assert passed and int(passed.group(1)) >= len(CASES), out[-3000:]
+
+
+# The pieces of fdlora.kernels.triton.lora_backward_parts, each kernel alone against float64 products: ragged M and
+# K / N, ranks 1..32, launch shapes with a row loop (f1), a ragged last row group (f2) or no loop (f0), both dot
+# orientations (-t), g plain or as fp32 partials, grad_u written or added to in place. Inputs are bf16 values held
+# in fp32 (the interpreter mis-computes bf16), so fp32's IEEE dots give 1e-5.
+PART_CASES = [  # (id, M, K, N, r)
+    ("M45-K70-N33-r16", 45, 70, 33, 16),
+    ("M37-K40-N50-r8", 37, 40, 50, 8),
+    ("M23-K48-N24-r32", 23, 48, 24, 32),
+    ("M16-K16-N16-r5", 16, 16, 16, 5),
+    ("M1-K20-N17-r1", 1, 20, 17, 1),
+]
+PART_TILES = ["16x16-w1-s1-f1", "16x16-w1-s1-f2", "16x32-w1-s1-f0-t", "32x16-w1-s1-f2-t"]
+PART_PARAMS = [pytest.param(c, t, id=f"{c[0]}-{t}") for c in PART_CASES for t in PART_TILES]
+
+
+def _part_inputs(M, K, N, r):
+    g = torch.Generator().manual_seed(M * 3 + K + N + r)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(BF16).float()  # noqa: E731
+    return rnd(M, N), rnd(M, K), rnd(M, r), rnd(N, r), rnd(r, K)
+
+
+def _close(name, got, want, tol=1e-5):
+    assert got.shape == want.shape and not torch.isnan(got).any(), name
+    if want.numel():
+        err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        assert err < tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.skipif(not (HAS_TRITON and env.triton_interpret()), reason="runs under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case,tile", PART_PARAMS)
+def test_parts_interpreted(case, tile):
+    from fdlora.kernels.triton import lora_backward_parts as P
+
+    _, M, K, N, r = case
+    t = P.Tile.parse(tile)
+    gy, u, h, Bs, As = _part_inputs(M, K, N, r)
+    scale = torch.tensor(0.75)
+    g64 = gy.double() @ Bs.double()
+    g, grad_B = P.gy_piece(gy, h, Bs, scale, t)
+    _close("g", g, g64)
+    _close("grad_B", grad_B, 0.75 * gy.double().t() @ h.double())
+    gp, _ = P.gy_piece(gy, h, Bs, scale, t, keep_partials=True)
+    assert gp.dim() == 3 and gp.dtype == torch.float32
+    _close("g partials", gp.sum(0), g64)
+    for how, gin in (("plain", g), ("partials", gp)):
+        _close(f"grad_A ({how} g)", P.grad_a(gin, u, t), g.double().t() @ u.double())
+        out = torch.full((M, K), float("nan"))  # every element must be written
+        _close(f"grad_u ({how} g)", P.grad_u(gin, As, out, False, t), g.double() @ As.double())
+        base = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+        _close(f"grad_u += ({how} g)", P.grad_u(gin, As, base.clone(), True, t),
+               base.double() + g.double() @ As.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and CUDA), reason="needs CUDA")
+@pytest.mark.parametrize("tile", ["16x16-w1-s1-f2", "128x128-w4-s3-f2", "64x256-w4-s3-f0-t", "128x128-w8-s3-f1"])
+@pytest.mark.parametrize("case", PART_CASES, ids=[c[0] for c in PART_CASES])
+def test_parts_cuda_bf16(case, tile):
+    """The same pieces compiled, in bf16 (g rounded to bf16 once, as the half path's GEMM writes it)."""
+    from fdlora.kernels.triton import lora_backward_parts as P
+
+    _, M, K, N, r = case
+    t = P.Tile.parse(tile)
+    gy, u, h, Bs, As = (x.to("cuda", BF16) for x in _part_inputs(M, K, N, r))
+    scale = torch.tensor(0.75, device="cuda")
+    g, grad_B = P.gy_piece(gy, h, Bs, scale, t)
+    gd = (gy.double() @ Bs.double()).to(BF16).double()
+    _close("g", g, gy.double() @ Bs.double(), 1e-2)
+    _close("grad_B", grad_B, 0.75 * gy.double().t() @ h.double())
+    gp, _ = P.gy_piece(gy, h, Bs, scale, t, keep_partials=True)
+    for how, gin in (("plain", g), ("partials", gp)):
+        _close(f"grad_A ({how} g)", P.grad_a(gin, u, t), gd.t() @ u.double(), 1e-2)
+        out = torch.full((M, K), float("nan"), device="cuda", dtype=BF16)
+        _close(f"grad_u ({how} g)", P.grad_u(gin, As, out, False, t), gd @ As.double(), 1e-2)
+
+
+def test_tile_names_round_trip():
+    pytest.importorskip("triton")
+    from fdlora.kernels.triton.lora_backward_parts import Tile
+
+    for name in PART_TILES + ["128x128-w4-s3-f2", "64x256-w8-s4-f0-t"]:
+        assert Tile.parse(name).name == name
+    with pytest.raises(ValueError, match="BMxBL"):
+        Tile.parse("128x128-w4")
+
+
+# Plans of lora_train_linear_backward_half (lora_train.HALF_BACKWARD entries) composed from cuBLAS orientations and
+# Triton pieces, against the float64 oracle on the half pair's saved tensors (fp32 here: the Triton pieces run
+# interpreted on CPU; the table itself applies on CUDA only).
+TRI = "tri:16x16-w1-s1-f2"
+PLANS = [
+    ("all-mm", {}),
+    ("mm-orientations", {"gy": "mm_t", "gA": "mm_t"}),
+    ("split-M", {"gy": "bmm8", "gA": "bmm4"}),
+    ("mixed-orientation-split", {"gy": "mm_gt", "gA": "bmm8"}),
+    ("triton", {"gy": TRI, "gA": "tri:16x32-w1-s1-f1-t", "gu": "tri:32x16-w1-s1-f0"}),
+    ("triton-partials", {"gy": TRI + "+p", "gA": TRI, "gu": "tri:16x16-w1-s1-f0"}),
+    ("triton-gu-only", {"gy": "mm_bt", "gu": TRI}),
+]
+PLAN_CASES = [("M40-K72-N33-r16-W", 40, 72, 33, 16, True), ("M48-K24-N40-r8", 48, 24, 40, 8, False),
+              ("M24-K32-N16-r32-W", 24, 32, 16, 32, True)]
+
+
+@pytest.mark.skipif(not (HAS_TRITON and env.triton_interpret()), reason="runs under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("plan", [p[1] for p in PLANS], ids=[p[0] for p in PLANS])
+@pytest.mark.parametrize("case", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_half_backward_plans(case, plan):
+    _, M, K, N, r, with_W = case
+    gy, x, h, B, A = _part_inputs(M, K, N, r)
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(2)) / K ** 0.5 if with_W else None
+    scale = torch.tensor(0.75)
+    h = x @ A.t()
+    fn = ref.half_backward_plan(plan)
+    got = fn(gy, x, h, W, A, B * scale, scale)
+    want = ref.lora_train_linear_backward(*[t.double() if t is not None else None for t in (gy, x, h, W, A, B, scale)])
+    for name, a, b in zip(("grad_u", "grad_A", "grad_B"), got, want):
+        _close(name, a, b)
+    none_u = fn(gy, x, h, W, A, B * scale, scale, need_u=False)
+    assert none_u[0] is None
+    _close("grad_A (need_u=False)", none_u[1], want[1])
+
+
+def test_half_backward_table_checks_and_resets():
+    with pytest.raises(ValueError, match="neither"):
+        ref.set_half_backward({"*": {"gA": "nope"}})
+    with pytest.raises(ValueError, match="partials"):
+        ref.half_backward_plan({"gy": TRI + "+p", "gA": "mm"})
+    with pytest.raises(ValueError, match="unknown pieces"):
+        ref.half_backward_plan({"g": "mm"})
+    assert ref.HALF_BACKWARD == {}  # a refused table leaves the old one
+    try:
+        ref.set_half_backward({(72, 33): {"gy": "mm_t"}})
+        assert ref._half_plan_for(72, 33) is not None and ref._half_plan_for(8, 8) is None
+    finally:
+        ref.set_half_backward({})
+    assert ref._half_plan_for(72, 33) is None
+
+
+@pytest.mark.skipif(not (HAS_TRITON and env.triton_interpret()), reason="runs under TRITON_INTERPRET=1")
+def test_parts_sweep_smoke(tmp_path):
+    """benchmarks/probes/sweep_train_backward_parts.py --smoke: every candidate checked and timed at a tiny shape."""
+    import importlib.util as iu
+
+    path = Path(__file__).parents[2] / "benchmarks" / "probes" / "sweep_train_backward_parts.py"
+    spec = iu.spec_from_file_location("sweep_train_backward_parts", path)
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--smoke", "--out", str(tmp_path / "s.json")])
+    row = out["rows"][0]
+    for piece, rows in row["pieces"].items():
+        assert all("us" in v for v in rows.values()), (piece, rows)
+    assert all(p["ms"] == p["ms"] for p in row["plans"].values()), row["plans"]
+    assert (tmp_path / "s.json").exists()

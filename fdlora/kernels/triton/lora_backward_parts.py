@@ -1,0 +1,343 @@
+"""lora_backward_parts: the LoRA backward's three pieces as separate Triton kernels, each shaped for bandwidth.
+
+    gy piece (program: a group of row blocks x one BN column block; no inner loop when the group is one block):
+        g_p    = gy Bs        [M, r]   fp32, the column block's partial, stored per row block (Bs = s B)
+        gB_q   = gy^T h       [N, r]   fp32, accumulated over the group's rows, stored once per group
+    gA piece (program: a group of row blocks x one BK column block):
+        gA_q   = g^T u        [r, K]   fp32, accumulated over the group's rows, stored once per group
+    gu piece (program: one [BM, BK] tile; no loop at all):
+        grad_u = g As (+ grad_u, in place: the base part gy W computed before by cuBLAS)
+    g = sum_p g_p (rounded to u's dtype, as the GEMM writing g in it would), grad_B = s sum_q gB_q, grad_A = sum_q gA_q
+
+Each piece reads its big operand once (gy, u) or writes it once (grad_u) and reduces over rows into per-group partial
+sums instead of atomics (deterministic, no memset). Why not one loop per program over the reduced axis, as the
+two-pass kernels of fdlora.kernels.triton.lora_backward do: there each program walks 1-2 steps of a [BM, BN] tile and
+stores a partial per step, so loads are never in flight ahead of the dots (the pass over gy ran at 0.2 TB/s on an
+H100). Here a program either loops over enough row blocks for the software pipeline (num_stages) to keep loads in
+flight, or has no loop and relies on many resident programs instead; the sweep (benchmarks/probes/
+sweep_train_backward_parts.py) picks per shape. g crosses between pieces either summed once ([M, r] in u's dtype) or
+as its fp32 partials [P, M, r], summed by the consuming kernel. The torch oracle is
+fdlora.kernels.reference.lora_train.lora_train_linear_backward; the composition is
+lora_train.lora_train_linear_backward_half's table (HALF_BACKWARD).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import config as C
+
+MAX_RANK = 64  # rank columns kept in registers next to a tile; wider ranks take cuBLAS
+
+
+@triton.jit
+def _load_g(g_ptr, rows, rm, rr, rk, P, sgp, sgm, sgr, BM: tl.constexpr, RP: tl.constexpr, ROUND: tl.constexpr):
+    """g's [BM, RP] rows: the plain tensor (P = 1), or the fp32 sum of its partials (ROUND; the caller rounds it)."""
+    ptr = g_ptr + rows[:, None] * sgm + rr[None, :] * sgr
+    mask = rm[:, None] & rk[None, :]
+    if ROUND:
+        g = tl.zeros((BM, RP), dtype=tl.float32)
+        for p in range(0, P):
+            g += tl.load(ptr + p * sgp, mask=mask, other=0.0)
+    else:
+        g = tl.load(ptr, mask=mask, other=0.0)
+    return g
+
+
+@triton.jit
+def _grad_u_kernel(
+    g_ptr,  # [P, M, r]: P = 1 and u's dtype, or fp32 partials (ROUND)
+    a_ptr,  # [r, K] u's dtype
+    out_ptr,  # [M, K] out (ADD: holds the base part, added to in place)
+    M, K, R, P,
+    sgp, sgm, sgr, sar, sak, som, sok,
+    RP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kb = tl.cdiv(K, BK)
+    pid_m, pid_k = pid // kb, pid % kb  # consecutive programs: adjacent columns of the same rows
+    rows = pid_m * BM + tl.arange(0, BM)
+    rm = rows < M
+    rows = rows.to(tl.int64)
+    ks = pid_k * BK + tl.arange(0, BK)
+    km = ks < K
+    rr = tl.arange(0, RP)
+    rk = rr < R
+    g = _load_g(g_ptr, rows, rm, rr, rk, P, sgp, sgm, sgr, BM, RP, ROUND)
+    a = tl.load(a_ptr + rr[:, None] * sar + ks[None, :] * sak, mask=rk[:, None] & km[None, :], other=0.0)
+    g = g.to(tl.float32) if IEEE else g.to(out_ptr.dtype.element_ty)  # partials: the rounding of a GEMM writing g
+    a = a.to(tl.float32) if IEEE else a.to(out_ptr.dtype.element_ty)
+    if IEEE:
+        acc = tl.dot(g, a, input_precision="ieee")
+    else:
+        acc = tl.dot(g, a)
+    ptr = out_ptr + rows[:, None] * som + ks[None, :] * sok
+    mask = rm[:, None] & km[None, :]
+    if ADD:
+        acc += tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_a_kernel(
+    g_ptr,  # [P, M, r]: P = 1 and u's dtype, or fp32 partials (ROUND)
+    u_ptr,  # [M, K]
+    out_ptr,  # [G, r, K] fp32 out: g^T u's partial per row group
+    M, K, R, P, rows_per,
+    sgp, sgm, sgr, sum_, suk,
+    RP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, TRANS: tl.constexpr, ROUND: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kb = tl.cdiv(K, BK)
+    pid_m, pid_k = pid // kb, pid % kb
+    ks = pid_k * BK + tl.arange(0, BK)
+    km = ks < K
+    rr = tl.arange(0, RP)
+    rk = rr < R
+    lo = pid_m * rows_per
+    hi = tl.minimum(M, lo + rows_per)
+    if TRANS:  # u^T g: the wide axis K as the dot's M (the MMA's long side), rank as its N
+        acc = tl.zeros((BK, RP), dtype=tl.float32)
+    else:
+        acc = tl.zeros((RP, BK), dtype=tl.float32)
+    for m0 in range(lo, hi, BM):
+        rows = m0 + tl.arange(0, BM)
+        rm = rows < hi
+        rows = rows.to(tl.int64)
+        g = _load_g(g_ptr, rows, rm, rr, rk, P, sgp, sgm, sgr, BM, RP, ROUND)
+        u = tl.load(u_ptr + rows[:, None] * sum_ + ks[None, :] * suk, mask=rm[:, None] & km[None, :], other=0.0)
+        g = g.to(tl.float32) if IEEE else g.to(u_ptr.dtype.element_ty)
+        u = u.to(tl.float32) if IEEE else u
+        if TRANS:
+            if IEEE:
+                acc += tl.dot(tl.trans(u), g, input_precision="ieee")
+            else:
+                acc += tl.dot(tl.trans(u), g)
+        else:
+            if IEEE:
+                acc += tl.dot(tl.trans(g), u, input_precision="ieee")
+            else:
+                acc += tl.dot(tl.trans(g), u)
+    base = out_ptr + pid_m.to(tl.int64) * R * K
+    if TRANS:
+        tl.store(base + rr[None, :] * K + ks[:, None], acc, mask=km[:, None] & rk[None, :])
+    else:
+        tl.store(base + rr[:, None] * K + ks[None, :], acc, mask=rk[:, None] & km[None, :])
+
+
+@triton.jit
+def _gy_kernel(
+    gy_ptr,  # [M, N]
+    bs_ptr,  # [N, r] (s B, gy's dtype)
+    h_ptr,  # [M, r]
+    gp_ptr,  # [NB, M, r] fp32 out: g's partial per column block
+    gbp_ptr,  # [G, N, r] fp32 out: gy^T h's partial per row group
+    M, N, R, rows_per,
+    sgm, sgn, sbn, sbr, shm, shr,
+    RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nb = tl.cdiv(N, BN)
+    pid_m, pid_n = pid // nb, pid % nb
+    cols = pid_n * BN + tl.arange(0, BN)
+    cm = cols < N
+    rr = tl.arange(0, RP)
+    rk = rr < R
+    b = tl.load(bs_ptr + cols[:, None] * sbn + rr[None, :] * sbr, mask=cm[:, None] & rk[None, :], other=0.0)
+    b = b.to(tl.float32) if IEEE else b.to(gy_ptr.dtype.element_ty)
+    if TRANS:  # h^T gy: rank as the dot's M
+        gb = tl.zeros((RP, BN), dtype=tl.float32)
+    else:
+        gb = tl.zeros((BN, RP), dtype=tl.float32)
+    lo = pid_m * rows_per
+    hi = tl.minimum(M, lo + rows_per)
+    for m0 in range(lo, hi, BM):
+        rows = m0 + tl.arange(0, BM)
+        rm = rows < hi
+        rows = rows.to(tl.int64)
+        gy = tl.load(gy_ptr + rows[:, None] * sgm + cols[None, :] * sgn, mask=rm[:, None] & cm[None, :], other=0.0)
+        h = tl.load(h_ptr + rows[:, None] * shm + rr[None, :] * shr, mask=rm[:, None] & rk[None, :], other=0.0)
+        gy = gy.to(tl.float32) if IEEE else gy
+        h = h.to(tl.float32) if IEEE else h.to(gy_ptr.dtype.element_ty)
+        if IEEE:
+            g = tl.dot(gy, b, input_precision="ieee")
+        else:
+            g = tl.dot(gy, b)
+        tl.store(gp_ptr + (pid_n.to(tl.int64) * M + rows)[:, None] * R + rr[None, :], g, mask=rm[:, None] & rk[None, :])
+        if TRANS:
+            if IEEE:
+                gb += tl.dot(tl.trans(h), gy, input_precision="ieee")
+            else:
+                gb += tl.dot(tl.trans(h), gy)
+        else:
+            if IEEE:
+                gb += tl.dot(tl.trans(gy), h, input_precision="ieee")
+            else:
+                gb += tl.dot(tl.trans(gy), h)
+    base = gbp_ptr + pid_m.to(tl.int64) * N * R
+    if TRANS:
+        tl.store(base + cols[None, :] * R + rr[:, None], gb, mask=rk[:, None] & cm[None, :])
+    else:
+        tl.store(base + cols[:, None] * R + rr[None, :], gb, mask=cm[:, None] & rk[None, :])
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch shape of a piece: BM rows x BL columns (BN of gy, BK of u) a step, warps, pipeline stages, `fill`
+    programs per SM the row groups aim for (0: one row block a program, no loop), `trans` the dot's orientation."""
+
+    BM: int = 128
+    BL: int = 128
+    warps: int = 4
+    stages: int = 3
+    fill: int = 2
+    trans: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.BM}x{self.BL}-w{self.warps}-s{self.stages}-f{self.fill}" + ("-t" if self.trans else "")
+
+    @staticmethod
+    def parse(name: str) -> Tile:
+        m = re.fullmatch(r"(\d+)x(\d+)-w(\d+)-s(\d+)-f(\d+)(-t)?", name)
+        if m is None:
+            raise ValueError(f"launch shape {name!r} is not BMxBL-wW-sS-fF[-t], e.g. '128x128-w4-s3-f2'")
+        return Tile(*map(int, m.groups()[:5]), trans=m.group(6) is not None)
+
+
+INTERPRETED = Tile(BM=16, BL=16, warps=1, stages=1, fill=1)
+
+
+def _rp(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
+
+
+def _rows_per(M: int, L: int, t: Tile, device_t: torch.Tensor) -> tuple[int, int]:
+    """(row groups, rows per group, a whole number of BM blocks) so that groups x column blocks >= fill x SMs."""
+    mb = triton.cdiv(M, t.BM)
+    if t.fill == 0:
+        return mb, t.BM
+    want = max(1, min(mb, triton.cdiv(t.fill * C.device_sms(device_t), triton.cdiv(L, t.BL))))
+    per = triton.cdiv(mb, want) * t.BM
+    return triton.cdiv(M, per), per
+
+
+def _parts(g: torch.Tensor) -> torch.Tensor:
+    return g if g.dim() == 3 else g.unsqueeze(0)
+
+
+def grad_u(
+    g: torch.Tensor,  # [M, r] (u's dtype) or [P, M, r] fp32 partials
+    As: torch.Tensor,  # [r, K]
+    out: torch.Tensor,  # [M, K] written, or added to (add)
+    add: bool = False,
+    tile: Tile | None = None,
+) -> torch.Tensor:  # out
+    t = tile or (INTERPRETED if C.INTERPRET else Tile())
+    gp = _parts(g)
+    P, M, r = gp.shape
+    K = As.shape[1]
+    if M == 0 or K == 0:
+        return out
+    _grad_u_kernel[(triton.cdiv(M, t.BM) * triton.cdiv(K, t.BL),)](
+        gp, As, out, M, K, r, P, *gp.stride(), *As.stride(), *out.stride(), RP=_rp(r), BM=t.BM, BK=t.BL, ADD=add,
+        ROUND=g.dim() == 3, IEEE=out.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+    return out
+
+
+def grad_a_partials(
+    g: torch.Tensor,  # [M, r] (u's dtype) or [P, M, r] fp32 partials
+    u: torch.Tensor,  # [M, K]
+    tile: Tile | None = None,
+) -> torch.Tensor:  # [G, r, K] fp32: g^T u's partial per row group
+    t = tile or (INTERPRETED if C.INTERPRET else Tile())
+    gp = _parts(g)
+    P, M, r = gp.shape
+    K = u.shape[1]
+    G, per = _rows_per(M, K, t, u)
+    out = torch.empty(G, r, K, dtype=torch.float32, device=u.device)
+    _grad_a_kernel[(G * triton.cdiv(K, t.BL),)](
+        gp, u, out, M, K, r, P, per, *gp.stride(), *u.stride(), RP=_rp(r), BM=t.BM, BK=t.BL, TRANS=t.trans,
+        ROUND=g.dim() == 3, IEEE=u.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+    return out
+
+
+def grad_a(g: torch.Tensor, u: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:  # [r, K] fp32
+    if u.shape[0] == 0:
+        return torch.zeros(_parts(g).shape[2], u.shape[1], dtype=torch.float32, device=u.device)
+    p = grad_a_partials(g, u, tile)
+    return p[0] if p.shape[0] == 1 else p.sum(0)
+
+
+def gy_partials(
+    gy: torch.Tensor,  # [M, N]
+    h: torch.Tensor,  # [M, r]
+    Bs: torch.Tensor,  # [N, r] (s B)
+    tile: Tile | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # g's partials [NB, M, r], gy^T h's partials [G, N, r], fp32
+    t = tile or (INTERPRETED if C.INTERPRET else Tile())
+    M, N = gy.shape
+    r = Bs.shape[1]
+    nb = triton.cdiv(N, t.BL)
+    G, per = _rows_per(M, N, t, gy)
+    gp = torch.empty(nb, M, r, dtype=torch.float32, device=gy.device)
+    gbp = torch.empty(G, N, r, dtype=torch.float32, device=gy.device)
+    _gy_kernel[(G * nb,)](
+        gy, Bs, h, gp, gbp, M, N, r, per, *gy.stride(), *Bs.stride(), *h.stride(), RP=_rp(r), BM=t.BM, BN=t.BL,
+        TRANS=t.trans, IEEE=gy.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+    return gp, gbp
+
+
+def gy_piece(
+    gy: torch.Tensor,  # [M, N]
+    h: torch.Tensor,  # [M, r]
+    Bs: torch.Tensor,  # [N, r]
+    scale: torch.Tensor,  # [] fp32
+    tile: Tile | None = None,
+    keep_partials: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # g [M, r] in gy's dtype (keep_partials: [NB, M, r] fp32), grad_B fp32
+    M, N = gy.shape
+    if M == 0:
+        return gy.new_zeros(M, Bs.shape[1]), torch.zeros(Bs.shape, dtype=torch.float32, device=gy.device)
+    gp, gbp = gy_partials(gy, h, Bs, tile)
+    grad_B = (gbp[0] if gbp.shape[0] == 1 else gbp.sum(0)).mul_(scale)
+    if keep_partials:
+        return gp, grad_B
+    g = gp[0] if gp.shape[0] == 1 else gp.sum(0)
+    return g.to(gy.dtype), grad_B
+
+
+def supports(u: torch.Tensor, r: int) -> bool:
+    """Whether these kernels take a backward of rank r on u (else its caller runs cuBLAS)."""
+    return r <= MAX_RANK and u.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+# A plan's Triton entries: "tri:<Tile name>" (gy: "tri:...+p" keeps g's partials for Triton gA and gu pieces).
+def gy_impl(spec: str):
+    keep = spec.endswith("+p")
+    t = Tile.parse(spec.removesuffix("+p"))
+    return lambda gy, h, Bs, scale: gy_piece(gy, h, Bs, scale, t, keep)
+
+
+def ga_impl(spec: str):
+    t = Tile.parse(spec)
+    return lambda g, u: grad_a(g, u, t)
+
+
+def gu_impl(spec: str):
+    t = Tile.parse(spec)
+
+    def gu(g, As, gy, W):
+        M, K = gy.shape[0], As.shape[1]
+        if W is None:
+            return grad_u(g, As, torch.empty(M, K, dtype=gy.dtype, device=gy.device), False, t)
+        return grad_u(g, As, torch.mm(gy, W if W.dtype is gy.dtype else W.to(gy.dtype)), True, t)
+
+    return gu
