@@ -269,7 +269,11 @@ def grad_a_partials(
     return out
 
 
-def grad_a(g: torch.Tensor, u: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:  # [r, K] fp32
+def grad_a(
+    g: torch.Tensor,  # [M, r] (u's dtype) or [P, M, r] fp32 partials
+    u: torch.Tensor,  # [M, K]
+    tile: Tile | None = None,
+) -> torch.Tensor:  # grad_A = g^T u [r, K] fp32
     if u.shape[0] == 0:
         return torch.zeros(_parts(g).shape[2], u.shape[1], dtype=torch.float32, device=u.device)
     p = grad_a_partials(g, u, tile)
