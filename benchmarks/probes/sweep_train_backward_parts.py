@@ -139,11 +139,14 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
     # g's fp32 partials straight into the Triton gA and gu kernels (no sum launch): the best Triton shapes of each
     tri = {p: best({k: v for k, v in P[p].items() if k.startswith("tri:")}) for p in P}
     if all(tri.values()):
-        gp, _ = parts.gy_partials(gy, hb, Bs, parts.Tile.parse(tri["gy"][0][4:]))
-        ta, tu = parts.Tile.parse(tri["gA"][0][4:]), parts.Tile.parse(tri["gu"][0][4:])
-        row["partials"] = {"P": gp.shape[0],
-                           "gA_us": device_us(lambda: parts.grad_a(gp, x, ta), dev),
-                           "gu_us": device_us(lambda: parts.grad_u(gp, Ab, torch.empty_like(x), False, tu), dev)}
+        try:
+            gp, _ = parts.gy_partials(gy, hb, Bs, parts.Tile.parse(tri["gy"][0][4:]))
+            ta, tu = parts.Tile.parse(tri["gA"][0][4:]), parts.Tile.parse(tri["gu"][0][4:])
+            row["partials"] = {"P": gp.shape[0],
+                               "gA_us": device_us(lambda: parts.grad_a(gp, x, ta), dev),
+                               "gu_us": device_us(lambda: parts.grad_u(gp, Ab, torch.empty_like(x), False, tu), dev)}
+        except Exception as e:  # (recorded; the plans below still run)
+            row["partials_error"] = f"{type(e).__name__}: {str(e)[:160]}"
     # end to end: the best piece of each kind composed, through the shipped function's table
     plans = {"best": {p: best(P[p])[0] for p in P}}
     if all(tri.values()):
@@ -163,6 +166,9 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
             errs = {"gu": rel(got[0], want_u), "gA": rel(got[1], want_A), "gB": rel(got[2], want_B)}
             ms = median_ms(fn, rep, dev.type) if not any(v > TOL[k] for k, v in errs.items()) else float("nan")
             row["plans"][name] = {"plan": plan, "ms": ms, "x_torch": ms / row["torch_ms"], "errs": errs}
+        except Exception as e:
+            row["plans"][name] = {"plan": plan, "ms": float("nan"), "x_torch": float("nan"),
+                                  "error": f"{type(e).__name__}: {str(e)[:160]}"}
         finally:
             lora_train.set_half_backward({})
     return row
@@ -179,11 +185,14 @@ def report(row: dict) -> None:
         bad = [k for k, v in rows.items() if "error" in v]
         print(f"    {piece:3s} best: {top}   (cuBLAS mm {mm.get('us', float('nan')):.0f}us"
               + (f"; {len(bad)} failed: {', '.join(bad[:4])}" if bad else "") + ")", flush=True)
+    if "partials_error" in row:
+        print(f"    g as fp32 partials: {row['partials_error']}", flush=True)
     if "partials" in row:
         p = row["partials"]
         print(f"    g as {p['P']} fp32 partials: gA {p['gA_us']:.0f}us  gu {p['gu_us']:.0f}us", flush=True)
     for name, p in row["plans"].items():
-        print(f"    plan {name:9s} {p['ms']:.3f} ms ({p['x_torch']:.2f}x torch)  {p['plan']}", flush=True)
+        print(f"    plan {name:9s} {p['ms']:.3f} ms ({p['x_torch']:.2f}x torch)  {p['plan']}"
+              + (f"  {p['error']}" if "error" in p else f"  errs {max(p['errs'].values()):.1e}"), flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
