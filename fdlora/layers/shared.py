@@ -14,13 +14,20 @@ stacked A, one B per output slice) without fusing the base projections, which fd
 
 When. FusedLoraLinear's per-call delta path (base output + lora_delta / lora_delta_rows) asks the layer's
 group first: the torch and cuda backends, bases other than a plain nn.Linear (quantized, subclasses), per-sample
-blends at few rows per sample, per-row prefill. The merged-weight cache needs no shrink at all; the Triton backend's
-lora_linear (one op choosing merged / shrink-in-the-GEMM / cuBLAS + delta per shape) and eager decode's kept-ready
-launches (one launch per layer, host-bound) keep their paths. In blend mode the stack covers the active adapters'
-slot range only; otherwise the slots up to the last one loaded.
+blends at few rows per sample, per-row prefill (per-row calls of at most FEW_ROWS rows are declined: decode). The
+merged-weight cache needs no shrink at all; the Triton backend's lora_linear (one op choosing merged /
+shrink-in-the-GEMM / cuBLAS + delta per shape) and eager decode's kept-ready launches (one launch per layer,
+host-bound) keep their paths. In blend mode the stack covers the active adapters' slot range only; otherwise the
+slots up to the last one loaded.
 Never when compiling, frozen, capturing a CUDA graph, under autograd, under offload hooks (banks move every call),
 or for inference-mode tensors (they have no version counter, so an in-place change of x between two members could
 not be seen).
+
+Per row. Every row has its own slot, so a member-major stack would compute S x the columns a row needs and give
+each expand an S*R-wide rank axis. Where the backend's shrink takes a row_slot (Triton's lora_shrink_split), the
+stack is slot-major instead, [S, n*R, K] (`stack_by_slot`): one launch reads x about once and computes, per row,
+only its own slot's n*R columns; member i's h is the strided [P, M, S, R] view at columns s*n*R + i*R + r, and
+its expand masks every h element whose row weight is 0 (the rest of h is never written).
 
 Shared A. kohya Flux files carry one lora_down for q, k, v (and single blocks' linear1 for q, k, v, proj_mlp); the
 converter hands every member that one A. The stack keeps a slot's A once when all members hold the same one
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +53,23 @@ from torch import nn
 from .state import Mode
 
 ENABLED = True  # tests and benchmarks turn it off to compare with the ungrouped path
+# Per-row calls of at most this many rows (decode) take each member's own lora_delta_rows, one fused launch each:
+# such calls are launch-bound, and the group runs one launch more (shrink + n expands vs n). Llama-3-8B q/k/v at
+# 32 rows on an H100: grouped 32.5 vs separate 31.2 us (benchmarks/results/nvidia-h100-80gb-hbm3/shared_shrink.json,
+# rows-4xr16). The same bound as the kernels' few-rows range (fdlora.kernels.triton.config.FEW_ROWS).
+FEW_ROWS = 64
+
+
+class Stack(NamedTuple):
+    """The members' stacked A for one slot range (A None: they cannot share a shrink now)."""
+
+    key: tuple  # backend, slot range, layout, every bank's (version, A address): any change rebuilds the stack
+    A: torch.Tensor | None  # [U, R, K] member-major, or [S, W, K] slot-major (by_row)
+    lo: int
+    hi: int
+    R: int
+    columns: list | None  # per member: where its columns of h start (by_row: within a slot), or an index of them
+    by_row: bool  # slot-major, for lora_shrink_split's row_slot
 
 
 @dataclass(frozen=True)
@@ -103,8 +128,8 @@ class ShrinkGroup:
 
     def __init__(self, members: list) -> None:
         self.members = members
-        self._stack: tuple | None = None  # (key, A [n*S, R, K], S, R)
-        self._h: tuple | None = None  # (key, h [M, n*S*R] fp32, ids of the members served)
+        self._stack: Stack | None = None
+        self._h: tuple | None = None  # (key, x's weak ref, h [P, M, n*S*R] fp32, ids served, per-row weights [M, S])
         self.shrinks = 0  # shrinks run and expands served (tests and benchmarks read them)
         self.expands = 0
         for m in members:
@@ -116,20 +141,20 @@ class ShrinkGroup:
     def __repr__(self) -> str:
         return f"ShrinkGroup({', '.join(m.path for m in self.members)})"
 
-    def _stacked(self, layer, lo: int, hi: int | None) -> tuple | None:
-        """(key, A_stack [U, R, K], lo, hi, R, columns) of the members' banks over slots lo:hi (hi None: up to the
-        last one used), refreshed when any bank changed; None when the members cannot share a shrink now (different
-        backends, devices, dtypes or bank shapes). `columns[i]` is where member i's [M, (hi-lo)*R] block of h
-        starts, or an index of its columns when they are not one range. The per-call cost is the key: bank versions
-        and addresses (a write bumps the version, a move or resize changes the address)."""
+    def _stacked(self, layer, lo: int, hi: int | None, by_row: bool = False) -> Stack | None:
+        """The members' stacked A over slots lo:hi (hi None: up to the last one used), refreshed when any bank
+        changed; None when the members cannot share a shrink now (different backends, devices, dtypes or bank
+        shapes, more than the backend takes). Member-major unless `by_row` (lo 0) and the slot-major stack fits the
+        backend's rank bound. The per-call cost is the key: bank versions and addresses (a write bumps the version, a
+        move or resize changes the address)."""
         backend = layer.selection.backend
         if any(m.selection.backend is not backend for m in self.members):
             return None
         banks = [m.__dict__["bank"] for m in self.members]
-        key = (backend, lo, hi, *[(b.version, b._buffers["A"].data_ptr()) for b in banks])
+        key = (backend, lo, hi, by_row, *[(b.version, b._buffers["A"].data_ptr()) for b in banks])
         got = self._stack
-        if got is not None and got[0] == key:
-            return got if got[1] is not None else None
+        if got is not None and got.key == key:
+            return got if got.A is not None else None
         A0 = banks[0].A
         # eager only (see delta), so the stack covers the live part of the banks, as FusedLoraLinear._bank does on
         # the torch backend: slots up to the last one used in any member (in blend mode, only the active ones'
@@ -137,14 +162,18 @@ class ShrinkGroup:
         ext = [b.extent() for b in banks]
         end, R = max(e[0] for e in ext), max(e[1] for e in ext)
         top = end if hi is None else min(hi, end)
-        most = backend.capability.max_slots
+        cap = backend.capability
         alike = all(b.A.device == A0.device and b.A.dtype == A0.dtype and b.A.shape[0] == A0.shape[0] for b in banks)
-        if (not alike or top <= lo or any(R > b.rank_capacity for b in banks)
-                or (most is not None and len(banks) * (top - lo) > most)):
-            self._stack = (key, None, 0, 0, 0, None)
+        self._stack = Stack(key, None, 0, 0, 0, None, False)
+        if not alike or top <= lo or any(R > b.rank_capacity for b in banks):
             return None
-        self._stack = (key, *_stack(banks, lo, top, R))
-        return self._stack
+        for rows in (True, False) if by_row else (False,):
+            A, columns = (stack_by_slot if rows else _stack)([b.A[lo:top, :R] for b in banks])
+            if (cap.max_slots is None or A.shape[0] <= cap.max_slots) and (
+                    cap.max_rank is None or A.shape[1] <= cap.max_rank):
+                self._stack = Stack(key, A, lo, top, R, columns, rows)
+                return self._stack
+        return None
 
     def delta(self, layer, x: torch.Tensor, y2: torch.Tensor) -> bool:
         """y2 += this member's LoRA delta through the group's shared h (computing h if this x has none yet); False
@@ -155,36 +184,41 @@ class ShrinkGroup:
                 or (torch.is_grad_enabled() and (x.requires_grad or layer.bank.A.requires_grad))
                 or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
             return False
+        M = y2.shape[0]
+        row_slot = st.row_slot(x.device) if st.mode is Mode.ROWS else None
+        if row_slot is not None and (M <= FEW_ROWS or row_slot.shape[0] != M or row_slot.is_inference()):
+            return False  # decode: the members' own launches (FEW_ROWS); a wrong count: the regular path's error
         lo, hi = 0, None
         if st.mode is Mode.BLEND:  # the active adapters' slots (not empty: the layer skips blend calls without)
             live = [st.slots.by_name[n] for n in st.active]
             lo, hi = min(live), max(live) + 1
-        stack = self._stacked(layer, lo, hi)
+        ops = layer._ops
+        split = getattr(ops, "lora_shrink_split", None)  # K-split partials the expand adds (Triton): no sum launch
+        stack = self._stacked(layer, lo, hi, by_row=row_slot is not None and split is not None)
         if stack is None:
             return False
-        skey, A, lo, hi, R, columns = stack
+        A, lo, hi, R = stack.A, stack.lo, stack.hi, stack.R
         S = hi - lo
-        M, N = y2.shape
-        if st.mode is Mode.ROWS:
-            row_slot = st.row_slot(x.device)
-            if row_slot.shape[0] != M:
-                return False  # the regular path raises the clear error
-            scale = layer.scale_unit
-            gw = (row_slot.long()[:, None] == torch.arange(hi, device=x.device)).float()  # [M, S]: G = M (lo is 0)
-        else:
-            scale, gw = layer._weights(x, M)
-            row_slot = None
-        ops = layer._ops
         stream = torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0
-        xkey = (x.data_ptr(), x._version, x.shape, x.stride(), stream, skey)
+        rkey = None if row_slot is None else (row_slot.data_ptr(), row_slot._version)  # h and weights follow the slots
+        xkey = (x.data_ptr(), x._version, x.shape, x.stride(), stream, stack.key, rkey)
         got = self._h
         if got is None or got[0] != xkey or got[1]() is not x:
             x2 = x.reshape(M, A.shape[2]).to(A.dtype)
-            split = getattr(ops, "lora_shrink_split", None)  # K-split partials the expand adds (Triton): no sum launch
-            got = self._h = (xkey, weakref.ref(x), split(x2, A) if split else ops.lora_shrink(x2, A), set())
+            h = (split(x2, A, row_slot) if stack.by_row else split(x2, A)) if split else ops.lora_shrink(x2, A)
+            rows_w = None if row_slot is None else (  # [M, S] one-hot: G = M (lo is 0), once for every member
+                row_slot[:, None] == torch.arange(hi, dtype=row_slot.dtype, device=x.device)).float()
+            got = self._h = (xkey, weakref.ref(x), h, set(), rows_w)
             self.shrinks += 1
-        at, bank = columns[next(i for i, m in enumerate(self.members) if m is layer)], layer.bank
-        h = got[2][..., at:at + S * R] if isinstance(at, int) else got[2].index_select(-1, at)
+        if row_slot is None:
+            scale, gw = layer._weights(x, M)
+        else:
+            scale, gw = layer.scale_unit, got[4]
+        at, bank, h = stack.columns[next(i for i, m in enumerate(self.members) if m is layer)], layer.bank, got[2]
+        if stack.by_row:
+            h = h.unflatten(-1, (S, A.shape[1]))[..., at:at + R]  # [P, M, S, R]: this member's columns of each slot
+        else:
+            h = h[..., at:at + S * R] if isinstance(at, int) else h.index_select(-1, at)
         ops.lora_expand_add(y2, h, bank.B[:, lo:hi, :R], scale[lo:hi], gw[:, lo:hi])
         self.expands += 1
         if bank._buffers["bias"] is not None:
@@ -195,15 +229,25 @@ class ShrinkGroup:
         return True
 
 
-def _stack(banks: list, lo: int, hi: int, R: int) -> tuple[torch.Tensor, int, int, int, list]:
-    """The stacked A of `banks` (slots lo:hi, rank :R) with each slot's A once when every member holds the same one:
+def stack_by_slot(A: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The members' A ([S, R, K] each) slot-major, [S, n*R, K]: slot s holds member 0's A_s, then member 1's, ...,
+    so that lora_shrink_split by row computes a row's slot for every member in one program; member i's columns
+    within a slot start at i*R. One copy ([S, R, K], every member at 0) when all members hold the same A (kohya's
+    fused qkv); with some slots shared, every member keeps its own columns (the slot width must be one)."""
+    if all(torch.equal(A[0], a) for a in A[1:]):
+        return A[0].contiguous(), [0] * len(A)
+    R = A[0].shape[1]
+    return torch.cat(A, dim=1).contiguous(), [i * R for i in range(len(A))]
+
+
+def _stack(A: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """The members' A ([S, R, K] each) stacked member-major, each slot's A once when every member holds the same one:
     kohya Flux files carry one lora_down for q, k and v (img_attn qkv, single blocks' linear1, which diffusers'
     converter gives to_q / to_k / to_v / proj_mlp alike), so their h is computed once, not once per member.
     Member 0's slots come first (its h is h[:, :S*R]); a member whose slots are all shared reads the same columns,
     one with none shared its own range after them, one with some shared an index of its columns (a gather)."""
-    n = len(banks)
-    S = hi - lo
-    A = [b.A[lo:hi, :R] for b in banks]
+    n = len(A)
+    S, R = A[0].shape[:2]
     shared = [all(torch.equal(A[0][s], a[s]) for a in A[1:]) for s in range(S)]
     blocks, columns = [A[0]], [0]
     start = S * R
@@ -222,4 +266,4 @@ def _stack(banks: list, lo: int, hi: int, R: int) -> tuple[torch.Tensor, int, in
                 idx.extend(range(c * R, (c + 1) * R))
             columns.append(torch.tensor(idx, device=A[0].device))
         start += len(own) * R
-    return torch.cat(blocks).contiguous(), lo, hi, R, columns
+    return torch.cat(blocks).contiguous(), columns

@@ -13,6 +13,7 @@ import torch
 from triton_cases import (
     CASES,
     DEVICES,
+    DTYPES,
     REALISTIC,
     Case,
     eager_peft,
@@ -258,6 +259,101 @@ def test_shrink_split_partials_feed_expand_add(tops, device: str, dtype: str) ->
     assert (y.double() - y_ref).abs().max().item() <= 4 * eps * y_ref.abs().max().item() + 1e-6
 
 
+@contextlib.contextmanager
+def _poisoned_empty():
+    """torch.empty fills with NaN (what a kernel leaves unwritten stays NaN)."""
+    prev = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0])
+        torch.utils.deterministic.fill_uninitialized_memory = prev[1]
+
+
+# members n, rank R, slots S, rows M, K: the slot-major stack is [S, n*R, K] (n*R = 48: one rank chunk; 80: two)
+BY_ROW = [
+    pytest.param(3, 16, 3, 37, 80, "fp32", id="n3-r16-S3-M37-K80-fp32"),
+    pytest.param(5, 16, 4, 40, 96, "bf16", id="n5-r16-S4-M40-K96-bf16"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,R,S,M,K,dtype", BY_ROW)
+def test_shrink_by_row_computes_each_rows_own_slot_only(tops, device: str, n, R, S, M, K, dtype) -> None:
+    """lora_shrink_split with a row_slot over a slot-major stack (fdlora.layers.shared, per-row mode): each row's own
+    slot's columns equal the float64 shrink, nothing else is written (torch.empty is NaN-poisoned), and each member's
+    strided [P, M, S, R] view of it through lora_expand_add gives lora_delta_rows' reference."""
+    skip_unless(device)
+    g = torch.Generator().manual_seed(0)
+    dt = DTYPES[dtype]
+    W, N = n * R, 24
+    x = torch.randn(M, K, generator=g).to(device, dt)
+    A = (torch.randn(S, W, K, generator=g) * K ** -0.5).to(device, dt)  # slot s: member 0's A_s, member 1's, ...
+    B = [(torch.randn(N, S, R, generator=g) * R ** -0.5).to(device, dt) for _ in range(n)]
+    row_slot = torch.randint(-1, S, (M,), generator=g, dtype=torch.int32)
+    row_slot[16:32][row_slot[16:32] == S - 1] = -1  # a row block without the last slot: that program exits at once
+    row_slot = row_slot.to(device)
+    scale = torch.linspace(0.5, 2.0, S, device=device)
+    with _poisoned_empty():
+        h = tops.lora_shrink_split(x, A, row_slot)  # [P, M, S*W]
+    if device == "cpu":  # the interpreter splits K whenever K > 64: the partials are under test too
+        assert h.shape[0] > 1
+    assert h.shape[1:] == (M, S * W)
+    own = (row_slot.long()[:, None] == torch.arange(S, device=device)).cpu()  # [M, S]
+    got = h.sum(0).view(M, S, W).cpu().double()
+    want = ref.lora_shrink(x.double(), A.double()).view(M, S, W).cpu()
+    eps = torch.finfo(dt).eps
+    assert (got[own] - want[own]).abs().max().item() <= 4 * eps * want.abs().max().item()
+    assert got[~own].isnan().all(), "the shrink wrote columns of a slot that is not the row's own"
+    y0 = torch.randn(M, N, generator=g).to(device, dt)
+    gw = own.float().to(device)  # G = M: per-row weights, as ShrinkGroup passes them
+    ranks = torch.full((S,), R, dtype=torch.int32, device=device)
+    for i in range(n):
+        y, y_ref = y0.clone(), y0.double().clone()
+        tops.lora_expand_add(y, h.unflatten(-1, (S, W))[..., i * R:(i + 1) * R], B[i], scale, gw)
+        ref.lora_delta_rows(y_ref, x.double(), A[:, i * R:(i + 1) * R].double(), B[i].double(), scale.double(),
+                            row_slot, ranks)
+        assert not y.isnan().any(), "an unwritten (NaN) h element reached y"
+        assert (y.double() - y_ref).abs().max().item() <= 4 * eps * y_ref.abs().max().item() + 1e-6
+        assert torch.equal(y[row_slot < 0], y0[row_slot < 0]), "rows without a slot changed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("P", [1, 2], ids=["3d", "4d-partials"])
+def test_expand_add_strided_slot_view_never_reads_zero_weight_h(tops, device: str, dtype: str, P: int) -> None:
+    """h as [M, S, R] / [P, M, S, R] with arbitrary strides (member 1's columns of a slot-major [.., S, 3R] h), NaN
+    wherever a row's weight is 0 (its other slots, rows without a slot, a slot at scale 0): y equals the float64
+    reference and no NaN reaches it."""
+    skip_unless(device)
+    g = torch.Generator().manual_seed(1)
+    dt = DTYPES[dtype]
+    M, N, S, R, n = 37, 40, 3, 16, 3
+    h = torch.randn(M, S, R, generator=g, dtype=torch.float64)
+    row_slot = torch.randint(-1, S, (M,), generator=g)
+    own = row_slot[:, None] == torch.arange(S)  # [M, S]
+    big = torch.full((P, M, S, n * R), float("nan"))
+    for p in range(P):  # P partial sums of h on the rows' own slots only
+        big[p, :, :, R:2 * R][own] = (h / P)[own].float()
+    hv = big.to(device)[..., R:2 * R]
+    hv = hv if P > 1 else hv[0]
+    B = (torch.randn(N, S, R, generator=g) * R ** -0.5).to(device, dt)
+    scale = torch.tensor([0.5, 2.0, 0.0], device=device)
+    gw = own.float().to(device)
+    y = torch.randn(M, N, generator=g).to(device, dt)
+    y0 = y.clone()
+    hw = (h * (own * scale.cpu().double())[..., None]).reshape(M, S * R).to(device)  # zero where the weight is
+    y_ref = y.double() + hw @ B.double().reshape(N, S * R).t()
+    tops.lora_expand_add(y, hv, B, scale, gw)
+    assert not y.isnan().any(), "an h element at weight 0 was read"
+    eps = torch.finfo(dt).eps
+    assert (y.double() - y_ref).abs().max().item() <= 4 * eps * y_ref.abs().max().item() + 1e-6
+    idle = ((row_slot < 0) | (row_slot == 2)).to(device)  # no slot, or the slot at scale 0
+    assert torch.equal(y[idle], y0[idle])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_switching_scale_in_place_needs_no_new_shapes(tops, device: str) -> None:
     """One set of buffers, several active sets and weights written in place (what CUDA graphs replay)."""
@@ -291,6 +387,11 @@ def test_bad_operands_raise_with_the_fix(tops, device: str) -> None:
     with pytest.raises(FdLoraError, match="G dividing M"):
         tops.lora_delta(y, x.float(), A, B, torch.ones(2, device=device), torch.ones(3, 2, device=device),
                         torch.full((2,), 16, dtype=torch.int32, device=device))
+    with pytest.raises(FdLoraError, match=r"\[M, S, R\]"):  # h neither [.., M, S*R] nor [.., M, S, R]
+        tops.lora_expand_add(y, torch.zeros(4, 2, 32, device=device), B, torch.ones(2, device=device),
+                             torch.ones(1, 2, device=device))
+    with pytest.raises(FdLoraError, match="row_slot"):
+        tops.lora_shrink_split(x.float(), A, torch.zeros(3, dtype=torch.int32, device=device))
 
 
 def test_ops_mirror_the_reference_signatures() -> None:

@@ -3,13 +3,15 @@ and the context projections of a tiny Flux transformer.
 
 Every case runs the model three ways on identical weights: PEFT (diffusers+PEFT for Flux), fd-lora with the groups
 and fd-lora without them, in blend, per-sample and per-row modes; the groups must give the ungrouped outputs and
-PEFT's, and must have run one shrink per group per forward. Staleness cases change x or a bank between two members'
+PEFT's, and must have run one shrink per group per forward (per row: above shared.FEW_ROWS rows, which the tiny
+models reach by lowering it; at or below it the groups decline). Staleness cases change x or a bank between two members'
 calls and check that h is recomputed. The Triton cases run the same layers under TRITON_INTERPRET=1 in a child
 process (test_triton_under_the_interpreter), against a float64 oracle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -107,6 +109,7 @@ LLAMA_CASES = [
 def test_llama_grouped_equals_ungrouped_and_peft(llama, mode, names, monkeypatch):
     pm, fd, ids = llama
     B, T = ids.shape
+    monkeypatch.setattr(shared, "FEW_ROWS", B * T - 1)  # per row: the group's smallest call (15 rows: prefill-like)
     if mode == "blend":
         weights = [1.0] if len(names) == 1 else [0.7, -0.4]
         fdlora.set_adapters(fd, names, weights)
@@ -141,6 +144,23 @@ def test_llama_grouped_equals_ungrouped_and_peft(llama, mode, names, monkeypatch
     assert (grouped - plain).abs().max() <= 1e-5 * scale
     if want is not None:
         assert (grouped - want).abs().max() <= 1e-4 * scale
+
+
+def test_llama_per_row_at_few_rows_declines_the_group(llama, monkeypatch):
+    """Per-row calls of at most FEW_ROWS rows (decode) take each member's own lora_delta_rows: no shrink, no expand,
+    the ungrouped outputs."""
+    _, fd, ids = llama
+    fdlora.set_adapters(fd, ["a"])
+    rows = [n for n in ("a", None, "b") for _ in range(ids.shape[1])]
+    assert len(rows) <= shared.FEW_ROWS
+
+    def call():
+        with fdlora.per_row(fd, rows):
+            return fd(ids).logits
+    before = counts(fd)
+    grouped = run(fd, call, True, monkeypatch)
+    assert counts(fd) == before
+    assert torch.equal(grouped, run(fd, call, False, monkeypatch))
 
 
 def test_deep_copied_model_has_its_own_groups(llama, monkeypatch):
@@ -248,8 +268,8 @@ def test_blend_shrinks_only_the_active_slots(monkeypatch):
     fdlora.set_adapters(net, ["s2"], [0.8])
     x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4))
     grouped = run(net, lambda: [net.q(x), net.k(x), net.v(x)], True, monkeypatch)
-    _, A, lo, hi, R, _ = group._stack
-    assert (lo, hi) == (2, 3) and A.shape[:2] == (3, R) and R == 16
+    st = group._stack
+    assert (st.lo, st.hi) == (2, 3) and st.A.shape[:2] == (3, st.R) and st.R == 16 and not st.by_row
     plain = run(net, lambda: [net.q(x), net.k(x), net.v(x)], False, monkeypatch)
     for a, b in zip(grouped, plain):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
@@ -381,16 +401,45 @@ TRITON_CASES = [
     pytest.param(torch.float32, "blend", id="fp32-blend"),
     pytest.param(torch.float32, "samples", id="fp32-per-sample"),
     pytest.param(torch.float16, "rows", id="fp16-per-row"),
+    pytest.param(torch.bfloat16, "rows", id="bf16-per-row"),
+    pytest.param(torch.float32, "rows-shared-A", id="fp32-per-row-shared-A"),
+    pytest.param(torch.float32, "rows-few", id="fp32-per-row-few-rows-declined"),
 ]
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}  # of the output's max: ~10 ulps of its dtype
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty fills with NaN: an h element the shrink leaves unwritten and the expand reads shows in y."""
+    prev = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0])
+        torch.utils.deterministic.fill_uninitialized_memory = prev[1]
 
 
 def _triton_case(dtype, mode, device, monkeypatch):
+    """q/k/v on the Triton backend against a float64 oracle. Per row, above FEW_ROWS (lowered to 4 for 10 rows) the
+    group shrinks by row over a slot-major stack (one copy of A when q, k and v share it), with unwritten h poisoned;
+    at or below it the group declines."""
     monkeypatch.setattr(registry, "_layers", weakref.WeakSet())  # other tests' live models keep their backends
+    if mode in ("rows", "rows-shared-A"):
+        monkeypatch.setattr(shared, "FEW_ROWS", 4)
     with fdlora.use_backend("triton"):
         net, group = qkv_model(dtype, Sub, K=40, N=(48, 24, 24), device=device)  # (pinned triton refuses a CPU bank)
         x = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(5)).to(device, dtype)
         layers = fdlora.handle(net).layers
         assert all(layers[p].selection.name == "triton" for p in "qkv")
+        if mode == "rows-shared-A":
+            with torch.no_grad():
+                for p in "kv":  # q's A in k and v too, every slot (kohya's fused qkv)
+                    b = layers[p].bank
+                    b.A.copy_(layers["q"].bank.A)
+                    for s in range(2):
+                        b.mark(s, b.host_ranks[s])
         if mode == "blend":
             ctx, w = torch.no_grad(), torch.tensor([[1.0, -0.5]] * 10)
         elif mode == "samples":
@@ -399,9 +448,15 @@ def _triton_case(dtype, mode, device, monkeypatch):
             rows = ["s1", None, "s0", "s0", None, "s1", "s1", None, "s0", "s1"]
             ctx = fdlora.per_row(net, rows)
             w = torch.tensor([[float(r == "s0"), float(r == "s1")] for r in rows])
-        with torch.no_grad(), ctx:
+        with torch.no_grad(), ctx, poisoned_empty():
             out = [net.q(x), net.k(x), net.v(x)]
-        assert group.shrinks == 1 and group.expands == 3
+        if mode == "rows-few":
+            assert (group.shrinks, group.expands) == (0, 0)
+        else:
+            assert group.shrinks == 1 and group.expands == 3
+        if mode in ("rows", "rows-shared-A"):  # slot-major: [S, n*R, K], or [S, R, K] for one shared A
+            st = group._stack
+            assert st.by_row and st.A.shape[:2] == (2, 16 if mode == "rows-shared-A" else 48)
         for p, y in zip("qkv", out):
             layer = layers[p]
             b, base = layer.bank, layer.base
@@ -412,7 +467,7 @@ def _triton_case(dtype, mode, device, monkeypatch):
             want = (x2 @ base.weight.double().cpu().t() + base.bias.double().cpu()
                     + h.reshape(-1, S * R) @ b.B.double().cpu().reshape(-1, S * R).t())
             got = y.reshape(-1, y.shape[-1]).double().cpu()
-            tol = (1e-5 if dtype == torch.float32 else 5e-3) * want.abs().max()
+            tol = TOL[dtype] * want.abs().max()
             assert not got.isnan().any() and (got - want).abs().max() <= tol, p
 
 
@@ -427,7 +482,7 @@ def test_triton_group_matches_oracle_interpreted(dtype, mode, monkeypatch):
 @pytest.mark.parametrize("dtype,mode", TRITON_CASES)
 def test_triton_group_matches_oracle_cuda(dtype, mode, monkeypatch):
     pytest.importorskip("triton")
-    if mode == "rows":
+    if mode.startswith("rows"):
         pytest.skip("on CUDA, per-row calls take eager decode's kept launch (fdlora.layers.decode)")
     _triton_case(dtype, mode, "cuda", monkeypatch)
 
@@ -483,10 +538,10 @@ def test_kohya_fused_qkv_shrinks_its_one_A_once(monkeypatch, tmp_path):
         want, base = ref(**inputs).sample, flux(**inputs).sample
     grouped = run(fd, lambda: fd(**inputs).sample, True, monkeypatch)
     for grp in groups.values():
-        _, A, lo, hi, R, columns = grp._stack
-        S = hi - lo
-        assert A.shape[0] == S and columns == [0] * len(grp.members)  # one A, every member reads the same h
-        assert grp.shrinks == 1 and h_width(grp) == S * R
+        st = grp._stack
+        S = st.hi - st.lo
+        assert st.A.shape[0] == S and st.columns == [0] * len(grp.members)  # one A, every member reads the same h
+        assert grp.shrinks == 1 and h_width(grp) == S * st.R
     plain = run(fd, lambda: fd(**inputs).sample, False, monkeypatch)
     scale = want.abs().max()
     assert (grouped - base).abs().max() > 1e-3 * scale
@@ -494,7 +549,7 @@ def test_kohya_fused_qkv_shrinks_its_one_A_once(monkeypatch, tmp_path):
 
 
 def h_width(group: ShrinkGroup) -> int:
-    return group._stack[1].shape[0] * group._stack[1].shape[1]
+    return group._stack.A.shape[0] * group._stack.A.shape[1]
 
 
 def test_some_slots_shared_gathers_each_members_columns(monkeypatch):
@@ -509,9 +564,9 @@ def test_some_slots_shared_gathers_each_members_columns(monkeypatch):
             b.mark(0, b.host_ranks[0])
     x = torch.randn(6, 24, generator=torch.Generator().manual_seed(9))
     grouped = run(net, lambda: [net.q(x), net.k(x), net.v(x)], True, monkeypatch)
-    _, A, lo, hi, R, columns = group._stack
-    S = hi - lo
-    assert A.shape[0] == S + 2 and columns[0] == 0 and all(isinstance(c, torch.Tensor) for c in columns[1:])
+    st = group._stack
+    S = st.hi - st.lo
+    assert st.A.shape[0] == S + 2 and st.columns[0] == 0 and all(isinstance(c, torch.Tensor) for c in st.columns[1:])
     plain = run(net, lambda: [net.q(x), net.k(x), net.v(x)], False, monkeypatch)
     for a, b in zip(grouped, plain):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()

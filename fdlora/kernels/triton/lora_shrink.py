@@ -8,6 +8,15 @@ whole GPU streams A once instead of one program per slot: no atomics, determinis
 The internal caller passes scale/ranks so that inactive slots and rank padding are skipped
 (those columns are left unwritten; the expand never reads them). Idea: split-K GEMM, Punica's
 shrink kernel.
+
+Per row (row_slot, per-row mode's one slot per row, -1 = none): row m is computed for its own slot only,
+
+    h[m, s*R + r] = sum_k x[m, k] A[s, r, k]                with s = row_slot[m]; every other column unwritten
+
+Program (i, s, chunk, split) loads only the x rows of block i whose slot is s, so each x row is read by one
+program per rank chunk, and a program whose block holds no such row exits at once (as lora_delta_rows does).
+fdlora.layers.shared stacks the members' A slot-major for it ([S, n*R, K]: slot s holds every member's A_s),
+so that one launch computes, per row, only the n*R columns its slot needs instead of S*n*R.
 """
 
 from __future__ import annotations
@@ -26,21 +35,25 @@ def lora_shrink_kernel(
     a_ptr,  # [S, R, K]
     scale_ptr,  # [S] fp32 (HAS_SKIP)
     ranks_ptr,  # [S] int32 (HAS_SKIP)
+    slot_ptr,  # [M] int32 (HAS_ROWS): the one slot row m is computed for, -1 = none
     M, K, R, M_BUCKET,
-    shp, shm, shc, sxm, sxk, sas, sar, sak, ssc,
-    RC: tl.constexpr, HAS_SKIP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    shp, shm, shc, sxm, sxk, sas, sar, sak, ssc, srs,
+    RC: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_ROWS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     chunks = tl.cdiv(R, RC)
     slot = tl.program_id(1) // chunks
     r0 = (tl.program_id(1) % chunks) * RC
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_in = rows < M
     if HAS_SKIP:
         live = tl.where(tl.load(scale_ptr + slot * ssc) != 0, (tl.load(ranks_ptr + slot) + 15) // 16 * 16, 0)
     else:
         live = R
+    if HAS_ROWS:  # this slot's rows of the block only; none: nothing to do
+        row_in = (tl.load(slot_ptr + rows * srs, mask=row_in, other=-1) == slot) & row_in
+        live = tl.where(tl.max(row_in.to(tl.int32), axis=0) > 0, live, 0)
     if r0 < live:
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        row_in = rows < M
         rows = rows.to(tl.int64)
         r = r0 + tl.arange(0, RC)
         k_per = tl.cdiv(tl.cdiv(K, tl.num_programs(2)), BK) * BK
@@ -56,7 +69,8 @@ _KERNELS = C.kernels(lora_shrink_kernel, C.SHRINK, key=["M_BUCKET", "K", "RC"])
 
 
 def k_splits(M: int, K: int, S: int, R: int, sms: int) -> int:
-    """Partial sums P: enough programs to cover the GPU when rows are few, each K slice >= 256."""
+    """Partial sums P: enough programs to cover the GPU when rows are few, each K slice >= 256. (Per row, a row
+    block's programs split its rows by slot: the same count, each with fewer rows.)"""
     if C.INTERPRET:
         return 2 if K > 64 else 1  # exercise the partial-sum path in CPU tests
     progs = C.cdiv(M, 16 if M <= C.FEW_ROWS else 64) * S * C.cdiv(R, C.rank_tile(R))
@@ -68,6 +82,7 @@ def launch_shrink(
     A: torch.Tensor,  # [S, R, K]
     scale: torch.Tensor | None = None,  # [S] fp32: skip slots at 0 (their columns stay unwritten)
     ranks: torch.Tensor | None = None,  # [S] int32: skip rank padding
+    row_slot: torch.Tensor | None = None,  # [M] int32: row m for slot row_slot[m] only (-1: none; the rest unwritten)
 ) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums
     M, K = C.dims(x)
     S, R, _ = C.dims(A)
@@ -78,14 +93,16 @@ def launch_shrink(
     skip = scale is not None and ranks is not None
     if skip:
         ranks = ranks.contiguous()
-    dummy = h  # never read when not skipping
+    by_row = row_slot is not None
+    dummy = h  # never read when not skipping / not by row
     C.launch(
         _KERNELS, M, lambda meta: (C.cdiv(M, meta["BM"]), S * C.cdiv(R, RC), P),
-        (C.bucket(M), K, RC, A.dtype, skip),
-        h, x, A, scale if skip else dummy, ranks if skip else dummy,
+        (C.bucket(M), K, RC, A.dtype, skip, by_row),
+        h, x, A, scale if skip else dummy, ranks if skip else dummy, row_slot if by_row else dummy,
         M, K, R, C.bucket(M),
         *C.strides(h), *C.strides(x), *C.strides(A), C.strides(scale)[0] if skip else 0,
-        RC=RC, HAS_SKIP=skip, **C.dot_flags(A.dtype),
+        C.strides(row_slot)[0] if by_row else 0,
+        RC=RC, HAS_SKIP=skip, HAS_ROWS=by_row, **C.dot_flags(A.dtype),
     )
     return h
 
@@ -105,18 +122,25 @@ def _wide(A: torch.Tensor) -> torch.Tensor:
 def lora_shrink_split(
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
+    row_slot: torch.Tensor | None = None,  # [M] int32, -1 = none: row m's columns of its own slot only
 ) -> torch.Tensor:  # [P, M, S*R] fp32: P partial sums over K (P >= 1), which lora_expand_add adds itself
     """lora_shrink without the sum of its K-split partials: for a caller that hands h straight to lora_expand_add
     (fdlora.layers.shared), one launch fewer. Up to SPLIT_KEEP partials are kept: the expand adds them one load after
     another in each program, so many cost more than the sum (decode's 16 made Llama-3-8B gate/up's two expands
     48 vs 30 us on an H100). Not a registered op itself: ShrinkGroup calls it eagerly, and the registered
-    lora_shrink is it plus the sum."""
-    C.check_operands("lora_shrink", None, x, A, None)
+    lora_shrink is it plus the sum.
+
+    With row_slot (per-row mode) only h[m, row_slot[m]*R : +R] is written, for every m with a slot; the rest of h
+    is left as torch.empty left it, so the consumer must read only columns whose row weight is nonzero, as
+    lora_expand_add does with per-row weights (G = M). A is then slot-major: ShrinkGroup's [S, n*R, K]."""
+    C.check_operands("lora_shrink", None, x, A, None, **({} if row_slot is None else {"row_slot": row_slot}))
     M, K = C.dims(x)
     S, R, _ = C.dims(A)
+    if row_slot is not None and tuple(row_slot.shape) != (M,):
+        raise C.FdLoraError(f"fdlora triton lora_shrink_split: row_slot {tuple(row_slot.shape)} must be [M], M={M}.")
     if M == 0 or K == 0:
         return torch.zeros(1, M, S * R, device=x.device, dtype=torch.float32)
-    h = launch_shrink(x, _wide(A))
+    h = launch_shrink(x, A, row_slot=row_slot) if row_slot is not None else launch_shrink(x, _wide(A))
     return h if h.shape[0] <= SPLIT_KEEP else h.sum(0, keepdim=True)
 
 

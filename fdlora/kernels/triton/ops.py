@@ -13,6 +13,8 @@ Which kernel runs:
   kept ready, which eager decode layers replay (fdlora.layers.decode).
 - lora_shrink / lora_expand_add: the two halves, also usable on their own; lora_shrink_split (eager only) keeps
   the shrink's K-split partial sums for lora_expand_add to add (fdlora.layers.shared's one shrink per input).
+  With a row_slot it computes each row for its own slot only (per-row mode's shared shrink), and lora_expand_add
+  takes a member's strided [P, M, S, R] columns of that slot-major h.
 Conv LoRA stays on the torch backend (the registry says so: kinds={"linear"}).
 
 Plain eager calls (no compile, no tracing mode, plain tensors, no autograd) skip the dispatcher
@@ -59,14 +61,15 @@ def lora_shrink(
 def lora_shrink_split(
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
-) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums over K
+    row_slot: torch.Tensor | None = None,  # [M] int32, -1 = none: each row for its own slot only (per-row mode)
+) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums over K (by row: only row m's slot's columns written)
     with set_wrap_triton_enabled(False):
-        return _shrink.lora_shrink_split(x, A)
+        return _shrink.lora_shrink_split(x, A, row_slot)
 
 
 def lora_expand_add(
     y: torch.Tensor,  # [M, N], updated in place
-    h: torch.Tensor,  # [M, S*R] fp32 (or [P, M, S*R] partial sums, eager)
+    h: torch.Tensor,  # [M, S*R] fp32 (or [P, M, S*R] partial sums, eager; or [M, S, R] / [P, M, S, R], any strides)
     B: torch.Tensor,  # [N, S, R]
     scale: torch.Tensor,  # [S] fp32
     group_weight: torch.Tensor,  # [G, S] fp32
