@@ -4,6 +4,11 @@ runs in blend mode (the stack over the active slot only), that stack read as one
 partial sums handed to the expands (no sum launch), and a cuBLAS shrink; each kernel alone too. Every form is
 checked against the separate deltas first.
 
+Per row (Llama q/k/v and gate/up, 4 adapters r16 by row): the separate lora_delta_rows, the member-major group
+(the wide shrink over every slot of every member, S*R-wide expands: ShrinkGroup before the by-row shrink) and the
+by-row group ShrinkGroup runs now (bench_shared_shrink.grouped_fn), with the by-row shrink, the one-hot weights and
+each expand alone.
+
     python benchmarks/probes/sweep_shared_shrink.py --out $OUT/sweep_shared_shrink.json     # GPU
 """
 
@@ -21,11 +26,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_delta import gpu_us  # noqa: E402
-from bench_shared_shrink import SHAPES, build  # noqa: E402
+from bench_shared_shrink import MODES, SHAPES, build, grouped_fn  # noqa: E402
 
 from fdlora.kernels import registry  # noqa: E402
 from fdlora.kernels.triton.lora_expand_add import launch_expand_add  # noqa: E402
 from fdlora.kernels.triton.lora_shrink import launch_shrink  # noqa: E402
+from fdlora.layers import shared  # noqa: E402
 
 
 def run_case(s, ops, dev, dt) -> dict:
@@ -94,13 +100,71 @@ def run_case(s, ops, dev, dt) -> dict:
     return row
 
 
+def run_rows_case(s, ops, dev, dt) -> dict:
+    _, S, R, live = MODES["rows-4xr16"]
+    gen = torch.Generator().manual_seed(0)
+    x, As, Bs, ranks, scale, gw, row_slot, ys0, A_stack = build(s, "rows", S, R, live, dt, dev, gen)
+
+    def separate(ys):
+        for y, A, B in zip(ys, As, Bs):
+            ops.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
+
+    forms = {"separate": separate, "member_major": _member_major(ops, x, Bs, scale, row_slot, A_stack, live),
+             "by_row": grouped_fn(ops, "rows", x, As, Bs, scale, gw, row_slot, A_stack, live)}
+    want = [y.clone() for y in ys0]
+    separate(want)
+    row = {"case": s.name, "mode": "rows-4xr16", "M": s.M, "K": s.K, "Ns": list(s.Ns),
+           "declined": s.M <= shared.FEW_ROWS, "us": {}, "err": {}}
+    for name, fn in forms.items():
+        got = [y.clone() for y in ys0]
+        fn(got)
+        row["err"][name] = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
+        work = [y.clone() for y in ys0]
+        row["us"][name] = gpu_us(lambda fn=fn, work=work: fn(work))
+    A_rows, cols = shared.stack_by_slot([A[:live] for A in As])
+    h = ops.lora_shrink_split(x, A_rows, row_slot).unflatten(-1, (live, A_rows.shape[1]))
+    w = (row_slot[:, None] == torch.arange(live, dtype=row_slot.dtype, device=dev)).float()
+    work = [y.clone() for y in ys0]
+    parts = {
+        "shrink_member_major": lambda: ops.lora_shrink_split(x, A_stack),
+        "shrink_by_row": lambda: ops.lora_shrink_split(x, A_rows, row_slot),
+        "onehot": lambda: (row_slot[:, None] == torch.arange(live, dtype=row_slot.dtype, device=dev)).float(),
+        **{f"expand_by_row_{i}": (lambda i=i, y=y: ops.lora_expand_add(y, h[..., cols[i]:cols[i] + R],
+                                                                       Bs[i][:, :live], scale[:live], w))
+           for i, y in enumerate(work)},
+        **{f"delta_rows_{i}": (lambda i=i, y=y: ops.lora_delta_rows(y, x, As[i], Bs[i], scale, row_slot, ranks))
+           for i, y in enumerate(work)},
+    }
+    row["parts_us"] = {k: gpu_us(f) for k, f in parts.items()}
+    row["ratio"] = {k: v / row["us"]["separate"] for k, v in row["us"].items()}
+    print(f"{s.name} rows: " + "  ".join(f"{k} {v:.1f}us (x{row['ratio'][k]:.3f})" for k, v in row["us"].items())
+          + ("  (declined in production)" if row["declined"] else ""), flush=True)
+    print("    parts: " + "  ".join(f"{k} {v:.1f}" for k, v in row["parts_us"].items()), flush=True)
+    print("    max abs diff vs separate: " + "  ".join(f"{k} {v:.2e}" for k, v in row["err"].items()), flush=True)
+    return row
+
+
+def _member_major(ops, x, Bs, scale, row_slot, A_stack, U: int):
+    """ShrinkGroup's per-row form before the by-row shrink: the wide shrink over every member's U slots, each expand
+    over all U*R columns of its block (one-hot weights mask the other slots)."""
+    R = Bs[0].shape[2]
+
+    def f(ys):
+        h = ops.lora_shrink_split(x, A_stack)
+        w = (row_slot[:, None] == torch.arange(U, dtype=row_slot.dtype, device=x.device)).float()
+        for i, (y, B) in enumerate(zip(ys, Bs)):
+            ops.lora_expand_add(y, h[..., i * U * R:(i + 1) * U * R], B[:, :U], scale[:U], w)
+    return f
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     ops, dev, dt = registry.ops("triton"), "cuda", torch.bfloat16
     rows = [run_case(s, ops, dev, dt) for s in SHAPES if s.target is not None]
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    per_row = [run_rows_case(s, ops, dev, dt) for s in SHAPES if s.name.startswith("llama")]
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "per_row": per_row}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
