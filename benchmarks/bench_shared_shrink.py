@@ -6,7 +6,8 @@
               y_i += (h_i * w) B_i^T               lora_expand_add per member on its columns of h
     per row (Triton), what ShrinkGroup runs: the stack slot-major [S, n*R, K] (shared.stack_by_slot), each row
     computed for its own slot only (lora_shrink_split's row_slot), each member's expand on its strided [P, M, S, R]
-    view; the one-hot row weights built once per h, inside the timed call as in the group.
+    view; the one-hot row weights built once per h (row_slot == the stack's slot numbers), inside the timed call
+    as in the group.
 
 Shapes from real models: Flux double-block q/k/v (3072 -> 3072 x3, 4096 + 512 tokens) and single-block
 q/k/v/proj_mlp (3072 -> 3072 x3, 12288), Llama-3-8B q/k/v (4096 -> 4096, 1024, 1024) and gate/up
@@ -126,13 +127,14 @@ def grouped_fn(ops, mode, x, As, Bs, scale, gw, row_slot, A_stack, U: int):
     S, R = Bs[0].shape[1:]
     shrink = getattr(ops, "lora_shrink_split", ops.lora_shrink)
     Bu, su = [B[:, :U] for B in Bs], scale[:U]
+    ids = torch.arange(U, dtype=torch.int32, device=x.device)  # kept with the stack (Stack.ids)
     if by_row(ops, mode):
         A_rows, cols = shared.stack_by_slot([A[:U] for A in As])
         W = A_rows.shape[1]
 
         def f(ys):
             h = shrink(x, A_rows, row_slot).unflatten(-1, (U, W))
-            w = (row_slot[:, None] == torch.arange(U, dtype=row_slot.dtype, device=x.device)).float()
+            w = (row_slot[:, None] == ids).float()
             for y, B, c in zip(ys, Bu, cols):
                 ops.lora_expand_add(y, h[..., c:c + R], B, su, w)
         return f
@@ -141,8 +143,7 @@ def grouped_fn(ops, mode, x, As, Bs, scale, gw, row_slot, A_stack, U: int):
 
     def f(ys):
         h = shrink(x, A_stack)
-        w = (row_slot[:, None] == torch.arange(U, dtype=row_slot.dtype, device=x.device)).float() if mode == "rows" \
-            else gw[:, :U]
+        w = (row_slot[:, None] == ids).float() if mode == "rows" else gw[:, :U]
         for i, (y, B) in enumerate(zip(ys, Bu)):
             c = 0 if one else i * width
             ops.lora_expand_add(y, h[..., c:c + width], B, su, w)

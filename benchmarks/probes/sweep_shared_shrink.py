@@ -123,12 +123,13 @@ def run_rows_case(s, ops, dev, dt) -> dict:
         row["us"][name] = gpu_us(lambda fn=fn, work=work: fn(work))
     A_rows, cols = shared.stack_by_slot([A[:live] for A in As])
     h = ops.lora_shrink_split(x, A_rows, row_slot).unflatten(-1, (live, A_rows.shape[1]))
-    w = (row_slot[:, None] == torch.arange(live, dtype=row_slot.dtype, device=dev)).float()
+    ids = torch.arange(live, dtype=torch.int32, device=dev)
+    w = (row_slot[:, None] == ids).float()
     work = [y.clone() for y in ys0]
     parts = {
         "shrink_member_major": lambda: ops.lora_shrink_split(x, A_stack),
         "shrink_by_row": lambda: ops.lora_shrink_split(x, A_rows, row_slot),
-        "onehot": lambda: (row_slot[:, None] == torch.arange(live, dtype=row_slot.dtype, device=dev)).float(),
+        "onehot": lambda: (row_slot[:, None] == ids).float(),
         **{f"expand_by_row_{i}": (lambda i=i, y=y: ops.lora_expand_add(y, h[..., cols[i]:cols[i] + R],
                                                                        Bs[i][:, :live], scale[:live], w))
            for i, y in enumerate(work)},
@@ -148,10 +149,11 @@ def _member_major(ops, x, Bs, scale, row_slot, A_stack, U: int):
     """ShrinkGroup's per-row form before the by-row shrink: the wide shrink over every member's U slots, each expand
     over all U*R columns of its block (one-hot weights mask the other slots)."""
     R = Bs[0].shape[2]
+    ids = torch.arange(U, dtype=torch.int32, device=x.device)
 
     def f(ys):
         h = ops.lora_shrink_split(x, A_stack)
-        w = (row_slot[:, None] == torch.arange(U, dtype=row_slot.dtype, device=x.device)).float()
+        w = (row_slot[:, None] == ids).float()
         for i, (y, B) in enumerate(zip(ys, Bs)):
             ops.lora_expand_add(y, h[..., i * U * R:(i + 1) * U * R], B[:, :U], scale[:U], w)
     return f

@@ -70,6 +70,7 @@ class Stack(NamedTuple):
     R: int
     columns: list | None  # per member: where its columns of h start (by_row: within a slot), or an index of them
     by_row: bool  # slot-major, for lora_shrink_split's row_slot
+    ids: torch.Tensor | None  # [hi - lo] int32 slots lo..hi: per-row weights are row_slot == ids (no arange a call)
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,15 @@ class ShrinkGroup:
         top = end if hi is None else min(hi, end)
         cap = backend.capability
         alike = all(b.A.device == A0.device and b.A.dtype == A0.dtype and b.A.shape[0] == A0.shape[0] for b in banks)
-        self._stack = Stack(key, None, 0, 0, 0, None, False)
+        self._stack = Stack(key, None, 0, 0, 0, None, False, None)
         if not alike or top <= lo or any(R > b.rank_capacity for b in banks):
             return None
         for rows in (True, False) if by_row else (False,):
             A, columns = (stack_by_slot if rows else _stack)([b.A[lo:top, :R] for b in banks])
             if (cap.max_slots is None or A.shape[0] <= cap.max_slots) and (
                     cap.max_rank is None or A.shape[1] <= cap.max_rank):
-                self._stack = Stack(key, A, lo, top, R, columns, rows)
+                ids = torch.arange(lo, top, dtype=torch.int32, device=A.device)
+                self._stack = Stack(key, A, lo, top, R, columns, rows, ids)
                 return self._stack
         return None
 
@@ -206,8 +208,8 @@ class ShrinkGroup:
         if got is None or got[0] != xkey or got[1]() is not x:
             x2 = x.reshape(M, A.shape[2]).to(A.dtype)
             h = (split(x2, A, row_slot) if stack.by_row else split(x2, A)) if split else ops.lora_shrink(x2, A)
-            rows_w = None if row_slot is None else (  # [M, S] one-hot: G = M (lo is 0), once for every member
-                row_slot[:, None] == torch.arange(hi, dtype=row_slot.dtype, device=x.device)).float()
+            # [M, S] one-hot row weights (G = M; lo is 0), built once for every member
+            rows_w = None if row_slot is None else (row_slot[:, None] == stack.ids).float()
             got = self._h = (xkey, weakref.ref(x), h, set(), rows_w)
             self.shrinks += 1
         if row_slot is None:

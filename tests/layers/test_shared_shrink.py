@@ -239,6 +239,28 @@ def test_bank_write_between_members_recomputes_h():
     assert (k.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_row_slots_rewritten_between_members_recompute_h(monkeypatch):
+    """Per row, h (by row: each row's own slot only) and the one-hot row weights follow the row slots: slots written in
+    place between two members' calls (same tensor, new version) make the next member recompute them."""
+    monkeypatch.setattr(shared, "FEW_ROWS", 0)
+    net, group = qkv_model()
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(3))
+    first, then = ["s0", None, "s1", "s1", "s0", None], ["s1", "s0", None, "s0", "s1", "s1"]
+    with torch.no_grad(), fdlora.per_row(net, first):
+        q = net.q(x)
+        with fdlora.per_row(net, then):  # the same row_slot tensor, written in place
+            k = net.k(x)
+    assert group.shrinks == 2
+    monkeypatch.setattr(shared, "ENABLED", False)
+    with torch.no_grad():
+        with fdlora.per_row(net, first):
+            want_q = net.q(x)
+        with fdlora.per_row(net, then):
+            want_k = net.k(x)
+    for a, b in ((q, want_q), (k, want_k)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 def test_another_tensor_with_the_same_address_and_version_recomputes_h():
     """Another tensor object over the same memory, version and shape (as a freed x whose memory a new x reuses):
     address and version alone are not trusted, the weak reference to x tells them apart."""
