@@ -18,8 +18,9 @@ Rows (written to benchmarks/results/<gpu>/prefetch.json):
           and the banks written there), which the median may skip.
           FDLORA_PREFETCH_READER=thread measures reads on the prefetch's own thread (what it did before).
   cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
-          and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the bank
-          writer) and between load and first step (the layers' kernels);
+          and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the UNet's
+          layers wrapped as the load would, the bank writer, the kernel backends imported) and between load and
+          first step (the layers' kernels);
           diffusers' first `load_lora_weights` and its first step.
   warm    in the fd-lora process after its first load: a later load from disk, a re-load from the RAM cache,
           `delete_adapters`.
@@ -150,7 +151,7 @@ def child(a: argparse.Namespace) -> None:
             import fdlora  # noqa: F401  (attaches load_fd_lora; its import is not part of the load)
             from fdlora.pipelines.warmup import warmup
 
-            if a.child == "fd-warmup":  # the bank writer of the first load, before it
+            if a.child == "fd-warmup":  # before the first load: its layers, bank writer and kernel imports
                 out["warmup_before_load_s"] = timed(lambda: warmup(pipe), sync)
             clock = GcClock()
             out["first_load_s"] = timed(lambda: pipe.load_fd_lora(a.dir, "a"), sync)

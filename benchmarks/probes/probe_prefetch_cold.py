@@ -70,6 +70,8 @@ def main() -> None:
                     "(steadier than the wall clock on a shared box; excludes waiting for the disk)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--narrow", action="store_true", help="SDXL's structure at 1/10 widths (_cpu_setup)")
+    ap.add_argument("--ram-cache", action="store_true", help="the first load through the default RAM cache, as "
+                    "bench_prefetch's cold rows load (its file read page-locked); the later one still without")
     a = ap.parse_args()
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     clock = time.process_time if a.cpu_clock else time.perf_counter
@@ -90,6 +92,7 @@ def main() -> None:
     from fdlora.pipelines.warmup import warmup
 
     res: dict = {"format": a.format, "warmup": a.warmup, "clock": "cpu" if a.cpu_clock else "wall"}
+    phases = _phase_clock(clock)
     if a.warmup:
         t = clock()
         warmup(pipe)
@@ -101,12 +104,15 @@ def main() -> None:
             t = clock()
             if prof:
                 prof.enable()
-            report = pipe.load_fd_lora(folder, name, cache=None)
+            kw = {} if a.ram_cache and key == "first" else {"cache": None}
+            report = pipe.load_fd_lora(folder, name, **kw)
             if prof:
                 prof.disable()
                 profs[key] = top(prof)
             res[f"{key}_load_s"] = clock() - t
             res[f"{key}_stages_s"] = {k: round(v, 4) for k, v in (report.seconds or {}).items()}
+            res[f"{key}_phases_s"] = {k: round(v, 4) for k, v in phases.items()}  # (nested: wrap is in attach)
+            phases.clear()
     print(json.dumps(res, indent=1))
     if profs:
         first, later = profs["first"], profs["later"]
@@ -122,6 +128,27 @@ def main() -> None:
                                           sorted(diff.items(), key=lambda kv: -kv[1][1])[:a.top]}
     if a.out:
         a.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+def _phase_clock(clock) -> dict[str, float]:
+    """Seconds spent in the load's phases (reading, attaching, and inside attaching: wrapping, the pool's check and
+    commit), summed per phase while a load runs: the methods are wrapped in place, for this probe only."""
+    from fdlora.hub.pool import AdapterPool
+    from fdlora.layers.handle import FdLoraHandle
+    from fdlora.pipelines.diffusers.pipeline import FdLoraPipelineMixin
+
+    spent: dict[str, float] = {}
+    for cls, name in ((FdLoraPipelineMixin, "_fd_read"), (FdLoraPipelineMixin, "_fd_attach"),
+                      (FdLoraHandle, "wrap"), (AdapterPool, "check"), (AdapterPool, "make_room"),
+                      (AdapterPool, "commit")):
+        def timed(*args, _f=getattr(cls, name), _k=f"{cls.__name__}.{name}", **kwargs):
+            t = clock()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                spent[_k] = spent.get(_k, 0.0) + clock() - t
+        setattr(cls, name, timed)
+    return spent
 
 
 NARROW = dict(block_out_channels=(32, 64, 128), attention_head_dim=(1, 2, 4), cross_attention_dim=64,

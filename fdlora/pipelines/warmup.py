@@ -10,6 +10,10 @@ set and weights are as before afterwards (merged-weight caches may hold entries,
 The bulk bank writer is what loads on CUDA use once it is built (fdlora.hub.pool.mark_bulk_ready): until then they
 write through torch copies, so a cold process's first load never waits for a kernel build.
 
+Before the first load it also wraps a diffusers pipeline's denoiser in fd-lora layers, as that load would
+(`pipe.fd_lora_prepare()`: the same LoRA target table, slots and rank), so that the first load only reads the file
+and writes the banks: wrapping SDXL's 722 layers was most of a first load after warmup on an H100 host.
+
 It also starts the reader process of background loads (fdlora.hub.worker; its imports take a few seconds), so the
 first `prefetch_fd_lora` does not wait for them, page-locks `pinned_bytes` of the host arena those loads arrive
 in (fdlora.hub.worker.reserve: page-locking while steps run stalled an H100 host's steps for seconds; a load that
@@ -20,7 +24,7 @@ torch backend), and the report says so.
 Triton keeps compiled kernels on disk (TRITON_CACHE_DIR): running `warmup` once while building a serving
 image, with that folder inside the image, turns a cold start's compiles into loads.
 
-    fdlora.pipelines.warmup.warmup(pipe)                        # before the first load: its bank writer
+    fdlora.pipelines.warmup.warmup(pipe)                        # before the first load: its layers, bank writer
     pipe.load_fd_lora("user/style", "style")
     fdlora.pipelines.warmup.warmup(pipe)                        # after it: every layer shape
     fdlora.pipelines.warmup.warmup(pipe, tokens=(154, 2048, 8192))   # SDXL 1024^2 with CFG: text, 32^2, 64^2
@@ -67,11 +71,13 @@ def warmup(obj: Any, *, tokens: Sequence[int] = TOKENS, batch: int = 2,
     `tokens`: the token counts per sample its layers see (the M of each linear is batch x tokens); `pinned_bytes`:
     the page-locked host memory background loads may arrive in (with CUDA; kept for the process's life)."""
     _start_reader(pinned_bytes)
-    gc.collect()
     handles = _handles(obj)
     layers = [layer for h in handles for layer in h.layers.values()]
     if not layers:
-        return _before_first_load(obj)
+        report = _before_first_load(obj)
+        gc.collect()  # (after it: the layers it wrapped are thousands of objects)
+        return report
+    gc.collect()
     devices = {layer.bank.A.device for layer in layers}
     cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
     report = WarmupReport(", ".join(sorted(map(str, devices))), layers=len(layers))
@@ -101,6 +107,9 @@ def _before_first_load(obj: Any) -> WarmupReport:
     params = [(p.device, p.dtype) for m in modules for p in m.parameters() if p.is_floating_point()]
     cuda = sorted({(d, t) for d, t in params if d.type == "cuda"}, key=str)
     report = WarmupReport(", ".join(sorted({str(d) for d, _ in params})) or "no parameters")
+    report.layers = _prepare(obj)
+    if report.layers:
+        report.notes.append(f"wrapped {report.layers} layers of the denoiser's LoRA targets ahead of the first load")
     if not cuda:
         report.notes.append("nothing to build: on CPU the torch backend compiles no kernels")
     else:
@@ -114,6 +123,20 @@ def _before_first_load(obj: Any) -> WarmupReport:
                             "backends its layers select; call warmup again after it for the layers' kernels")
     logger.info("%s", report)
     return report
+
+
+def _prepare(obj: Any) -> int:
+    """A diffusers pipeline: its denoiser's fd-lora layers, wrapped now as its first load would wrap them
+    (FdLoraPipelineMixin.fd_lora_prepare); the number of layers it then has."""
+    try:
+        from diffusers import DiffusionPipeline
+    except ImportError:
+        return 0
+    if not isinstance(obj, DiffusionPipeline):
+        return 0
+    from .diffusers.pipeline import enable_fd_lora
+
+    return sum(len(h.layers) for h in enable_fd_lora(obj).fd_lora_prepare().values())
 
 
 def _start_reader(pinned_bytes: int) -> None:

@@ -182,10 +182,7 @@ class FdLoraPipelineMixin:
             fresh = h is None
             need = padded_rank(max(m.rank for m in adapter.modules.values()))
             if fresh:
-                h = FdLoraHandle(model, max_slots=max_slots or DEFAULT_SLOTS,
-                                 max_rank=max(max_rank or DEFAULT_RANK, need))
-                if _is_compiled(self.components[comp]):
-                    h.freeze()
+                h = self._fd_new_handle(comp, model, max_slots, max_rank, need)
             elif need > h.max_rank and not h.state.static:
                 logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
                 h.grow(max_rank=need)
@@ -204,9 +201,7 @@ class FdLoraPipelineMixin:
         try:
             for comp, h, pool, fresh, plan in plans:
                 if fresh:
-                    self._fd_wrap_table(h, extra.get(comp) or [])
-                    registry_of_models[h.model] = h
-                    install_scale_hook(h.model)
+                    self._fd_install(h, extra.get(comp) or [])
                 done.append((h, pool, fresh))
                 pool.commit(plan, activate=False)
         except BaseException:  # Ctrl-C too: the name is free again, every component as before
@@ -302,6 +297,37 @@ class FdLoraPipelineMixin:
         if report is None or not notes or all(n in report.notes for n in notes):
             return report
         return dataclasses.replace(report, notes=list(report.notes) + [n for n in notes if n not in report.notes])
+
+    def fd_lora_prepare(self, *, max_slots: int | None = None, max_rank: int | None = None) -> dict[str, FdLoraHandle]:
+        """Swap fd-lora layers in for the denoiser's LoRA target table now, as the first `load_fd_lora` would (the same
+        table, slots and rank: DEFAULT_SLOTS / DEFAULT_RANK unless given), so that the first load only reads and
+        writes. On an H100 host wrapping SDXL's 722 layers (module objects, banks) was most of a first load after
+        warmup (0.57 s; benchmarks/probes/probe_prefetch_cold.py). fdlora.pipelines.warmup calls it before the
+        first load. A denoiser that already has fd-lora or PEFT layers, or whose family has no table, is left as it
+        is. Without an adapter active the layers run the base alone. Returns fd_lora_handles()."""
+        with pipe_lock(self):
+            modules = self._fd_modules()
+            comp = self._fd_denoiser()
+            model = modules.get(comp)
+            if (model is not None and registry_of_models.get(model) is None and targets_for(model)
+                    and not tree.scan(model).peft):
+                self._fd_install(self._fd_new_handle(comp, model, max_slots, max_rank, 0), [])
+                _reapply_group_offloading(model)
+            return self._fd_handles(modules)
+
+    def _fd_new_handle(self, comp: str, model: nn.Module, max_slots: int | None, max_rank: int | None,
+                       need: int) -> FdLoraHandle:
+        """A component's handle as its first load makes it (not yet wrapping anything: `_fd_install`)."""
+        h = FdLoraHandle(model, max_slots=max_slots or DEFAULT_SLOTS, max_rank=max(max_rank or DEFAULT_RANK, need))
+        if _is_compiled(self.components[comp]):
+            h.freeze()
+        return h
+
+    def _fd_install(self, h: FdLoraHandle, extra: Sequence[str]) -> None:
+        """Wrap a new handle's target table (plus `extra` paths) and register it with the model."""
+        self._fd_wrap_table(h, extra)
+        registry_of_models[h.model] = h
+        install_scale_hook(h.model)
 
     def _fd_wrap_table(self, h: FdLoraHandle, extra: Sequence[str]) -> None:
         targets = targets_for(h.model) + list(extra)
