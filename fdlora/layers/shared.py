@@ -27,18 +27,21 @@ Per row. Every row has its own slot, so a member-major stack would compute S x t
 each expand an S*R-wide rank axis. Where the backend's shrink takes a row_slot (Triton's lora_shrink_split), the
 stack is slot-major instead, [S, n*R, K] (`stack_by_slot`): one launch reads x about once and computes, per row,
 only its own slot's n*R columns; member i's h is the strided [P, M, S, R] view at columns s*n*R + i*R + r, and
-its expand masks every h element whose row weight is 0 (the rest of h is never written).
+its expand masks every h element whose row weight is 0 (the rest of h is never written). The one-hot row weights
+([M, S], lora_expand_add's group weight with G = M) are built with h, once for every member.
 
 Shared A. kohya Flux files carry one lora_down for q, k, v (and single blocks' linear1 for q, k, v, proj_mlp); the
 converter hands every member that one A. The stack keeps a slot's A once when all members hold the same one
-(checked when the banks change, not per call), so such a group's h has rank r, not n*r (`_stack`). The banks still
+(checked when the banks change, not per call), so such a group's h has rank r, not n*r (`_stack`; per row,
+`stack_by_slot` when every slot is shared). The banks still
 hold one copy each (a slot cannot alias across banks): what the group saves is the compute and the h traffic.
 
-Staleness. h is kept with (x's weak reference, data_ptr, _version, shape, stride, stream) and the stack's key
+Staleness. h is kept with (x's weak reference, data_ptr, _version, shape, stride, stream), the stack's key
 (backend, slot range, every member's bank version and A address: every bank write goes through AdapterBank.mark,
-which bumps the version; a move or resize changes the address); any difference recomputes it, so a stale h is
-never served. It is dropped once every member has used it. Groups come from RULES (data: parent
-module class -> member paths) when the handle wraps or unwraps layers (`regroup`).
+which bumps the version; a move or resize changes the address) and, per row, the row slots' address and version
+(h by row and the row weights depend on them; inference-mode slots have no version: declined); any difference
+recomputes it, so a stale h is never served. It is dropped once every member has used it. Groups come from RULES
+(data: parent module class -> member paths) when the handle wraps or unwraps layers (`regroup`).
 """
 
 from __future__ import annotations
