@@ -19,6 +19,9 @@ captured or compiled and keep the traced ops), CUDA, a backend with `prepare_del
 - per-sample mode with one row per sample (a decode step) where every sample has at most one adapter
   and every adapter one weight (PEFT's adapter_names; ModelState.sample_rows), which is per-row mode
   with per-layer scales alpha/r * weight.
+A per-row call of more than shared.FEW_ROWS rows on a layer in a shrink group (q/k/v, gate/up: per-row prefill)
+runs its base and then the group's delta (fdlora.layers.shared: x read once for the group) when the group may serve
+it, the kept launch otherwise.
 Anything else (blends per sample, prefill) takes the regular paths; where no launch can be kept (autograd,
 tracing modes) or the inputs' alignment keeps changing, the per-row op runs as a plain call after RETRIES.
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import hot
+from . import hot, shared
 from .state import Mode
 
 RETRIES = 3  # calls that may try to keep a launch ready (the first launch of a shape goes through the autotuner)
@@ -62,7 +65,10 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
         scale = scales[layer.index]
     bank = layer.bank
     A, B, ranks = bank._buffers["A"], bank._buffers["B"], bank._buffers["ranks"]
-    if not (args or kwargs or torch._C._cuda_isCurrentStreamCapturing()):
+    group = layer.__dict__.get("shrink_group")  # per-row prefill: one shrink for q/k/v (fdlora.layers.shared)
+    if group is not None and not (st.mode is Mode.ROWS and M > shared.FEW_ROWS and group.may_serve(layer, x)):
+        group = None
+    if group is None and not (args or kwargs or torch._C._cuda_isCurrentStreamCapturing()):
         y = _bound(layer, x, A, B, scale, row_slot, ranks)
         if y is not None:
             return y
@@ -72,6 +78,8 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
     else:
         y = layer.base(x, *args, **kwargs).contiguous()
     x2, y2 = x.reshape(M, K).to(A.dtype), y.view(M, layer.out_features)
+    if group is not None and group.delta(layer, x, y2):  # (it adds a LoRA bias itself)
+        return y
     key = (M, x2.stride(0), x2.stride(1), x2.dtype, y2.dtype, bank.version, A.data_ptr())
     kept = layer.__dict__.get("_decode")
     ready, tries = kept[1:] if kept is not None and kept[0] == key else (None, 0)

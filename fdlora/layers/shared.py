@@ -17,8 +17,8 @@ group first: the torch and cuda backends, bases other than a plain nn.Linear (qu
 blends at few rows per sample, per-row prefill (per-row calls of at most FEW_ROWS rows are declined: decode). The
 merged-weight cache needs no shrink at all; the Triton backend's lora_linear (one op choosing merged /
 shrink-in-the-GEMM / cuBLAS + delta per shape) and eager decode's kept-ready launches (one launch per layer,
-host-bound) keep their paths. In blend mode the stack covers the active adapters' slot range only; otherwise the
-slots up to the last one loaded.
+host-bound) keep their paths, except per-row calls above FEW_ROWS rows, which fdlora.layers.decode hands here.
+In blend mode the stack covers the active adapters' slot range only; otherwise the slots up to the last one loaded.
 Never when compiling, frozen, capturing a CUDA graph, under autograd, under offload hooks (banks move every call),
 or for inference-mode tensors (they have no version counter, so an in-place change of x between two members could
 not be seen).
@@ -180,14 +180,20 @@ class ShrinkGroup:
                 return self._stack
         return None
 
+    @staticmethod
+    def may_serve(layer, x: torch.Tensor) -> bool:
+        """The call-independent part of `delta`'s checks (see the module docstring's "Never when"): per-row eager
+        decode on CUDA (fdlora.layers.decode) asks it before giving up its own one-launch path for the group."""
+        return not (not ENABLED or layer.state.static or torch.compiler.is_compiling() or x.is_inference()
+                    or layer.__dict__.get("offloaded")
+                    or (torch.is_grad_enabled() and (x.requires_grad or layer.bank.A.requires_grad))
+                    or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing()))
+
     def delta(self, layer, x: torch.Tensor, y2: torch.Tensor) -> bool:
         """y2 += this member's LoRA delta through the group's shared h (computing h if this x has none yet); False
         (nothing done) when this call may not take the group path: the layer's regular path then runs."""
         st = layer.state
-        if (not ENABLED or st.static or torch.compiler.is_compiling() or x.is_inference()
-                or layer.__dict__.get("offloaded")
-                or (torch.is_grad_enabled() and (x.requires_grad or layer.bank.A.requires_grad))
-                or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
+        if not self.may_serve(layer, x):
             return False
         M = y2.shape[0]
         row_slot = st.row_slot(x.device) if st.mode is Mode.ROWS else None
