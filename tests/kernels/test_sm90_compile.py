@@ -67,7 +67,8 @@ def test_delta_kernels_compile(few: bool, dtype: str, rmax: int, prefetch) -> No
     blocks["WRAP"] = prefetch is not None  # the N split's K walk from per-program starts (tiles.shrink_tile)
     dots = {"UPCAST": False, "IEEE": dtype == "fp32"}
     for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, {}),
-                          (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True})):
+                          (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True, "ROW_W": False}),
+                          (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True, "ROW_W": True})):
         meta = compile_sm90(module._KERNELS[(few, False)].fn, {**blocks, **dots, "RMAX": rmax, **extra}, dtype)
         assert meta.name.startswith(module.__name__.rsplit(".", 1)[1])
 
@@ -78,9 +79,9 @@ def test_shrink_compiles(few: bool) -> None:
     from fdlora.kernels.triton import lora_shrink
 
     blocks = first(C.SHRINK, few)
-    for skip in (False, True):
+    for skip, by_row in ((False, False), (True, False), (False, True)):
         compile_sm90(lora_shrink._KERNELS[(few, False)].fn,
-                     {**blocks, "RC": 64, "HAS_SKIP": skip, "UPCAST": False, "IEEE": False})
+                     {**blocks, "RC": 64, "HAS_SKIP": skip, "HAS_ROWS": by_row, "UPCAST": False, "IEEE": False})
 
 
 @pytest.mark.parametrize("pre,persistent", [(False, 0), (True, 0), (False, 1)])
@@ -155,10 +156,10 @@ def test_every_kernel_compiles_for_each_gpu_generation(arch: int) -> None:
     dots = {"UPCAST": False, "IEEE": False}
     blocks = {**first(C.DELTA, False), "WRAP": False}
     for module, extra in ((lora_delta, {"S_PAD": 4}), (lora_delta_rows, {}),
-                          (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True})):
+                          (lora_expand_add, {"S_PAD": 4, "HAS_RANKS": True, "ROW_W": True})):
         compile_sm90(module._KERNELS[(False, False)].fn, {**blocks, **dots, "RMAX": 64, **extra}, arch=arch)
     compile_sm90(lora_shrink._KERNELS[(False, False)].fn,
-                 {**first(C.SHRINK, False), "RC": 64, "HAS_SKIP": True, **dots}, arch=arch)
+                 {**first(C.SHRINK, False), "RC": 64, "HAS_SKIP": True, "HAS_ROWS": True, **dots}, arch=arch)
     c = lora_linear.CONFIGS["many"][0]
     compile_sm90(lora_linear._JIT, {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages,
                                     "PERSISTENT": 0, "S_PAD": 4, "RMAX": 32, "MORE": True, "PRE": False,

@@ -54,14 +54,14 @@ def lora_shrink_kernel(
         row_in = (tl.load(slot_ptr + rows * srs, mask=row_in, other=-1) == slot) & row_in
         live = tl.where(tl.max(row_in.to(tl.int32), axis=0) > 0, live, 0)
     if r0 < live:
-        rows = rows.to(tl.int64)
+        rows64 = rows.to(tl.int64)  # (a new name: Triton keeps a variable's type across an if)
         r = r0 + tl.arange(0, RC)
         k_per = tl.cdiv(tl.cdiv(K, tl.num_programs(2)), BK) * BK
         k_lo = tl.program_id(2) * k_per
         k_hi = tl.minimum(K, k_lo + k_per)
-        acc = shrink_tile(x_ptr, a_ptr, rows, row_in, slot + 0 * r, r, r < live, k_lo, k_hi,
+        acc = shrink_tile(x_ptr, a_ptr, rows64, row_in, slot + 0 * r, r, r < live, k_lo, k_hi,
                           sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE, False)
-        hp = h_ptr + tl.program_id(2) * shp + rows[:, None] * shm + (slot * R + r)[None, :] * shc
+        hp = h_ptr + tl.program_id(2) * shp + rows64[:, None] * shm + (slot * R + r)[None, :] * shc
         tl.store(hp, acc, mask=row_in[:, None] & (r < R)[None, :])
 
 
