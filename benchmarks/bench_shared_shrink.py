@@ -65,7 +65,10 @@ SHAPES = [
 SMOKE = [Shape("smoke-qkv", 24, 64, (64, 32, 32), 0.75), Shape("smoke-gate-up", 8, 64, (96, 96), None),
          Shape("smoke-qkv-prefill", 80, 64, (64, 32, 32), 0.75)]  # per row above shared.FEW_ROWS: not declined
 # mode, slots S, rank R, live slots; "sharedA": one A for every member (kohya Flux qkv), stacked once
-MODES = {"blend-r16": ("blend", 4, 16, 1), "blend-r16-sharedA": ("blend", 4, 16, 1), "rows-4xr16": ("rows", 4, 16, 4)}
+# "-seq": each adapter's rows one run (an LLM prefill batch: every request's tokens are consecutive), else drawn
+# at random per row (a decode batch: one row per request)
+MODES = {"blend-r16": ("blend", 4, 16, 1), "blend-r16-sharedA": ("blend", 4, 16, 1), "rows-4xr16": ("rows", 4, 16, 4),
+         "rows-4xr16-seq": ("rows", 4, 16, 4)}
 
 
 def bytes_floor(s: Shape, r: int, shared_a: bool, h_cols: int | None = None) -> float:
@@ -85,7 +88,8 @@ def bytes_floor(s: Shape, r: int, shared_a: bool, h_cols: int | None = None) -> 
     return grouped / separate
 
 
-def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen, shared_a: bool = False):
+def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen, shared_a: bool = False,
+          runs: bool = False):
     x = torch.randn(s.M, s.K, generator=gen).to(device, dtype)
     As = [torch.zeros(S, R, s.K) for _ in s.Ns]
     Bs = [torch.zeros(n, S, R) for n in s.Ns]
@@ -98,6 +102,8 @@ def build(s: Shape, mode: str, S: int, R: int, live: int, dtype, device, gen, sh
     scale = torch.tensor([2.0 / R] * live + [0.0] * (S - live), device=device)
     gw = torch.ones(1, S, device=device)
     row_slot = torch.randint(-1, live, (s.M,), generator=gen, dtype=torch.int32).to(device)
+    if runs:  # adapter i on rows [i M / live, (i + 1) M / live)
+        row_slot = (torch.arange(s.M) * live // s.M).to(torch.int32).to(device)
     ys = [torch.randn(s.M, n, generator=gen).to(device, dtype) for n in s.Ns]
     # what ShrinkGroup._stacked holds: each member's slots up to the last live one (blend: the active adapters'
     # range; per row: the slots up to the last one used), a shared A once
@@ -164,7 +170,7 @@ def run_case(s: Shape, mode_name: str, ops, dtype, device, timer) -> dict:
     mode, S, R, live = MODES[mode_name]
     gen = torch.Generator().manual_seed(0)
     x, As, Bs, ranks, scale, gw, row_slot, ys0, A_stack = build(s, mode, S, R, live, dtype, device, gen,
-                                                             mode_name.endswith("sharedA"))
+                                                             mode_name.endswith("sharedA"), mode_name.endswith("seq"))
     sep = separate_fn(ops, mode, x, As, Bs, ranks, scale, gw, row_slot)
     grp = grouped_fn(ops, mode, x, As, Bs, scale, gw, row_slot, A_stack, live)
     # verify first: both against a float64 oracle, bound from eager torch's own error in this dtype
@@ -198,7 +204,7 @@ def run_case(s: Shape, mode_name: str, ops, dtype, device, timer) -> dict:
     meets = "" if s.target is None or device == "cpu" else (
         "  (meets target)" if us_prod <= s.target * us_sep else "  (misses target)")
     note = f"  declined: runs separate (grouped x{us_grp / us_sep:.3f})" if declined else ""
-    print(f"{s.name:30s} {mode_name:11s} separate {us_sep:9.1f} us  grouped {us_grp:9.1f} us  "
+    print(f"{s.name:30s} {mode_name:14s} separate {us_sep:9.1f} us  grouped {us_grp:9.1f} us  "
           f"x{us_prod / us_sep:.3f}{note}{meets}{flag}", flush=True)
     return row
 
@@ -209,6 +215,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, torch backend, toy shapes: the code paths in seconds")
     ap.add_argument("--backend", default=None, help="ops backend (default: triton on CUDA, torch with --smoke)")
     ap.add_argument("--sha", default=None, help="git sha (the GPU machine may have no .git)")
+    ap.add_argument("--only", default=None, help="cases whose 'name mode' contains this text")
     a = ap.parse_args()
     if a.smoke:
         device, dtype, shapes, backend = "cpu", torch.float32, SMOKE, a.backend or "torch"
@@ -243,6 +250,8 @@ def main() -> None:
             if mode_name.startswith("rows") and not s.name.startswith(("llama", "smoke")):
                 continue
             if mode_name.endswith("sharedA") and not s.name.startswith(("flux", "smoke-qkv")):
+                continue
+            if a.only and a.only not in f"{s.name} {mode_name}":
                 continue
             rows.append(run_case(s, mode_name, ops, dtype, device, timer))
             out.parent.mkdir(parents=True, exist_ok=True)
