@@ -2,12 +2,12 @@
 of it timed alone after a check against the shipped cuBLAS half path (lora_train_linear_backward_half), then the
 fastest combination per shape end to end against the PEFT-style torch path (bench_train.layer_microbench's measure).
 
-    gy: g = gy Bs and grad_B = s gy^T h   cuBLAS orientations (lora_train.HALF_PIECES) or the Triton gy kernel
+    gy: g = gy Bs and grad_B = s gy^T h   cuBLAS orientations (lora_backward_parts.HALF_PIECES) or the Triton gy kernel
     gA: grad_A = g^T u                    cuBLAS orientations, split-M batched GEMMs, or the Triton split-M kernel
     gu: grad_u = g As                     cuBLAS, or the Triton store-bound tile kernel
 (Triton kernels: fdlora.kernels.triton.lora_backward_parts, launch shapes "BMxBL-wW-sS-fF[-t]".) Pieces are timed on
 device (CUDA events around 10 back-to-back calls, best of 3); end to end with bench_train's median_ms (synchronised
-per call), as the target is measured. The table printed last is what lora_train.HALF_BACKWARD takes.
+per call), as the target is measured. Printed last: the shapes where a plan beat the half path.
 
     python benchmarks/probes/sweep_train_backward_parts.py --out $OUT/sweep_train_backward_parts.json   # GPU, ~2 min
     TRITON_INTERPRET=1 python benchmarks/probes/sweep_train_backward_parts.py --smoke                   # CPU check
@@ -76,7 +76,7 @@ def device_us(fn, dev: torch.device) -> float:
 
 
 def candidates(piece: str, tiles: dict) -> list[str]:
-    return list(lora_train.HALF_PIECES[piece]) + ["tri:" + t for t in tiles[piece]]
+    return list(parts.HALF_PIECES[piece]) + ["tri:" + t for t in tiles[piece]]
 
 
 def time_piece(piece, names, run, check, nbytes, dev) -> dict:
@@ -101,7 +101,7 @@ def time_piece(piece, names, run, check, nbytes, dev) -> dict:
 def _piece_fn(piece: str, name: str):
     if name.startswith("tri:"):
         return getattr(parts, piece.lower() + "_impl")(name[4:])
-    return lora_train.HALF_PIECES[piece][name]  # (a KeyError names a bad entry of TILES' cuBLAS side)
+    return parts.HALF_PIECES[piece][name]  # (a KeyError names a bad entry of TILES' cuBLAS side)
 
 
 def best(rows: dict) -> tuple[str, dict] | None:
@@ -113,7 +113,6 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
     gy, x, A, B, s = bench_train.layer_inputs(dev, dt, M, K, N)
     hb, Ab, Bb, Bs = (x.float() @ A.t()).to(dt), A.to(dt), B.to(dt), (B * s).to(dt)
     r, es = A.shape[0], gy.element_size()
-    assert not lora_train.HALF_BACKWARD, "the reference must be the cuBLAS path as written"
     want_u, want_A, want_B = lora_train.lora_train_linear_backward_half(gy, x, hb, None, Ab, Bs, s)
     g = torch.mm(gy, Bs)
 
@@ -147,7 +146,7 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
                                "gu_us": device_us(lambda: parts.grad_u(gp, Ab, torch.empty_like(x), False, tu), dev)}
         except Exception as e:  # (recorded; the plans below still run)
             row["partials_error"] = f"{type(e).__name__}: {str(e)[:160]}"
-    # end to end: the best piece of each kind composed, through the shipped function's table
+    # end to end: the best piece of each kind composed (parts.half_backward_plan)
     plans = {"best": {p: best(P[p])[0] for p in P}}
     if all(tri.values()):
         plans["triton+p"] = {"gy": tri["gy"][0] + "+p", "gA": tri["gA"][0], "gu": tri["gu"][0]}
@@ -156,12 +155,9 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
                                dev.type)
     row["plans"] = {}
     for name, plan in plans.items():
-        lora_train.set_half_backward({(K, N): plan})
         try:
-            # CUDA: through the shipped function and its table; CPU (where the table never applies): composed here
-            ship = lora_train.lora_train_linear_backward_half if dev.type == "cuda" else lora_train.half_backward_plan(
-                plan)
-            fn = lambda ship=ship: ship(gy, x, hb, None, Ab, Bs, s)  # noqa: E731
+            composed = parts.half_backward_plan(plan)
+            fn = lambda composed=composed: composed(gy, x, hb, None, Ab, Bs, s)  # noqa: E731
             got = fn()
             errs = {"gu": rel(got[0], want_u), "gA": rel(got[1], want_A), "gB": rel(got[2], want_B)}
             ms = median_ms(fn, rep, dev.type) if not any(v > TOL[k] for k, v in errs.items()) else float("nan")
@@ -169,8 +165,6 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
         except Exception as e:
             row["plans"][name] = {"plan": plan, "ms": float("nan"), "x_torch": float("nan"),
                                   "error": f"{type(e).__name__}: {str(e)[:160]}"}
-        finally:
-            lora_train.set_half_backward({})
     return row
 
 
@@ -216,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         name = min(done, key=lambda k: done[k]["ms"], default=None)
         if name is not None and done[name]["ms"] < row["half_ms"]:
             table[(row["K"], row["N"])] = done[name]["plan"]
-    print("lora_train.HALF_BACKWARD (shapes where a plan beat the half path):\n" + "{\n" + "".join(
+    print("shapes where a plan beat the half path:\n" + "{\n" + "".join(
         f"    {k}: {v},\n" for k, v in table.items()) + "}", flush=True)
     print(f"sweep took {time.perf_counter() - t0:.0f} s", flush=True)
     out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,

@@ -200,9 +200,9 @@ def test_tile_names_round_trip():
         Tile.parse("128x128-w4")
 
 
-# Plans of lora_train_linear_backward_half (lora_train.HALF_BACKWARD entries) composed from cuBLAS orientations and
-# Triton pieces, against the float64 oracle on the half pair's saved tensors (fp32 here: the Triton pieces run
-# interpreted on CPU; the table itself applies on CUDA only).
+# lora_train_linear_backward_half composed from cuBLAS orientations and Triton pieces (lora_backward_parts'
+# half_backward_plan, what the sweep times), against the float64 oracle on the half pair's saved tensors (fp32 here:
+# the Triton pieces run interpreted on CPU).
 TRI = "tri:16x16-w1-s1-f2"
 PLANS = [
     ("all-mm", {}),
@@ -226,7 +226,9 @@ def test_half_backward_plans(case, plan):
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(2)) / K ** 0.5 if with_W else None
     scale = torch.tensor(0.75)
     h = x @ A.t()
-    fn = ref.half_backward_plan(plan)
+    from fdlora.kernels.triton.lora_backward_parts import half_backward_plan
+
+    fn = half_backward_plan(plan)
     got = fn(gy, x, h, W, A, B * scale, scale)
     want = ref.lora_train_linear_backward(*[t.double() if t is not None else None for t in (gy, x, h, W, A, B, scale)])
     for name, a, b in zip(("grad_u", "grad_A", "grad_B"), got, want):
@@ -236,20 +238,16 @@ def test_half_backward_plans(case, plan):
     _close("grad_A (need_u=False)", none_u[1], want[1])
 
 
-def test_half_backward_table_checks_and_resets():
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_half_backward_plan_checks():
+    from fdlora.kernels.triton.lora_backward_parts import half_backward_plan
+
     with pytest.raises(ValueError, match="neither"):
-        ref.set_half_backward({"*": {"gA": "nope"}})
+        half_backward_plan({"gA": "nope"})
     with pytest.raises(ValueError, match="partials"):
-        ref.half_backward_plan({"gy": TRI + "+p", "gA": "mm"})
+        half_backward_plan({"gy": TRI + "+p", "gA": "mm"})
     with pytest.raises(ValueError, match="unknown pieces"):
-        ref.half_backward_plan({"g": "mm"})
-    assert ref.HALF_BACKWARD == {}  # a refused table leaves the old one
-    try:
-        ref.set_half_backward({(72, 33): {"gy": "mm_t"}})
-        assert ref._half_plan_for(72, 33) is not None and ref._half_plan_for(8, 8) is None
-    finally:
-        ref.set_half_backward({})
-    assert ref._half_plan_for(72, 33) is None
+        half_backward_plan({"g": "mm"})
 
 
 @pytest.mark.skipif(not (HAS_TRITON and env.triton_interpret()), reason="runs under TRITON_INTERPRET=1")

@@ -164,13 +164,9 @@ def lora_train_linear_backward_half(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:  # grad_u (u's dtype; None: not needed), fp32 grads
     """The backward of `lora_train_linear_half` from its saved h, As and Bs: g = gy Bs, grad_B = s gy^T h,
     grad_A = g^T u, grad_u = g As (+ gy W, added in place), the weight gradients accumulated and returned in fp32 by
-    the GEMM itself on CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`. On CUDA, a
-    layer shape with an entry in HALF_BACKWARD runs the pieces that entry names instead (same products, same
-    roundings)."""
-    if HALF_BACKWARD and u.is_cuda:
-        fn = _half_plan_for(u.shape[1], gy.shape[1])
-        if fn is not None:
-            return fn(gy, u, h, W, As, Bs, scale, need_u)
+    the GEMM itself on CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`. (Each piece's
+    other forms, cuBLAS orientations and Triton kernels: fdlora.kernels.triton.lora_backward_parts; none was faster
+    on an H100, benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward_parts.json.)"""
     dt = u.dtype
     g = torch.mm(gy, _to(Bs, dt))  # [M, r]
     grad_B = _mm_f32(gy.t(), h).mul_(scale)
@@ -181,119 +177,6 @@ def lora_train_linear_backward_half(
     if W is not None:
         grad_u.addmm_(gy, _to(W, dt))  # in place: no copy of grad_u
     return grad_u, grad_A, grad_B
-
-
-# Which implementation runs each piece of `lora_train_linear_backward_half` on CUDA, per layer shape:
-# (K, N) or "*" (any other shape) -> {"gy": g and grad_B (one operand, gy), "gA": grad_A, "gu": grad_u}. Names are
-# HALF_PIECES' cuBLAS orientations or "tri:<launch shape>", a Triton kernel of
-# fdlora.kernels.triton.lora_backward_parts (gy "tri:...+p" hands g's fp32 partials to Triton gA and gu pieces).
-# Empty: the cuBLAS path as written above. benchmarks/probes/sweep_train_backward_parts.py times every candidate
-# and prints the table that wins; change it with `set_half_backward` (checked) or by editing this literal.
-HALF_BACKWARD: dict = {}
-_HALF_FNS: dict = {}  # (K, N) -> the composed backward of HALF_BACKWARD's entry for it, or None
-
-
-def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`_mm_f32` batched."""
-    if a.is_cuda:
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
-
-
-def _split(t: torch.Tensor, S: int) -> torch.Tensor | None:
-    """t [M, c] as [S, M / S, c] (a view), or None where M does not split evenly or t is not row-major."""
-    M = t.shape[0]
-    if M % S or not t.is_contiguous():
-        return None
-    return t.view(S, M // S, t.shape[1])
-
-
-def _gy_mm(gy, h, Bs, scale, g_t=False, b_t=False, split=0):
-    """(g, grad_B) by cuBLAS: g = gy Bs (g_t: as (Bs^T gy^T)^T), grad_B = s gy^T h (b_t: as (h^T gy)^T; split: as
-    S row blocks' products in one batched GEMM, then their sum)."""
-    g = torch.mm(Bs.t(), gy.t()).t() if g_t else torch.mm(gy, Bs)
-    gys, hs = (_split(gy, split), _split(h, split)) if split else (None, None)
-    if gys is not None and hs is not None:
-        grad_B = _bmm_f32(gys.transpose(1, 2), hs).sum(0)
-    else:
-        grad_B = _mm_f32(h.t(), gy).t() if b_t else _mm_f32(gy.t(), h)
-    return g, grad_B.mul_(scale)
-
-
-def _ga_mm(g, u, t=False, split=0):
-    """grad_A = g^T u by cuBLAS (t: as (u^T g)^T; split: S row blocks in one batched GEMM, then their sum)."""
-    gs, us = (_split(g, split), _split(u, split)) if split else (None, None)
-    if gs is not None and us is not None:
-        return _bmm_f32(gs.transpose(1, 2), us).sum(0)
-    return _mm_f32(u.t(), g).t() if t else _mm_f32(g.t(), u)
-
-
-def _gu_mm(g, As, gy, W):
-    grad_u = torch.mm(g, As)
-    if W is not None:
-        grad_u.addmm_(gy, _to(W, gy.dtype))
-    return grad_u
-
-
-HALF_PIECES = {  # piece -> cuBLAS implementation name -> function
-    "gy": {"mm": _gy_mm, "mm_gt": lambda *a: _gy_mm(*a, g_t=True), "mm_bt": lambda *a: _gy_mm(*a, b_t=True),
-           "mm_t": lambda *a: _gy_mm(*a, g_t=True, b_t=True), "bmm4": lambda *a: _gy_mm(*a, split=4),
-           "bmm8": lambda *a: _gy_mm(*a, split=8)},
-    "gA": {"mm": _ga_mm, "mm_t": lambda g, u: _ga_mm(g, u, t=True), "bmm4": lambda g, u: _ga_mm(g, u, split=4),
-           "bmm8": lambda g, u: _ga_mm(g, u, split=8)},
-    "gu": {"mm": _gu_mm},
-}
-
-
-def half_backward_plan(plan: dict[str, str]):
-    """The backward composed from `plan` ({"gy": name, "gA": name, "gu": name}; a missing piece is "mm"), with
-    `lora_train_linear_backward_half`'s signature. Raises ValueError naming the choices for an unknown name."""
-    plan = {"gy": "mm", "gA": "mm", "gu": "mm", **plan}
-    if set(plan) - set(HALF_PIECES):
-        raise ValueError(f"unknown pieces {sorted(set(plan) - set(HALF_PIECES))}; the pieces are {list(HALF_PIECES)}")
-    if plan["gy"].endswith("+p") and not (plan["gA"].startswith("tri:") and plan["gu"].startswith("tri:")):
-        raise ValueError(f"gy={plan['gy']!r} keeps g's partials, which only Triton gA and gu pieces take")
-    fns = {}
-    for piece, name in plan.items():
-        if name.startswith("tri:"):
-            from ..triton import lora_backward_parts as parts  # (only where a plan names a Triton piece)
-
-            fns[piece] = getattr(parts, piece.lower() + "_impl")(name[4:])
-        elif name in HALF_PIECES[piece]:
-            fns[piece] = HALF_PIECES[piece][name]
-        else:
-            raise ValueError(f"{piece}={name!r} is neither 'tri:<launch shape>' nor one of {list(HALF_PIECES[piece])}")
-    gy_fn, ga_fn, gu_fn = fns["gy"], fns["gA"], fns["gu"]
-    uses_triton = any(n.startswith("tri:") for n in plan.values())
-
-    def backward(gy, u, h, W, As, Bs, scale, need_u=True):
-        if uses_triton and Bs.shape[1] > 64:  # (lora_backward_parts.MAX_RANK: wider ranks do not fit its tiles)
-            gy_f, ga_f, gu_f = _gy_mm, _ga_mm, _gu_mm
-        else:
-            gy_f, ga_f, gu_f = gy_fn, ga_fn, gu_fn
-        g, grad_B = gy_f(gy, h, _to(Bs, u.dtype), scale)
-        grad_A = ga_f(g, u)
-        return (gu_f(g, As, gy, W) if need_u else None), grad_A, grad_B
-
-    return backward
-
-
-def set_half_backward(table: dict) -> None:
-    """Replace HALF_BACKWARD by `table` ((K, N) or "*" -> plan), every plan resolved first (a bad name raises and
-    leaves the old table)."""
-    fns = {key: half_backward_plan(plan) for key, plan in table.items()}
-    HALF_BACKWARD.clear()
-    HALF_BACKWARD.update(table)
-    _HALF_FNS.clear()
-    _HALF_FNS.update({key: fn for key, fn in fns.items() if key != "*"})
-
-
-def _half_plan_for(K: int, N: int):
-    fn = _HALF_FNS.get((K, N), _HALF_FNS)
-    if fn is _HALF_FNS:  # first call at this shape
-        plan = HALF_BACKWARD.get((K, N), HALF_BACKWARD.get("*"))
-        fn = _HALF_FNS[(K, N)] = None if plan is None else half_backward_plan(plan)
-    return fn
 
 
 def lora_train_linear_uniform(

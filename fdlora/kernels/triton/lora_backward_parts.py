@@ -17,8 +17,10 @@ H100). Here a program either loops over enough row blocks for the software pipel
 flight, or has no loop and relies on many resident programs instead; the sweep (benchmarks/probes/
 sweep_train_backward_parts.py) picks per shape. g crosses between pieces either summed once ([M, r] in u's dtype) or
 as its fp32 partials [P, M, r], summed by the consuming kernel. The torch oracle is
-fdlora.kernels.reference.lora_train.lora_train_linear_backward; the composition is
-lora_train.lora_train_linear_backward_half's table (HALF_BACKWARD).
+fdlora.kernels.reference.lora_train.lora_train_linear_backward. `half_backward_plan` composes the shipped cuBLAS
+half path (lora_train.lora_train_linear_backward_half) from one form per piece, for the sweep: on an H100 no
+combination beat it at bench_train's layer shapes (benchmarks/results/nvidia-h100-80gb-hbm3/
+sweep_train_backward_parts.json), so nothing here is on a training path.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.lora_train import _mm_f32, _to
 from . import config as C
 
 MAX_RANK = 64  # rank columns kept in registers next to a tile; wider ranks take cuBLAS
@@ -345,3 +348,92 @@ def gu_impl(spec: str):
         return grad_u(g, As, torch.mm(gy, W if W.dtype is gy.dtype else W.to(gy.dtype)), True, t)
 
     return gu
+
+
+# --- plans: lora_train_linear_backward_half composed from one form per piece -------------------------------------
+# {"gy": g and grad_B (one operand, gy), "gA": grad_A, "gu": grad_u} -> a name of HALF_PIECES' cuBLAS forms or
+# "tri:<launch shape>", a kernel above (gy "tri:...+p" hands g's fp32 partials to Triton gA and gu pieces).
+# benchmarks/probes/sweep_train_backward_parts.py times every candidate and every plan against the half path.
+
+
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`_mm_f32` batched."""
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def _split(t: torch.Tensor, S: int) -> torch.Tensor | None:
+    """t [M, c] as [S, M / S, c] (a view), or None where M does not split evenly or t is not row-major."""
+    M = t.shape[0]
+    if M % S or not t.is_contiguous():
+        return None
+    return t.view(S, M // S, t.shape[1])
+
+
+def _gy_mm(gy, h, Bs, scale, g_t=False, b_t=False, split=0):
+    """(g, grad_B) by cuBLAS: g = gy Bs (g_t: as (Bs^T gy^T)^T), grad_B = s gy^T h (b_t: as (h^T gy)^T; split: as
+    S row blocks' products in one batched GEMM, then their sum)."""
+    g = torch.mm(Bs.t(), gy.t()).t() if g_t else torch.mm(gy, Bs)
+    gys, hs = (_split(gy, split), _split(h, split)) if split else (None, None)
+    if gys is not None and hs is not None:
+        grad_B = _bmm_f32(gys.transpose(1, 2), hs).sum(0)
+    else:
+        grad_B = _mm_f32(h.t(), gy).t() if b_t else _mm_f32(gy.t(), h)
+    return g, grad_B.mul_(scale)
+
+
+def _ga_mm(g, u, t=False, split=0):
+    """grad_A = g^T u by cuBLAS (t: as (u^T g)^T; split: S row blocks in one batched GEMM, then their sum)."""
+    gs, us = (_split(g, split), _split(u, split)) if split else (None, None)
+    if gs is not None and us is not None:
+        return _bmm_f32(gs.transpose(1, 2), us).sum(0)
+    return _mm_f32(u.t(), g).t() if t else _mm_f32(g.t(), u)
+
+
+def _gu_mm(g, As, gy, W):
+    grad_u = torch.mm(g, As)
+    if W is not None:
+        grad_u.addmm_(gy, _to(W, gy.dtype))
+    return grad_u
+
+
+HALF_PIECES = {  # piece -> cuBLAS implementation name -> function
+    "gy": {"mm": _gy_mm, "mm_gt": lambda *a: _gy_mm(*a, g_t=True), "mm_bt": lambda *a: _gy_mm(*a, b_t=True),
+           "mm_t": lambda *a: _gy_mm(*a, g_t=True, b_t=True), "bmm4": lambda *a: _gy_mm(*a, split=4),
+           "bmm8": lambda *a: _gy_mm(*a, split=8)},
+    "gA": {"mm": _ga_mm, "mm_t": lambda g, u: _ga_mm(g, u, t=True), "bmm4": lambda g, u: _ga_mm(g, u, split=4),
+           "bmm8": lambda g, u: _ga_mm(g, u, split=8)},
+    "gu": {"mm": _gu_mm},
+}
+
+
+def half_backward_plan(plan: dict[str, str]):
+    """The backward composed from `plan` ({"gy": name, "gA": name, "gu": name}; a missing piece is "mm"), with
+    `lora_train_linear_backward_half`'s signature. Raises ValueError naming the choices for an unknown name."""
+    plan = {"gy": "mm", "gA": "mm", "gu": "mm", **plan}
+    if set(plan) - set(HALF_PIECES):
+        raise ValueError(f"unknown pieces {sorted(set(plan) - set(HALF_PIECES))}; the pieces are {list(HALF_PIECES)}")
+    if plan["gy"].endswith("+p") and not (plan["gA"].startswith("tri:") and plan["gu"].startswith("tri:")):
+        raise ValueError(f"gy={plan['gy']!r} keeps g's partials, which only Triton gA and gu pieces take")
+    fns = {}
+    for piece, name in plan.items():
+        if name.startswith("tri:"):
+            fns[piece] = globals()[piece.lower() + "_impl"](name[4:])
+        elif name in HALF_PIECES[piece]:
+            fns[piece] = HALF_PIECES[piece][name]
+        else:
+            raise ValueError(f"{piece}={name!r} is neither 'tri:<launch shape>' nor one of {list(HALF_PIECES[piece])}")
+    gy_fn, ga_fn, gu_fn = fns["gy"], fns["gA"], fns["gu"]
+    uses_triton = any(n.startswith("tri:") for n in plan.values())
+
+    def backward(gy, u, h, W, As, Bs, scale, need_u=True):
+        if uses_triton and Bs.shape[1] > 64:  # (lora_backward_parts.MAX_RANK: wider ranks do not fit its tiles)
+            gy_f, ga_f, gu_f = _gy_mm, _ga_mm, _gu_mm
+        else:
+            gy_f, ga_f, gu_f = gy_fn, ga_fn, gu_fn
+        g, grad_B = gy_f(gy, h, _to(Bs, u.dtype), scale)
+        grad_A = ga_f(g, u)
+        return (gu_f(g, As, gy, W) if need_u else None), grad_A, grad_B
+
+    return backward
