@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import hot, shared
+from . import hot
 from .state import Mode
 
 RETRIES = 3  # calls that may try to keep a launch ready (the first launch of a shape goes through the autotuner)
@@ -66,7 +66,7 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
     bank = layer.bank
     A, B, ranks = bank._buffers["A"], bank._buffers["B"], bank._buffers["ranks"]
     group = layer.__dict__.get("shrink_group")  # per-row prefill: one shrink for q/k/v (fdlora.layers.shared)
-    if group is not None and not (st.mode is Mode.ROWS and M > shared.FEW_ROWS and group.may_serve(layer, x)):
+    if group is not None and not (st.mode is Mode.ROWS and group.takes_rows(layer, x, M)):
         group = None
     if group is None and not (args or kwargs or torch._C._cuda_isCurrentStreamCapturing()):
         y = _bound(layer, x, A, B, scale, row_slot, ranks)

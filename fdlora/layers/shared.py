@@ -180,10 +180,14 @@ class ShrinkGroup:
                 return self._stack
         return None
 
+    def takes_rows(self, layer, x: torch.Tensor, M: int) -> bool:
+        """Whether eager decode on CUDA (fdlora.layers.decode) should give a per-row call of M rows up to the group
+        instead of its own one-launch path: more rows than FEW_ROWS, and `may_serve`."""
+        return M > FEW_ROWS and self.may_serve(layer, x)
+
     @staticmethod
     def may_serve(layer, x: torch.Tensor) -> bool:
-        """The call-independent part of `delta`'s checks (see the module docstring's "Never when"): per-row eager
-        decode on CUDA (fdlora.layers.decode) asks it before giving up its own one-launch path for the group."""
+        """The call-independent part of `delta`'s checks (see the module docstring's "Never when")."""
         return not (not ENABLED or layer.state.static or torch.compiler.is_compiling() or x.is_inference()
                     or layer.__dict__.get("offloaded")
                     or (torch.is_grad_enabled() and (x.requires_grad or layer.bank.A.requires_grad))
