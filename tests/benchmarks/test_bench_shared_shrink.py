@@ -29,9 +29,11 @@ def smoke(tmp_path, backend: str, env: dict) -> list[dict]:
     data = json.loads(out.read_text())
     assert {"device", "backend", "torch", "triton", "git_sha"} <= set(data)
     shapes = ("smoke-qkv", "smoke-gate-up", "smoke-qkv-prefill")
-    want = {(s, m) for s in shapes for m in ("blend-r16", "rows-4xr16")}
+    want = {(s, m) for s in shapes for m in ("blend-r16", "rows-4xr16", "rows-4xr16-seq")}
     want |= {(s, "blend-r16-sharedA") for s in shapes if s.startswith("smoke-qkv")}
     assert {(c["case"], c["mode"]) for c in data["cases"]} == want
+    seq = [c for c in data["cases"] if c["mode"] == "rows-4xr16-seq"]  # each adapter's rows one run
+    assert seq and all(c["live"] == 4 for c in seq)
     for c in data["cases"]:
         assert c["checked"] and c["err_grouped"] <= c["bound"] and c["separate_us"] > 0 and c["grouped_us"] > 0, c
         assert abs(c["grouped_ratio"] - c["grouped_us"] / c["separate_us"]) <= 2e-3  # (from unrounded times)
