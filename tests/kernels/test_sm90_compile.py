@@ -169,3 +169,22 @@ def test_every_kernel_compiles_for_each_gpu_generation(arch: int) -> None:
                                                 "STAMPED": True},
                  pointers={"out_ptr": "*bf16", "w_ptr": "*bf16", "stamp_ptr": "*i32", "version_ptr": "*i32"},
                  arch=arch)
+
+
+@pytest.mark.parametrize("ieee", [False, True], ids=["bf16", "fp32"])
+def test_backward_parts_compile(ieee: bool) -> None:
+    """The LoRA backward's piece kernels (fdlora.kernels.triton.lora_backward_parts), both dot orientations, g plain
+    and as fp32 partials."""
+    from fdlora.kernels.triton import lora_backward_parts as parts
+
+    dtype = "fp32" if ieee else "bf16"
+    shape = {"RP": 16, "BM": 64, "IEEE": ieee, "num_warps": 4, "num_stages": 3}
+    for round_g in (False, True):
+        g = {"g_ptr": "*fp32" if round_g or ieee else f"*{dtype}"}
+        compile_sm90(parts._grad_u_kernel, {**shape, "BK": 128, "ADD": True, "ROUND": round_g}, dtype, g)
+        for trans in (False, True):
+            compile_sm90(parts._grad_a_kernel, {**shape, "BK": 128, "TRANS": trans, "ROUND": round_g}, dtype,
+                         {**g, "out_ptr": "*fp32"})
+    for trans in (False, True):
+        compile_sm90(parts._gy_kernel, {**shape, "BN": 128, "TRANS": trans}, dtype,
+                     {"gp_ptr": "*fp32", "gbp_ptr": "*fp32"})

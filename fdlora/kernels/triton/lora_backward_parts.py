@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..reference.lora_train import _mm_f32, _to
 from . import config as C
+from .tiles import mma
 
 MAX_RANK = 64  # rank columns kept in registers next to a tile; wider ranks take cuBLAS
 
@@ -76,10 +77,7 @@ def _grad_u_kernel(
     a = tl.load(a_ptr + rr[:, None] * sar + ks[None, :] * sak, mask=rk[:, None] & km[None, :], other=0.0)
     g = g.to(tl.float32) if IEEE else g.to(out_ptr.dtype.element_ty)  # partials: the rounding of a GEMM writing g
     a = a.to(tl.float32) if IEEE else a.to(out_ptr.dtype.element_ty)
-    if IEEE:
-        acc = tl.dot(g, a, input_precision="ieee")
-    else:
-        acc = tl.dot(g, a)
+    acc = mma(g, a, tl.zeros((BM, BK), dtype=tl.float32), False, IEEE)
     ptr = out_ptr + rows[:, None] * som + ks[None, :] * sok
     mask = rm[:, None] & km[None, :]
     if ADD:
@@ -119,15 +117,9 @@ def _grad_a_kernel(
         g = g.to(tl.float32) if IEEE else g.to(u_ptr.dtype.element_ty)
         u = u.to(tl.float32) if IEEE else u
         if TRANS:
-            if IEEE:
-                acc += tl.dot(tl.trans(u), g, input_precision="ieee")
-            else:
-                acc += tl.dot(tl.trans(u), g)
+            acc = mma(tl.trans(u), g, acc, False, IEEE)
         else:
-            if IEEE:
-                acc += tl.dot(tl.trans(g), u, input_precision="ieee")
-            else:
-                acc += tl.dot(tl.trans(g), u)
+            acc = mma(tl.trans(g), u, acc, False, IEEE)
     base = out_ptr + pid_m.to(tl.int64) * R * K
     if TRANS:
         tl.store(base + rr[None, :] * K + ks[:, None], acc, mask=km[:, None] & rk[None, :])
@@ -169,21 +161,12 @@ def _gy_kernel(
         h = tl.load(h_ptr + rows[:, None] * shm + rr[None, :] * shr, mask=rm[:, None] & rk[None, :], other=0.0)
         gy = gy.to(tl.float32) if IEEE else gy
         h = h.to(tl.float32) if IEEE else h.to(gy_ptr.dtype.element_ty)
-        if IEEE:
-            g = tl.dot(gy, b, input_precision="ieee")
-        else:
-            g = tl.dot(gy, b)
+        g = mma(gy, b, tl.zeros((BM, RP), dtype=tl.float32), False, IEEE)
         tl.store(gp_ptr + (pid_n.to(tl.int64) * M + rows)[:, None] * R + rr[None, :], g, mask=rm[:, None] & rk[None, :])
         if TRANS:
-            if IEEE:
-                gb += tl.dot(tl.trans(h), gy, input_precision="ieee")
-            else:
-                gb += tl.dot(tl.trans(h), gy)
+            gb = mma(tl.trans(h), gy, gb, False, IEEE)
         else:
-            if IEEE:
-                gb += tl.dot(tl.trans(gy), h, input_precision="ieee")
-            else:
-                gb += tl.dot(tl.trans(gy), h)
+            gb = mma(tl.trans(gy), h, gb, False, IEEE)
     base = gbp_ptr + pid_m.to(tl.int64) * N * R
     if TRANS:
         tl.store(base + cols[None, :] * R + rr[:, None], gb, mask=rk[:, None] & cm[None, :])
