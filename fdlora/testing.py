@@ -6,8 +6,10 @@ error against the oracle is within a bound derived from eager PyTorch's own erro
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -73,3 +75,17 @@ def step_ms(fn, device: torch.device | str) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
+
+
+@contextlib.contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """Inside, torch.empty fills new tensors with NaN: what a kernel leaves unwritten stays NaN, so a test sees a
+    consumer that reads it (torch's deterministic mode, restored after)."""
+    prev = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0])
+        torch.utils.deterministic.fill_uninitialized_memory = prev[1]

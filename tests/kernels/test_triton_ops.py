@@ -27,6 +27,7 @@ from triton_cases import (
 
 from fdlora.kernels import registry
 from fdlora.kernels.reference import lora as ref
+from fdlora.testing import poisoned_empty
 
 pytestmark = pytest.mark.triton  # the Triton backend, as auto picks it (even under FDLORA_BACKEND=cuda)
 
@@ -259,19 +260,6 @@ def test_shrink_split_partials_feed_expand_add(tops, device: str, dtype: str) ->
     assert (y.double() - y_ref).abs().max().item() <= 4 * eps * y_ref.abs().max().item() + 1e-6
 
 
-@contextlib.contextmanager
-def _poisoned_empty():
-    """torch.empty fills with NaN (what a kernel leaves unwritten stays NaN)."""
-    prev = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev[0])
-        torch.utils.deterministic.fill_uninitialized_memory = prev[1]
-
-
 # members n, rank R, slots S, rows M, K: the slot-major stack is [S, n*R, K] (n*R = 48: one rank chunk; 80: two)
 BY_ROW = [
     pytest.param(3, 16, 3, 37, 80, "fp32", id="n3-r16-S3-M37-K80-fp32"),
@@ -296,7 +284,7 @@ def test_shrink_by_row_computes_each_rows_own_slot_only(tops, device: str, n, R,
     row_slot[16:32][row_slot[16:32] == S - 1] = -1  # a row block without the last slot: that program exits at once
     row_slot = row_slot.to(device)
     scale = torch.linspace(0.5, 2.0, S, device=device)
-    with _poisoned_empty():
+    with poisoned_empty():
         h = tops.lora_shrink_split(x, A, row_slot)  # [P, M, S*W]
     if device == "cpu":  # the interpreter splits K whenever K > 64: the partials are under test too
         assert h.shape[0] > 1

@@ -11,7 +11,6 @@ process (test_triton_under_the_interpreter), against a float64 oracle.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
@@ -30,6 +29,7 @@ from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.kernels import registry
 from fdlora.layers import shared
 from fdlora.layers.shared import ShrinkGroup
+from fdlora.testing import poisoned_empty
 
 peft = pytest.importorskip("peft")
 from fdlora.pipelines.transformers import adapter_from_peft  # noqa: E402
@@ -428,19 +428,6 @@ TRITON_CASES = [
     pytest.param(torch.float32, "rows-few", id="fp32-per-row-few-rows-declined"),
 ]
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}  # of the output's max: ~10 ulps of its dtype
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty fills with NaN: an h element the shrink leaves unwritten and the expand reads shows in y."""
-    prev = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev[0])
-        torch.utils.deterministic.fill_uninitialized_memory = prev[1]
 
 
 def _triton_case(dtype, mode, device, monkeypatch):
