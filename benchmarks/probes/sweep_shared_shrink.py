@@ -70,15 +70,7 @@ def run_case(s, ops, dev, dt) -> dict:
 
     forms = {"separate": separate, "bench_grouped": bench_grouped, "prod": prod, "wide_partials": wide_partials,
              "cublas_shrink": cublas_shrink}
-    want = [y.clone() for y in ys0]
-    separate(want)
-    row = {"case": s.name, "M": s.M, "K": s.K, "Ns": list(s.Ns), "us": {}, "err": {}}
-    for name, fn in forms.items():
-        got = [y.clone() for y in ys0]
-        fn(got)
-        row["err"][name] = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
-        work = [y.clone() for y in ys0]
-        row["us"][name] = gpu_us(lambda fn=fn, work=work: fn(work))
+    row = {"case": s.name, "M": s.M, "K": s.K, "Ns": list(s.Ns), **_time_forms(forms, ys0)}
     h = torch.mm(x, flat.t(), out_dtype=torch.float32)
     work = [y.clone() for y in ys0]
     parts = {
@@ -100,6 +92,21 @@ def run_case(s, ops, dev, dt) -> dict:
     return row
 
 
+def _time_forms(forms: dict, ys0: list) -> dict:
+    """{"err": each form's max abs difference from forms["separate"], "us": its GPU time}, each run on fresh copies of
+    the outputs ys0."""
+    want = [y.clone() for y in ys0]
+    forms["separate"](want)
+    out = {"us": {}, "err": {}}
+    for name, fn in forms.items():
+        got = [y.clone() for y in ys0]
+        fn(got)
+        out["err"][name] = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
+        work = [y.clone() for y in ys0]
+        out["us"][name] = gpu_us(lambda fn=fn, work=work: fn(work))
+    return out
+
+
 def run_rows_case(s, ops, dev, dt) -> dict:
     _, S, R, live = MODES["rows-4xr16"]
     gen = torch.Generator().manual_seed(0)
@@ -111,16 +118,8 @@ def run_rows_case(s, ops, dev, dt) -> dict:
 
     forms = {"separate": separate, "member_major": _member_major(ops, x, Bs, scale, row_slot, A_stack, live),
              "by_row": grouped_fn(ops, "rows", x, As, Bs, scale, gw, row_slot, A_stack, live)}
-    want = [y.clone() for y in ys0]
-    separate(want)
     row = {"case": s.name, "mode": "rows-4xr16", "M": s.M, "K": s.K, "Ns": list(s.Ns),
-           "declined": s.M <= shared.FEW_ROWS, "us": {}, "err": {}}
-    for name, fn in forms.items():
-        got = [y.clone() for y in ys0]
-        fn(got)
-        row["err"][name] = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
-        work = [y.clone() for y in ys0]
-        row["us"][name] = gpu_us(lambda fn=fn, work=work: fn(work))
+           "declined": s.M <= shared.FEW_ROWS, **_time_forms(forms, ys0)}
     A_rows, cols = shared.stack_by_slot([A[:live] for A in As])
     h = ops.lora_shrink_split(x, A_rows, row_slot).unflatten(-1, (live, A_rows.shape[1]))
     ids = torch.arange(live, dtype=torch.int32, device=dev)
