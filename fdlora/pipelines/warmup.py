@@ -32,6 +32,7 @@ image, with that folder inside the image, turns a cold start's compiles into loa
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -174,13 +175,15 @@ def _warm_scatter(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _import_backends(dtype: torch.dtype) -> None:
-    """Import every backend the first load's layers choose from (fdlora.kernels.registry probes each on its first
-    selection): the Triton ops modules register ~14 torch.library ops, and torch reads each one's source as it
-    registers its fake implementation, 0.4-0.9 s on an H100 host that a first load after `warmup` still paid
-    (benchmarks/probes/probe_prefetch_cold.py)."""
+    """Import the backends the first load's layers will probe as they select one (fdlora.kernels.registry imports a
+    backend on its first probe): the Triton ops modules register ~14 torch.library ops, and torch reads each one's
+    source as it registers its fake implementation, 0.4-0.9 s on an H100 host that a first load after `warmup` still
+    paid (benchmarks/probes/probe_prefetch_cold.py). None that can run (a requested backend that cannot): the
+    first load raises that with the layer's path."""
     from ..kernels import registry
 
-    registry.select(registry.Problem("cuda", dtype, "linear", 16, 1))
+    with contextlib.suppress(FdLoraError):
+        registry.select(registry.Problem("cuda", dtype, "linear", 16, 1))
 
 
 def _warm_layers(h, tokens: Sequence[int], batch: int, report: WarmupReport) -> None:
