@@ -6,7 +6,10 @@ Cases (full size, GPU):
     sdxl    SDXL UNet, batch 1 at 1024^2 (128^2 latents), bf16 autocast, attention r16
 plus `layer`: the LoRA part of one layer's backward as an eager step runs it (on CUDA, half precision: the backward of
 fdlora.kernels.train_ops' Function, reusing what its forward kept; the registered op's time as `op_ms`) against the
-PEFT-style torch path (four GEMMs and a scale: grad_B, g, grad_A, grad_x) at Llama-3-8B layer shapes.
+PEFT-style torch path (four GEMMs and a scale: grad_B, g, grad_A, grad_x) at Llama-3-8B layer shapes: wall time of
+one call synchronised on both sides (host launch time included: at N = 1024 the pieces are shorter on the GPU than
+their launches), and on CUDA as GPU time too (CUDA graph replays, `fd_gpu_us` / `torch_gpu_us`: what the backward
+adds to a GPU-bound step such as the llama case's).
 
 Each case verifies first (one step's LoRA gradients of fd-lora vs PEFT on a small batch, relative error reported and
 bounded), then times `--steps` optimizer steps of each (median ms) and the peak memory they allocate above what is
@@ -498,6 +501,12 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
 
             t_tri = median_ms(lambda a=(gy, x, h, None, A, B, s): lora_backward(*a), repeats, dev.type)
             row.update(triton_ms=t_tri, triton_x_torch=t_tri / t_torch)
+        if dev.type == "cuda":  # GPU time (CUDA graph replays, L2 flushed): what the backward adds to a GPU-bound step
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from bench_delta import gpu_us
+
+            g_fd, g_torch = gpu_us(fd), gpu_us(torch_path)
+            row.update(fd_gpu_us=g_fd, torch_gpu_us=g_torch, gpu_x_torch=g_fd / g_torch)
         rows.append(row)
     return rows
 
@@ -546,7 +555,9 @@ def main(argv=None) -> int:
                       f"torch {r['torch_ms']:.3f} ms"
                       f" ({r['layer_x_torch']:.2f}x, target <= {TARGETS['layer_x_torch']}; {r['fd_backward']})"
                       + (f"; triton kernels {r['triton_ms']:.3f} ms ({r['triton_x_torch']:.2f}x)" if "triton_ms" in r
-                         else ""), flush=True)
+                         else "")
+                      + (f"; GPU time fd {r['fd_gpu_us']:.0f} us, torch {r['torch_gpu_us']:.0f} us "
+                         f"({r['gpu_x_torch']:.2f}x)" if "fd_gpu_us" in r else ""), flush=True)
             continue
         row = run_case(name, dev, a.smoke, steps)
         result["cases"].append(row)

@@ -9,7 +9,11 @@ Per row (Llama q/k/v and gate/up, 4 adapters r16 by row): the separate lora_delt
 by-row group ShrinkGroup runs now (bench_shared_shrink.grouped_fn), with the by-row shrink, the one-hot weights and
 each expand alone.
 
+Splits (the few-row shapes, blend): the shipped shrink's K-split partial sums (summed first above SPLIT_KEEP) against
+the shrink capped at P partials, wide and member-major stacks, each with its expands and alone.
+
     python benchmarks/probes/sweep_shared_shrink.py --out $OUT/sweep_shared_shrink.json     # GPU
+    python benchmarks/probes/sweep_shared_shrink.py --parts splits rows --out ...            # some sections only
 """
 
 from __future__ import annotations
@@ -158,14 +162,55 @@ def _member_major(ops, x, Bs, scale, row_slot, A_stack, U: int):
     return f
 
 
+def run_splits_case(s, ops, dev, dt) -> dict:
+    """Blend at few rows: how many K-split partial sums the group's shrink should hand the expands. The shipped
+    lora_shrink_split (k_splits' count; more than SPLIT_KEEP are summed first, one launch more) against the shrink
+    capped at P partials (no sum), over the wide stack [1, n*R, K] and the member-major one [n, R, K]."""
+    gen = torch.Generator().manual_seed(0)
+    x, As, Bs, ranks, scale, gw, _, ys0, A_stack = build(s, "blend", 4, 16, 1, dt, dev, gen)
+    B1 = [B[:, :1] for B in Bs]
+    sc1, gw1 = scale[:1].contiguous(), gw[:, :1].contiguous()
+
+    def separate(ys):
+        for y, A, B in zip(ys, As, Bs):
+            ops.lora_delta(y, x, A, B, scale, gw, ranks)
+
+    def grouped(shrink):
+        def f(ys):
+            h = shrink()
+            for i, (y, B) in enumerate(zip(ys, B1)):
+                ops.lora_expand_add(y, h[..., i * 16:(i + 1) * 16], B, sc1, gw1)
+        return f
+
+    wide = A_stack.view(1, -1, s.K)
+    shrinks = {"prod": lambda: ops.lora_shrink_split(x, A_stack),
+               **{f"wide_p{p}": (lambda p=p: launch_shrink(x, wide, most=p)) for p in (1, 2, 4, 8)},
+               **{f"member_p{p}": (lambda p=p: launch_shrink(x, A_stack, most=p)) for p in (2, 4)}}
+    forms = {"separate": separate, **{k: grouped(f) for k, f in shrinks.items()}}
+    row = {"case": s.name, "mode": "blend-r16", "M": s.M, "K": s.K, "Ns": list(s.Ns), **_time_forms(forms, ys0),
+           "partials": {k: f().shape[0] for k, f in shrinks.items()},
+           "shrink_us": {k: gpu_us(f) for k, f in shrinks.items()}}
+    row["ratio"] = {k: v / row["us"]["separate"] for k, v in row["us"].items()}
+    print(f"{s.name} splits: " + "  ".join(f"{k} {v:.1f}us (x{row['ratio'][k]:.3f}, P={row['partials'].get(k, '-')})"
+                                           for k, v in row["us"].items()), flush=True)
+    print("    shrink alone: " + "  ".join(f"{k} {v:.1f}" for k, v in row["shrink_us"].items()), flush=True)
+    print("    max abs diff vs separate: " + "  ".join(f"{k} {v:.2e}" for k, v in row["err"].items()), flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--parts", nargs="*", default=["blend", "rows", "splits"], choices=["blend", "rows", "splits"])
     a = ap.parse_args()
     ops, dev, dt = registry.ops("triton"), "cuda", torch.bfloat16
-    rows = [run_case(s, ops, dev, dt) for s in SHAPES if s.target is not None]
-    per_row = [run_rows_case(s, ops, dev, dt) for s in SHAPES if s.name.startswith("llama")]
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "per_row": per_row}
+    rows = [run_case(s, ops, dev, dt) for s in SHAPES if s.target is not None] if "blend" in a.parts else []
+    per_row = ([run_rows_case(s, ops, dev, dt) for s in SHAPES if s.name.startswith("llama")]
+               if "rows" in a.parts else [])
+    splits = ([run_splits_case(s, ops, dev, dt) for s in SHAPES if s.M <= shared.FEW_ROWS]
+              if "splits" in a.parts else [])
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "per_row": per_row,
+           "splits": splits}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -6,8 +6,9 @@ fastest combination per shape end to end against the PEFT-style torch path (benc
     gA: grad_A = g^T u                    cuBLAS orientations, split-M batched GEMMs, or the Triton split-M kernel
     gu: grad_u = g As                     cuBLAS, or the Triton store-bound tile kernel
 (Triton kernels: fdlora.kernels.triton.lora_backward_parts, launch shapes "BMxBL-wW-sS-fF[-t]".) Pieces are timed on
-device (CUDA events around 10 back-to-back calls, best of 3); end to end with bench_train's median_ms (synchronised
-per call), as the target is measured. Printed last: the shapes where a plan beat the half path.
+device (CUDA events around 10 back-to-back calls, best of 3; --graph: CUDA graph replays); end to end with bench_train's
+median_ms (synchronised per call), as the target is measured, and as GPU time (graph replays: what the backward adds
+to a GPU-bound step). Printed last: the shapes where a plan beat the half path.
 
     python benchmarks/probes/sweep_train_backward_parts.py --out $OUT/sweep_train_backward_parts.json   # GPU, ~2 min
     TRITON_INTERPRET=1 python benchmarks/probes/sweep_train_backward_parts.py --smoke                   # CPU check
@@ -55,10 +56,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
+GRAPH = False  # --graph: time every piece as a CUDA graph replay (bench_delta.gpu_us), host time out of it
+
+
 def device_us(fn, dev: torch.device) -> float:
     """Device time of one call in us: best of 3 runs of 10 back-to-back calls between CUDA events (host launch time
-    hides behind the previous call, as in a step); one wall-timed call on CPU."""
+    hides behind the previous call only where the call's device time exceeds it: at N = 1024 it does not); with
+    GRAPH, the median replay of the call captured in a CUDA graph, L2 flushed before each (no host time at all);
+    one wall-timed call on CPU."""
     fn()
+    if dev.type == "cuda" and GRAPH:
+        from bench_delta import gpu_us
+
+        return gpu_us(fn)
     if dev.type != "cuda":
         t = time.perf_counter()
         fn()
@@ -151,8 +161,12 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
     if all(tri.values()):
         plans["triton+p"] = {"gy": tri["gy"][0] + "+p", "gA": tri["gA"][0], "gu": tri["gu"][0]}
     row["torch_ms"] = median_ms(torch_path, rep, dev.type)
-    row["half_ms"] = median_ms(lambda: lora_train.lora_train_linear_backward_half(gy, x, hb, None, Ab, Bs, s), rep,
-                               dev.type)
+    half = lambda: lora_train.lora_train_linear_backward_half(gy, x, hb, None, Ab, Bs, s)  # noqa: E731
+    row["half_ms"] = median_ms(half, rep, dev.type)
+    if dev.type == "cuda":  # the same two as GPU time (graph replays): what they add to a GPU-bound step
+        from bench_delta import gpu_us
+
+        row["torch_gpu_us"], row["half_gpu_us"] = gpu_us(torch_path), gpu_us(half)
     row["plans"] = {}
     for name, plan in plans.items():
         try:
@@ -162,6 +176,11 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
             errs = {"gu": rel(got[0], want_u), "gA": rel(got[1], want_A), "gB": rel(got[2], want_B)}
             ms = median_ms(fn, rep, dev.type) if not any(v > TOL[k] for k, v in errs.items()) else float("nan")
             row["plans"][name] = {"plan": plan, "ms": ms, "x_torch": ms / row["torch_ms"], "errs": errs}
+            if dev.type == "cuda" and ms == ms:
+                from bench_delta import gpu_us
+
+                us = gpu_us(fn)
+                row["plans"][name].update(gpu_us=us, gpu_x_torch=us / row["torch_gpu_us"])
         except Exception as e:
             row["plans"][name] = {"plan": plan, "ms": float("nan"), "x_torch": float("nan"),
                                   "error": f"{type(e).__name__}: {str(e)[:160]}"}
@@ -170,8 +189,10 @@ def run_shape(K: int, N: int, M: int, dev: torch.device, dt: torch.dtype, tiles:
 
 def report(row: dict) -> None:
     K, N = row["K"], row["N"]
+    gpu = (f"; GPU time torch {row['torch_gpu_us']:.0f} us half {row['half_gpu_us']:.0f} "
+           f"({row['half_gpu_us'] / row['torch_gpu_us']:.2f}x)") if "torch_gpu_us" in row else ""
     print(f"K={K:5d} N={N:5d}: torch {row['torch_ms']:.3f} ms  half {row['half_ms']:.3f} "
-          f"({row['half_ms'] / row['torch_ms']:.2f}x)", flush=True)
+          f"({row['half_ms'] / row['torch_ms']:.2f}x){gpu}", flush=True)
     for piece, rows in row["pieces"].items():
         ok = sorted((v["us"], k) for k, v in rows.items() if "us" in v)
         top = "  ".join(f"{k} {us:.0f}us {rows[k]['GBps']:.0f}GB/s" for us, k in ok[:3])
@@ -185,7 +206,8 @@ def report(row: dict) -> None:
         p = row["partials"]
         print(f"    g as {p['P']} fp32 partials: gA {p['gA_us']:.0f}us  gu {p['gu_us']:.0f}us", flush=True)
     for name, p in row["plans"].items():
-        print(f"    plan {name:9s} {p['ms']:.3f} ms ({p['x_torch']:.2f}x torch)  {p['plan']}"
+        gpu = f", GPU {p['gpu_us']:.0f} us ({p['gpu_x_torch']:.2f}x)" if "gpu_us" in p else ""
+        print(f"    plan {name:9s} {p['ms']:.3f} ms ({p['x_torch']:.2f}x torch{gpu})  {p['plan']}"
               + (f"  {p['error']}" if "error" in p else f"  errs {max(p['errs'].values()):.1e}"), flush=True)
 
 
@@ -194,7 +216,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run under TRITON_INTERPRET=1)")
+    ap.add_argument("--graph", action="store_true", help="time the pieces as CUDA graph replays (no host time)")
     a = ap.parse_args(argv)
+    global GRAPH
+    GRAPH = a.graph
     t0 = time.perf_counter()
     if a.smoke:
         dev, dt, M, shapes, tiles, rep = torch.device("cpu"), torch.float32, 45, [(40, 72)], SMOKE_TILES, 1
@@ -214,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"    {k}: {v},\n" for k, v in table.items()) + "}", flush=True)
     print(f"sweep took {time.perf_counter() - t0:.0f} s", flush=True)
     out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "piece_timer": "graph" if GRAPH else "events",
            "rows": rows, "half_backward": {f"{k[0]}x{k[1]}": v for k, v in table.items()}}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

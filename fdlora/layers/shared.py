@@ -28,7 +28,8 @@ each expand an S*R-wide rank axis. Where the backend's shrink takes a row_slot (
 stack is slot-major instead, [S, n*R, K] (`stack_by_slot`): one launch reads x about once and computes, per row,
 only its own slot's n*R columns; member i's h is the strided [P, M, S, R] view at columns s*n*R + i*R + r, and
 its expand masks every h element whose row weight is 0 (the rest of h is never written). The one-hot row weights
-([M, S], lora_expand_add's group weight with G = M) are built with h, once for every member.
+([M, S], lora_expand_add's group weight with G = M) come from the state (`row_onehot`), built once while the row
+slots stay the same, for every member of every group.
 
 Shared A. kohya Flux files carry one lora_down for q, k, v (and single blocks' linear1 for q, k, v, proj_mlp); the
 converter hands every member that one A. The stack keeps a slot's A once when all members hold the same one
@@ -73,7 +74,6 @@ class Stack(NamedTuple):
     R: int
     columns: list | None  # per member: where its columns of h start (by_row: within a slot), or an index of them
     by_row: bool  # slot-major, for lora_shrink_split's row_slot
-    ids: torch.Tensor | None  # [hi - lo] int32 slots lo..hi: per-row weights are row_slot == ids (no arange a call)
 
 
 @dataclass(frozen=True)
@@ -168,15 +168,14 @@ class ShrinkGroup:
         top = end if hi is None else min(hi, end)
         cap = backend.capability
         alike = all(b.A.device == A0.device and b.A.dtype == A0.dtype and b.A.shape[0] == A0.shape[0] for b in banks)
-        self._stack = Stack(key, None, 0, 0, 0, None, False, None)
+        self._stack = Stack(key, None, 0, 0, 0, None, False)
         if not alike or top <= lo or any(R > b.rank_capacity for b in banks):
             return None
         for rows in (True, False) if by_row else (False,):
             A, columns = (stack_by_slot if rows else _stack)([b.A[lo:top, :R] for b in banks])
             if (cap.max_slots is None or A.shape[0] <= cap.max_slots) and (
                     cap.max_rank is None or A.shape[1] <= cap.max_rank):
-                ids = torch.arange(lo, top, dtype=torch.int32, device=A.device)
-                self._stack = Stack(key, A, lo, top, R, columns, rows, ids)
+                self._stack = Stack(key, A, lo, top, R, columns, rows)
                 return self._stack
         return None
 
@@ -221,8 +220,8 @@ class ShrinkGroup:
         if got is None or got[0] != xkey or got[1]() is not x:
             x2 = x.reshape(M, A.shape[2]).to(A.dtype)
             h = (split(x2, A, row_slot) if stack.by_row else split(x2, A)) if split else ops.lora_shrink(x2, A)
-            # [M, S] one-hot row weights (G = M; lo is 0), built once for every member
-            rows_w = None if row_slot is None else (row_slot[:, None] == stack.ids).float()
+            # [M, S] one-hot row weights (G = M; lo is 0), kept by the state while the row slots stay as they are
+            rows_w = None if row_slot is None else st.row_onehot(x.device, hi)
             got = self._h = (xkey, weakref.ref(x), h, set(), rows_w)
             self.shrinks += 1
         if row_slot is None:

@@ -261,6 +261,28 @@ def test_row_slots_rewritten_between_members_recompute_h(monkeypatch):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def test_row_onehot_is_kept_while_the_row_slots_stay_and_follows_them():
+    """The state's one-hot row weights (every group's per-row expand weights) are built once while the row slots are the
+    same tensor at the same version, and rebuilt when they are written in place, replaced, or asked for more slots."""
+    from fdlora.layers.state import ModelState
+
+    st = ModelState(layers=1, slots=4)
+    st.set_row_slot(torch.tensor([2, -1, 0, 2], dtype=torch.int32))
+    dev = torch.device("cpu")
+
+    def oracle(rows, S):
+        return torch.tensor([[1.0 if r == s else 0.0 for s in range(S)] for r in rows])
+
+    w = st.row_onehot(dev, 3)
+    assert torch.equal(w, oracle([2, -1, 0, 2], 3))
+    assert st.row_onehot(dev, 3) is w  # kept
+    assert torch.equal(st.row_onehot(dev, 4), oracle([2, -1, 0, 2], 4))  # more slots: rebuilt
+    st.set_row_slot(torch.tensor([1, 1, -1, 3], dtype=torch.int32))  # same shape: written in place
+    assert torch.equal(st.row_onehot(dev, 4), oracle([1, 1, -1, 3], 4))
+    st.set_row_slot(torch.tensor([0, 3], dtype=torch.int32))  # another shape: a new tensor
+    assert torch.equal(st.row_onehot(dev, 4), oracle([0, 3], 4))
+
+
 def test_another_tensor_with_the_same_address_and_version_recomputes_h():
     """Another tensor object over the same memory, version and shape (as a freed x whose memory a new x reuses):
     address and version alone are not trusted, the weak reference to x tells them apart."""

@@ -83,12 +83,15 @@ def launch_shrink(
     scale: torch.Tensor | None = None,  # [S] fp32: skip slots at 0 (their columns stay unwritten)
     ranks: torch.Tensor | None = None,  # [S] int32: skip rank padding
     row_slot: torch.Tensor | None = None,  # [M] int32: row m for slot row_slot[m] only (-1: none; the rest unwritten)
+    most: int | None = None,  # at most this many partial sums (None: k_splits alone decides)
 ) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums
     M, K = C.dims(x)
     S, R, _ = C.dims(A)
     RC = C.rank_tile(R)
     C.check_blocks([], RC=RC)
     P = k_splits(M, K, S, R, C.device_sms(x))
+    if most is not None:
+        P = min(P, most)
     h = torch.empty(P, M, S * R, device=x.device, dtype=torch.float32)
     skip = scale is not None and ranks is not None
     if skip:
