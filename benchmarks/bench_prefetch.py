@@ -10,7 +10,9 @@ loaded by `load_fd_lora`.
 Rows (written to benchmarks/results/<gpu>/prefetch.json):
   steps   median UNet step (batch 2, 1024^2 latents) idle, and while `prefetch_fd_lora` loads the adapter from
           disk (RAM cache off) in the background, in alternating rounds (idle steps, then one load's steps); ratio
-          (target <= 1.05). Each step holds the pipeline's lock as
+          (target <= 1.05); a step is timed until the serving stream is done (as a server reading its results waits:
+          a prefetch's copy on its side stream is not waited for; it was, through torch.cuda.synchronize, until
+          session 26). Each step holds the pipeline's lock as
           a generation does, so every prefetch publishes between two steps. `fdlora.pipelines.warmup.warmup` runs
           first, as in a server: it starts the reader process (fdlora.hub.worker), page-locks the host arena the
           reader writes into and builds the bulk bank writer; `arena` says whether the blocks came from the
@@ -231,6 +233,8 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
     from fdlora.pipelines.warmup import warmup
 
     lock = lock_of(pipe)
+    if torch.cuda.is_available() and next(unet.parameters()).is_cuda:
+        sync = torch.cuda.current_stream().synchronize  # the serving stream: a prefetch's side-stream copy is not in it
 
     def step():
         with lock:  # what a generation holds: a prefetch publishes only between steps

@@ -110,7 +110,7 @@ def launch_shrink(
     return h
 
 
-SPLIT_KEEP = 4  # K-split partial sums lora_shrink_split hands over as they are (more: summed first)
+SPLIT_KEEP = 4  # K-split partial sums lora_shrink_split hands over at most (it splits K no further)
 
 
 def _wide(A: torch.Tensor) -> torch.Tensor:
@@ -122,20 +122,7 @@ def _wide(A: torch.Tensor) -> torch.Tensor:
     return A.view(1, S * R, K) if A.stride(0) == R * A.stride(1) else A
 
 
-def lora_shrink_split(
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    row_slot: torch.Tensor | None = None,  # [M] int32, -1 = none: row m's columns of its own slot only
-) -> torch.Tensor:  # [P, M, S*R] fp32: P partial sums over K (P >= 1), which lora_expand_add adds itself
-    """lora_shrink without the sum of its K-split partials: for a caller that hands h straight to lora_expand_add
-    (fdlora.layers.shared), one launch fewer. Up to SPLIT_KEEP partials are kept: the expand adds them one load after
-    another in each program, so many cost more than the sum (decode's 16 made Llama-3-8B gate/up's two expands
-    48 vs 30 us on an H100). Not a registered op itself: ShrinkGroup calls it eagerly, and the registered
-    lora_shrink is it plus the sum.
-
-    With row_slot (per-row mode) only h[m, row_slot[m]*R : +R] is written, for every m with a slot; the rest of h
-    is left as torch.empty left it, so the consumer must read only columns whose row weight is nonzero, as
-    lora_expand_add does with per-row weights (G = M). A is then slot-major: ShrinkGroup's [S, n*R, K]."""
+def _partials(x: torch.Tensor, A: torch.Tensor, row_slot: torch.Tensor | None, most: int | None) -> torch.Tensor:
     C.check_operands("lora_shrink", None, x, A, None, **({} if row_slot is None else {"row_slot": row_slot}))
     M, K = C.dims(x)
     S, R, _ = C.dims(A)
@@ -143,15 +130,36 @@ def lora_shrink_split(
         raise C.FdLoraError(f"fdlora triton lora_shrink_split: row_slot {tuple(row_slot.shape)} must be [M], M={M}.")
     if M == 0 or K == 0:
         return torch.zeros(1, M, S * R, device=x.device, dtype=torch.float32)
-    h = launch_shrink(x, A, row_slot=row_slot) if row_slot is not None else launch_shrink(x, _wide(A))
-    return h if h.shape[0] <= SPLIT_KEEP else h.sum(0, keepdim=True)
+    if row_slot is not None:
+        return launch_shrink(x, A, row_slot=row_slot, most=most)
+    return launch_shrink(x, _wide(A), most=most)
+
+
+def lora_shrink_split(
+    x: torch.Tensor,  # [M, K]
+    A: torch.Tensor,  # [S, R, K]
+    row_slot: torch.Tensor | None = None,  # [M] int32, -1 = none: row m's columns of its own slot only
+) -> torch.Tensor:  # [P, M, S*R] fp32: P partial sums over K (1 <= P <= SPLIT_KEEP), which lora_expand_add adds
+    """lora_shrink without the sum of its K-split partials: for a caller that hands h straight to lora_expand_add
+    (fdlora.layers.shared), one launch fewer. K is split in at most SPLIT_KEEP parts: the expand adds the partials one
+    load after another in each program (decode's 16 made Llama-3-8B gate/up's two expands 48 vs 30 us on an H100),
+    and at few rows fewer, longer parts beat more parts and a sum launch (Llama-3-8B q/k/v at 32 rows, shrink and
+    three expands: 22.1 us with 4 parts, 25.0 with 16 summed, benchmarks/results/nvidia-h100-80gb-hbm3/
+    sweep_shared_shrink_s26.json). Not a registered op itself: ShrinkGroup calls it eagerly.
+
+    With row_slot (per-row mode) only h[m, row_slot[m]*R : +R] is written, for every m with a slot; the rest of h
+    is left as torch.empty left it, so the consumer must read only columns whose row weight is nonzero, as
+    lora_expand_add does with per-row weights (G = M). A is then slot-major: ShrinkGroup's [S, n*R, K]."""
+    return _partials(x, A, row_slot, SPLIT_KEEP)
 
 
 def lora_shrink(
     x: torch.Tensor,  # [M, K]
     A: torch.Tensor,  # [S, R, K]
 ) -> torch.Tensor:  # [M, S*R] fp32
-    h = lora_shrink_split(x, A)
+    """h = x A^T: as many K-split partials as cover the GPU (k_splits, not capped: the sum launch is paid anyway),
+    then their sum."""
+    h = _partials(x, A, None, None)
     return h[0] if h.shape[0] == 1 else h.sum(0)
 
 
