@@ -158,6 +158,17 @@ def grouped_fn(ops, mode, x, As, Bs, scale, gw, row_slot, A_stack, U: int):
     return f
 
 
+def chosen() -> dict[str, str]:
+    """Every Triton config the autotuner has chosen so far in this process, as "kernel key" -> config: the
+    separate and grouped kernels' choices, which can differ between runs and move the ratio (session 26: the
+    per-row prefill group took 60.7 us on one H100 and 67.8 on another, its separate deltas 87.7 and 87.9)."""
+    try:
+        from fdlora.kernels.triton import config as TC
+    except ImportError:
+        return {}
+    return {f"{getattr(getattr(t.fn, 'fn', t.fn), '__name__', '?')} {k}": str(c) for (t, k), c in TC._CHOSEN.items()}
+
+
 def wall_us(fn, reps: int) -> float:
     fn()
     times = []
@@ -258,7 +269,9 @@ def main() -> None:
                 continue
             if a.only and a.only not in f"{s.name} {mode_name}":
                 continue
+            before = set(chosen())
             rows.append(run_case(s, mode_name, ops, dtype, device, timer))
+            rows[-1]["tuned"] = {k: v for k, v in chosen().items() if k not in before}  # configs autotuned here
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({**info, "cases": rows}, indent=1) + "\n")  # partial results survive a timeout
     if not all(r["checked"] for r in rows):
