@@ -83,9 +83,21 @@ def configs(table: dict[str, list[triton.Config]], few: bool) -> list[triton.Con
     return table["interpret"] if INTERPRET else table["few" if few else "many"]
 
 
+def tune_bench(fn, quantiles=None):
+    """Autotune timing on GPU time alone (a CUDA graph of repeats). Triton's default times eager launches, and an
+    eager launch of a kernel with this many arguments costs more host time than a few-row kernel runs: the choice
+    among configs was then noise (session 26, Llama-3-8B q/k/v at 32 rows on one H100: two processes chose
+    different shrink and expand configs for 4 of 6 keys, and the same grouped delta took 23.4 and 21.8 us)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
+
+
 def kernels(fn, table: dict[str, list[triton.Config]], key: list[str], **autotune_args) -> dict:
-    """Autotuned wrappers of one jit function: (few rows?, tuned?) -> kernel (untuned: first config)."""
+    """Autotuned wrappers of one jit function: (few rows?, tuned?) -> kernel (untuned: first config), timed by
+    `tune_bench` unless autotune_args say otherwise."""
     jitted = triton.jit(fn, do_not_specialize=[a for a in NO_SPECIALIZE if a in fn.__code__.co_varnames])
+    autotune_args.setdefault("do_bench", tune_bench)
     return {
         (few, tune): triton.autotune(configs(table, few)[: None if tune else 1], key=key, **autotune_args)(jitted)
         for few in (True, False)
