@@ -83,7 +83,7 @@ def configs(table: dict[str, list[triton.Config]], few: bool) -> list[triton.Con
     return table["interpret"] if INTERPRET else table["few" if few else "many"]
 
 
-_FLUSH: list[torch.Tensor] = []  # 256 MB zeroed before each timed replay: no config is timed on an L2 left warm
+_FLUSH: dict[int, torch.Tensor] = {}  # device -> 256 MB zeroed before each timed replay: no config meets a warm L2
 
 
 def tune_bench(fn, quantiles=None, reps: int = 10):
@@ -93,8 +93,10 @@ def tune_bench(fn, quantiles=None, reps: int = 10):
     noise (session 26, Llama-3-8B q/k/v at 32 rows on one H100: two processes chose differently for 4 of 6 keys, and
     the same grouped delta took 23.4 and 21.8 us). Graph repeats without the flush (triton.testing's
     do_bench_cudagraph) time a 2048-row x on a warm L2 and chose configs 10-30% slower when x comes from memory."""
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    dev = torch.cuda.current_device()
+    flush = _FLUSH.get(dev)
+    if flush is None:
+        flush = _FLUSH[dev] = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -104,7 +106,7 @@ def tune_bench(fn, quantiles=None, reps: int = 10):
             fn()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
-            _FLUSH[0].zero_()
+            flush.zero_()
             start.record(stream)
             graph.replay()
             end.record(stream)
