@@ -331,7 +331,8 @@ class ModelState:
         """[M, slots] fp32, 1 where row m's adapter is slot s: the per-row weights every member of a ShrinkGroup
         (fdlora.layers.shared) expands with. Built once for as long as the row slots stay what they are (the same
         tensor, by identity, at the same version: set_row_slot writes in place or makes a new one), not once per
-        group and step: two launches fewer per group (64 a step for Llama-3-8B's q/k/v and gate/up)."""
+        group and step: two launches fewer per group (Llama-3-8B has 64 groups, q/k/v and gate/up in 32 layers).
+        Eager only (ShrinkGroup never runs compiled): the version check reads a tensor's version counter."""
         rs = self.row_slot(device)
         got = self._row_onehot.get(device)
         if got is None or got[0] is not rs or got[1] != rs._version or got[2] != slots:
