@@ -36,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fdlora.kernels.reference import lora as ref  # noqa: E402
+from fdlora.testing import graph_ms  # noqa: E402
 
 SHAPES = [  # name, M, K, N, dtype
     ("sdxl", 8192, 1280, 1280, torch.float16),
@@ -152,30 +153,9 @@ def count_kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-_FLUSH: list[torch.Tensor] = []
-
-
 def gpu_us(fn, reps: int = 30) -> float:
-    """Median GPU time of fn as a CUDA graph replay, L2 flushed before each replay."""
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        _FLUSH[0].zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+    """Median GPU time of fn as a CUDA graph replay, L2 flushed before each replay (fdlora.testing.graph_ms)."""
+    return statistics.median(graph_ms(fn, reps)) * 1e3
 
 
 def tuned(kernels: dict, M: int) -> dict:

@@ -77,6 +77,36 @@ def step_ms(fn, device: torch.device | str) -> float:
     return start.elapsed_time(end)
 
 
+_FLUSH: dict[int, torch.Tensor] = {}  # CUDA device -> 256 MB zeroed before each timed replay (L2 is 50 MB on an H100)
+
+
+def graph_ms(fn, reps: int) -> list[float]:
+    """GPU time in ms of each of `reps` replays of `fn` captured once in a CUDA graph, L2 flushed before each (no host
+    time, no operand left warm in L2 by the call before). `fn` runs once uncaptured first (compiles, autotunes) and
+    the graph once untimed; all on a side stream of the current device."""
+    dev = torch.cuda.current_device()
+    flush = _FLUSH.get(dev)
+    if flush is None:
+        flush = _FLUSH[dev] = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+        graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            flush.zero_()
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    stream.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 @contextlib.contextmanager
 def poisoned_empty() -> Iterator[None]:
     """Inside, torch.empty fills new tensors with NaN: what a kernel leaves unwritten stays NaN, so a test sees a

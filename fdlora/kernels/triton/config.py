@@ -83,36 +83,16 @@ def configs(table: dict[str, list[triton.Config]], few: bool) -> list[triton.Con
     return table["interpret"] if INTERPRET else table["few" if few else "many"]
 
 
-_FLUSH: dict[int, torch.Tensor] = {}  # device -> 256 MB zeroed before each timed replay: no config meets a warm L2
-
-
 def tune_bench(fn, quantiles=None, reps: int = 10):
     """Autotune timing on GPU time alone: `fn` captured once in a CUDA graph, replayed `reps` times with L2 flushed
-    before each, timed by events around the replay. Triton's default times eager launches, and an eager launch of a
-    kernel with this many arguments costs more host time than a few-row kernel runs, so the choice among configs was
-    noise (session 26, Llama-3-8B q/k/v at 32 rows on one H100: two processes chose differently for 4 of 6 keys, and
-    the same grouped delta took 23.4 and 21.8 us). Graph repeats without the flush (triton.testing's
-    do_bench_cudagraph) time a 2048-row x on a warm L2 and chose configs 10-30% slower when x comes from memory."""
-    dev = torch.cuda.current_device()
-    flush = _FLUSH.get(dev)
-    if flush is None:
-        flush = _FLUSH[dev] = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles; the capture below must not
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            flush.zero_()
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-    torch.cuda.current_stream().wait_stream(stream)
-    stream.synchronize()
-    ms = torch.tensor([a.elapsed_time(b) for a, b in events])
+    before each (fdlora.testing.graph_ms). Triton's default times eager launches, and an eager launch of a kernel with
+    this many arguments costs more host time than a few-row kernel runs, so the choice among configs was noise
+    (session 26, Llama-3-8B q/k/v at 32 rows on one H100: two processes chose differently for 4 of 6 keys, and the
+    same grouped delta took 23.4 and 21.8 us). Graph repeats without the flush (triton.testing's do_bench_cudagraph)
+    time a 2048-row x on a warm L2 and chose configs 10-30% slower when x comes from memory."""
+    from ...testing import graph_ms
+
+    ms = torch.tensor(graph_ms(fn, reps))
     if quantiles is None:
         return float(ms.median())
     return [float(q) for q in torch.quantile(ms, torch.tensor(quantiles))]
