@@ -18,9 +18,11 @@ flight, or has no loop and relies on many resident programs instead; the sweep (
 sweep_train_backward_parts.py) picks per shape. g crosses between pieces either summed once ([M, r] in u's dtype) or
 as its fp32 partials [P, M, r], summed by the consuming kernel. The torch oracle is
 fdlora.kernels.reference.lora_train.lora_train_linear_backward. `half_backward_plan` composes the shipped cuBLAS
-half path (lora_train.lora_train_linear_backward_half) from one form per piece, for the sweep: on an H100 no
-combination beat it at bench_train's layer shapes (benchmarks/results/nvidia-h100-80gb-hbm3/
-sweep_train_backward_parts.json), so nothing here is on a training path.
+half path (lora_train.lora_train_linear_backward_half) from one form per piece, for the sweep. On an H100 at
+bench_train's layer shapes no combination beat it timed per call (benchmarks/results/nvidia-h100-80gb-hbm3/
+sweep_train_backward_parts.json: Triton's launches are host-bound there); as GPU time the best per shape did
+(sweep_train_backward_parts_graph.json: 0.51 / 0.70 / 0.37 / 0.65x the torch path against the half path's 0.58 /
+0.76 / 0.45 / 0.73x), still short of the 0.6 target at two shapes, so nothing here is on a training path.
 """
 
 from __future__ import annotations
@@ -86,6 +88,34 @@ def _grad_u_kernel(
 
 
 @triton.jit
+def _rank_zeros(L: tl.constexpr, RP: tl.constexpr, RANK_FIRST: tl.constexpr):
+    """The fp32 accumulator of a rank-wide reduction over rows: [RP, L] with RANK_FIRST, else [L, RP]."""
+    if RANK_FIRST:
+        return tl.zeros((RP, L), dtype=tl.float32)
+    else:
+        return tl.zeros((L, RP), dtype=tl.float32)
+
+
+@triton.jit
+def _rank_acc(wide, rank, acc, RANK_FIRST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += rank^T wide ([RP, L]: rank as the dot's M) with RANK_FIRST, else wide^T rank ([L, RP]): one row block
+    of a reduction over rows (wide [BM, L], rank [BM, RP])."""
+    if RANK_FIRST:
+        return mma(tl.trans(rank), wide, acc, False, IEEE)
+    else:
+        return mma(tl.trans(wide), rank, acc, False, IEEE)
+
+
+@triton.jit
+def _rank_store(ptr, ls, rr, sl, sr, acc, lm, rk, RANK_FIRST: tl.constexpr):
+    """Store `_rank_zeros`' accumulator at ptr + l * sl + r * sr (columns ls, ranks rr, masks lm and rk)."""
+    if RANK_FIRST:
+        tl.store(ptr + rr[:, None] * sr + ls[None, :] * sl, acc, mask=rk[:, None] & lm[None, :])
+    else:
+        tl.store(ptr + ls[:, None] * sl + rr[None, :] * sr, acc, mask=lm[:, None] & rk[None, :])
+
+
+@triton.jit
 def _grad_a_kernel(
     g_ptr,  # [P, M, r]: P = 1 and u's dtype, or fp32 partials (ROUND)
     u_ptr,  # [M, K]
@@ -104,10 +134,7 @@ def _grad_a_kernel(
     rk = rr < R
     lo = pid_m * rows_per
     hi = tl.minimum(M, lo + rows_per)
-    if TRANS:  # u^T g: the wide axis K as the dot's M (the MMA's long side), rank as its N
-        acc = tl.zeros((BK, RP), dtype=tl.float32)
-    else:
-        acc = tl.zeros((RP, BK), dtype=tl.float32)
+    acc = _rank_zeros(BK, RP, not TRANS)  # TRANS: u^T g, the wide axis K as the dot's M (the MMA's long side)
     for m0 in range(lo, hi, BM):
         rows = m0 + tl.arange(0, BM)
         rm = rows < hi
@@ -116,15 +143,8 @@ def _grad_a_kernel(
         u = tl.load(u_ptr + rows[:, None] * sum_ + ks[None, :] * suk, mask=rm[:, None] & km[None, :], other=0.0)
         g = g.to(tl.float32) if IEEE else g.to(u_ptr.dtype.element_ty)
         u = u.to(tl.float32) if IEEE else u
-        if TRANS:
-            acc = mma(tl.trans(u), g, acc, False, IEEE)
-        else:
-            acc = mma(tl.trans(g), u, acc, False, IEEE)
-    base = out_ptr + pid_m.to(tl.int64) * R * K
-    if TRANS:
-        tl.store(base + rr[None, :] * K + ks[:, None], acc, mask=km[:, None] & rk[None, :])
-    else:
-        tl.store(base + rr[:, None] * K + ks[None, :], acc, mask=rk[:, None] & km[None, :])
+        acc = _rank_acc(u, g, acc, not TRANS, IEEE)
+    _rank_store(out_ptr + pid_m.to(tl.int64) * R * K, ks, rr, 1, K, acc, km, rk, not TRANS)
 
 
 @triton.jit
@@ -147,10 +167,7 @@ def _gy_kernel(
     rk = rr < R
     b = tl.load(bs_ptr + cols[:, None] * sbn + rr[None, :] * sbr, mask=cm[:, None] & rk[None, :], other=0.0)
     b = b.to(tl.float32) if IEEE else b.to(gy_ptr.dtype.element_ty)
-    if TRANS:  # h^T gy: rank as the dot's M
-        gb = tl.zeros((RP, BN), dtype=tl.float32)
-    else:
-        gb = tl.zeros((BN, RP), dtype=tl.float32)
+    gb = _rank_zeros(BN, RP, TRANS)  # TRANS: h^T gy, rank as the dot's M
     lo = pid_m * rows_per
     hi = tl.minimum(M, lo + rows_per)
     for m0 in range(lo, hi, BM):
@@ -163,15 +180,8 @@ def _gy_kernel(
         h = h.to(tl.float32) if IEEE else h.to(gy_ptr.dtype.element_ty)
         g = mma(gy, b, tl.zeros((BM, RP), dtype=tl.float32), False, IEEE)
         tl.store(gp_ptr + (pid_n.to(tl.int64) * M + rows)[:, None] * R + rr[None, :], g, mask=rm[:, None] & rk[None, :])
-        if TRANS:
-            gb = mma(tl.trans(h), gy, gb, False, IEEE)
-        else:
-            gb = mma(tl.trans(gy), h, gb, False, IEEE)
-    base = gbp_ptr + pid_m.to(tl.int64) * N * R
-    if TRANS:
-        tl.store(base + cols[None, :] * R + rr[:, None], gb, mask=rk[:, None] & cm[None, :])
-    else:
-        tl.store(base + cols[:, None] * R + rr[None, :], gb, mask=cm[:, None] & rk[None, :])
+        gb = _rank_acc(gy, h, gb, TRANS, IEEE)
+    _rank_store(gbp_ptr + pid_m.to(tl.int64) * N * R, cols, rr, R, 1, gb, cm, rk, TRANS)
 
 
 @dataclass(frozen=True)
