@@ -17,7 +17,9 @@ Rows (written to benchmarks/results/<gpu>/prefetch.json):
           first, as in a server: it starts the reader process (fdlora.hub.worker), page-locks the host arena the
           reader writes into and builds the bulk bank writer; `arena` says whether the blocks came from the
           page-locked reserve. `mean_ratio` counts the steps a publication lands on (the adapter objects are built
-          and the banks written there), which the median may skip.
+          and the banks written there), which the median may skip. Since session 27 a publication holds the lock in
+          pieces of ~1.5 ms (fdlora.pipelines.background._publish): `lock_hold_max_ms` is the longest hold over
+          every load, `lock_hold_sum_ms_median` a load's total.
           FDLORA_PREFETCH_READER=thread measures reads on the prefetch's own thread (what it did before).
   cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
           and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the UNet's
@@ -253,13 +255,17 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
                 pageable = max(pageable, worker.ARENA.stats()["overflow_blocks"])  # blocks outside the reserve
             job.result()
             loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()},
-                          "cpu": {k: round(v, 4) for k, v in job.cpu_seconds.items()}})
+                          "cpu": {k: round(v, 4) for k, v in job.cpu_seconds.items()},
+                          "lock_holds": len(job.slices), "lock_hold_max_ms": round(max(job.slices) * 1e3, 3),
+                          "lock_hold_sum_ms": round(sum(job.slices) * 1e3, 3)})
             pipe.delete_adapters(f"bg{tag}{rounds}")
             after.append(timed(step, sync) * 1e3)
             rounds += 1
         gc.callbacks.remove(clock._tick)
         return idle, during, {
             "prefetches": len(loads), "prefetch_seconds": loads[:5], "gc_seconds": clock.take(),
+            "lock_hold_max_ms": max(d["lock_hold_max_ms"] for d in loads),  # the publication's longest hold
+            "lock_hold_sum_ms_median": statistics.median(d["lock_hold_sum_ms"] for d in loads),
             "pageable_blocks_seen": pageable, "after_delete_ms": statistics.median(after),
             "steps_by_stage": {k: {"steps": len(v), "median_ms": statistics.median(v), "max_ms": max(v)}
                                for k, v in by_stage.items()}}

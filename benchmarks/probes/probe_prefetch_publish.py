@@ -95,7 +95,8 @@ def main() -> None:
                 rows.append({"reading_calls": calls[(job.name, "reading")][0],
                              "publishing_calls": st and sum(v[1] for v in st.stats.values()),
                              "seconds": {k: round(v, 4) for k, v in job.seconds.items()},
-                             "cpu_seconds": {k: round(v, 4) for k, v in job.cpu_seconds.items()}})
+                             "cpu_seconds": {k: round(v, 4) for k, v in job.cpu_seconds.items()},
+                             "lock_holds_ms": [round(x * 1e3, 3) for x in job.slices]})
                 print(json.dumps(rows[-1]), flush=True)
     if st is not None:
         print(f"\n--- last publication: top {a.top} by cumulative time (calls, own s, cumulative s)")

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
+from ..layers.steps import Steps, drain
 from .adapter import LoraAdapter, ModuleLora
 from .cache import Staged, keep_span, pack_adapters, span_of, stage
 
@@ -101,13 +102,19 @@ class AdapterPool:
         beforehand (a prefetch stages on a side stream, fdlora.pipelines.prefetch); used if it still covers
         the adapter's tensors, else the adapter is staged again here."""
         with self._lock:
+            return drain(self.check_steps(name, adapter, validate=validate, staged=staged))
+
+    def check_steps(self, name: str, adapter: LoraAdapter, *, validate: bool = True, staged: Staged | None = None,
+                    every: int = 0) -> Steps[tuple[Any, LoraAdapter]]:
+        """`check`, stopping every `every` modules (fdlora.layers.steps), where it holds no lock of the pool's."""
+        with self._lock:
             if name in self._host:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "
                                             "pick another adapter_name.")
             host = self.align(adapter)
             if self.pin and span_of(host) is None:  # stage() needs one buffer (page-locked: faster, not required)
                 host = pack_adapters({"": host})[""]
-            return self._plan(name, host, validate, staged), host
+        return (yield from self._plan_steps(name, host, validate, staged, every)), host
 
     def make_room(self, checked: tuple[Any, LoraAdapter], *, evict_active: bool = False) -> tuple[Any, LoraAdapter]:
         """Free a slot for a checked load if none is (evicting the least recently used inactive adapter; an
@@ -214,18 +221,24 @@ class AdapterPool:
         """handle.plan for `host`, taking no slot yet (commit does). On CUDA the packed host copy goes to the
         device in one transfer (NaN-checked there) and `commit` fills the banks from it in one launch
         (fdlora.layers.bulk)."""
+        return drain(self._plan_steps(name, host, check_finite, staged))
+
+    def _plan_steps(self, name: str, host: LoraAdapter, check_finite: bool, staged: Staged | None = None,
+                    every: int = 0):
         if staged is not None and not (staged.flat.device == self.device and staged.covers(host)
                                        and (not check_finite or all(m.finite for m in host.modules.values()))):
             staged = None  # (another device, tensors made since: fused qkv; or staged without the finite check)
         if staged is None and self.device.type == "cuda":
             staged = stage(host, self.device, check_finite=check_finite)
         if staged is None:
-            return self.handle.plan(host, name, validate=check_finite, slot=False)
+            return (yield from self.handle.plan_steps(host, name, validate=check_finite, slot=False, every=every))
         if check_finite:
             host.check_finite(name)  # the tensors passed on the device: this checks the scales (alpha / r)
-        if (staged.flat.device, next(iter(host.modules.values())).A.dtype) not in _bulk_ready:
-            return self.handle.plan(_views(host, staged), name, validate=False, slot=False)  # torch copies
-        return dataclasses.replace(self.handle.plan(host, name, validate=False, slot=False), staged=staged)
+        if (staged.flat.device, next(iter(host.modules.values())).A.dtype) not in _bulk_ready:  # torch copies
+            return (yield from self.handle.plan_steps(_views(host, staged), name, validate=False, slot=False,
+                                                      every=every))
+        plan = yield from self.handle.plan_steps(host, name, validate=False, slot=False, every=every)
+        return dataclasses.replace(plan, staged=staged)
 
     def align(self, adapter: LoraAdapter) -> LoraAdapter:
         """`adapter` with module paths fitted to this model (see `align_paths`). Only CLIP text encoders need it:

@@ -5,12 +5,15 @@ the device in one transfer (fdlora.hub.cache.stage), and written into the banks 
 kernel from a table of addresses (fdlora.kernels.triton.bank_scatter), so a 1000-module adapter is
 one H2D copy, one small table upload and one launch instead of ~7 launches and a few views per module.
 Modules the kernel does not cover (a LoRA bias, a rank that shrank in a reused slot) and devices
-without the Triton kernel take `AdapterBank.write_many` over views of the staged copy.
+without the Triton kernel take `AdapterBank.write_many` over views of the staged copy. `prepare` builds the tables
+without touching a bank, in pieces (fdlora.layers.steps), so a prefetch's publication builds them between serving
+steps and launches them in its last piece (fdlora.pipelines.background).
 """
 
 from __future__ import annotations
 
 import array
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +22,7 @@ from ..hub.adapter import ModuleLora
 from ..hub.cache import Staged
 from .bank import AdapterBank
 from .state import to_device
+from .steps import Steps, drain
 
 
 def _scatter():
@@ -29,14 +33,53 @@ def _scatter():
     return bank_scatter
 
 
+@dataclass
+class Prepared:
+    """The writes of one adapter into its slot, ready to launch: the kernel's tables, the banks it marks (with the
+    addresses each table row was made from, to tell a bank moved since) and the modules left to torch copies."""
+
+    device: torch.device
+    tables: dict[tuple, list[int]] = field(default_factory=dict)  # (src dtype, bank dtype) -> 9 numbers a row
+    marks: list[tuple[AdapterBank, int, int]] = field(default_factory=list)  # (bank, slot, rank) the kernel writes
+    buffers: list[dict] = field(default_factory=list)  # each marked bank's buffers, and their addresses then:
+    where: list[int] = field(default_factory=list)  # A, B, ranks per bank
+    rest: list[tuple[AdapterBank, int, ModuleLora]] = field(default_factory=list)
+
+    def launch(self, check: bool = False) -> bool:
+        """Write every bank; with `check`, first that every bank is where it was when prepared (an offload hook may
+        have moved it since): False, and nothing written, if one is not."""
+        if check and [p for b in self.buffers for p in (b["A"].data_ptr(), b["B"].data_ptr(),
+                                                           b["ranks"].data_ptr())] != self.where:
+            return False
+        kernel = _scatter()
+        for (src, dst), rows in self.tables.items():  # (a page-locked copy: from pageable memory the host would
+            table = torch.frombuffer(array.array("q", rows), dtype=torch.int64).view(-1, 9)  # wait for the GPU first)
+            kernel.scatter(to_device(table, self.device), src, dst)
+        for bank, slot, r in self.marks:
+            bank.mark(slot, r, device=False)
+        if self.buffers:  # the device versions, one grouped launch (AdapterBank.bump, with the list made ahead)
+            torch._foreach_add_(list({id(v): v for v in (b["dversion"] for b in self.buffers)}.values()), 1)
+        if self.rest:
+            AdapterBank.write_many(self.rest)
+        return True
+
+
 def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Staged) -> None:
     """`bank.write(slot, m)` for every (bank, slot, m), where m's host tensors are packed in `staged`."""
+    drain(prepare(writes, staged)).launch()
+
+
+def prepare(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Staged, every: int = 0) -> Steps[Prepared]:
+    """What `write_staged` writes, as a `Prepared` (the banks untouched); with `every`, stopping every that many
+    modules (fdlora.layers.steps)."""
     dev = staged.flat.device
     kernel = _scatter() if dev.type == "cuda" or (dev.type == "cpu" and env.triton_interpret()) else None
-    tables: dict[tuple, list[int]] = {}  # (source dtype, bank dtype) -> the kernel's table, 9 numbers a row
-    rest, marked = [], []
+    out = Prepared(dev)
+    tables = out.tables
     base = staged.flat.data_ptr() - staged.start  # host address -> device address
-    for bank, slot, m in writes:  # ~700 modules per SDXL load, between two steps: plain reads, one table per dtype
+    for i, (bank, slot, m) in enumerate(writes):  # ~700 modules per SDXL load: plain reads, one table per dtype
+        if every and i and not i % every:
+            yield
         A, B = m.A, m.B
         if kernel is not None and type(bank) is AdapterBank and m.bias is None and m.magnitude is None:
             # (another layout, fdlora.layers.experts, a LoRA bias or DoRA, which bank.write keeps: the torch path)
@@ -49,13 +92,9 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
                     rows = tables[(A.dtype, dtype)] = []
                 rows += (A.data_ptr() + base, a0 + slot * a_step, A.numel(), B.data_ptr() + base, b0 + slot * b_step,
                          n, r, b_row, k0 + slot * k_step)
-                bank.mark(slot, r, device=False)
-                marked.append(bank)
+                out.marks.append((bank, slot, r))
+                out.buffers.append(buffers)
+                out.where += (buffers["A"].data_ptr(), buffers["B"].data_ptr(), buffers["ranks"].data_ptr())
                 continue
-        rest.append((bank, slot, m.replace(staged.view(A), staged.view(B), staged.view(m.bias))))
-    for (src, dst), rows in tables.items():  # (a page-locked copy: from pageable memory the host would wait for
-        table = torch.frombuffer(array.array("q", rows), dtype=torch.int64).view(-1, 9)  # the GPU to drain first)
-        kernel.scatter(to_device(table, dev), src, dst)
-    AdapterBank.bump(marked)
-    if rest:
-        AdapterBank.write_many(rest)
+        out.rest.append((bank, slot, m.replace(staged.view(A), staged.view(B), staged.view(m.bias))))
+    return out

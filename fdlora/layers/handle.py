@@ -22,10 +22,11 @@ from ..hub.formats import lycoris
 from . import hot, moe, shared
 from .bank import AdapterBank, padded_rank
 from .bank import arena as bank_arena
-from .bulk import write_staged
+from .bulk import Prepared, prepare
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from .registry import registry_of_models
 from .state import Mode, ModelState
+from .steps import Steps, drain
 
 SampleSpec = str | None | Mapping[str, float]
 Weight = float | Callable[[str], float] | None
@@ -40,6 +41,30 @@ class LoadPlan:
     adapter: LoraAdapter
     to_wrap: list[str]
     staged: Staged | None = None  # the adapter's device copy (fdlora.hub.cache.stage): commit writes from it
+    writes: Writes | None = None  # the writes, made beforehand for `slot` (FdLoraHandle.writes_steps)
+
+
+@dataclass(frozen=True)
+class Writes:
+    """A plan's writes into slot `slot`: its scale-table rows and scales, and the banks' writes (from the staged copy
+    by the bulk writer, `bulk`; else `AdapterBank.write_many` over `modules`)."""
+
+    slot: int
+    rows: list[int]
+    scales: torch.Tensor
+    bulk: Prepared | None
+    modules: list
+
+    def launch(self, scaling: torch.Tensor, check: bool = False) -> bool:
+        """Write; with `check`, False (nothing written) if a bank moved since the writes were made."""
+        if self.bulk is not None and check and not self.bulk.launch(check=True):
+            return False
+        scaling[self.rows, self.slot] = self.scales
+        if self.bulk is None:
+            AdapterBank.write_many(self.modules)
+        elif not check:
+            self.bulk.launch()
+        return True
 
 
 class FdLoraHandle:
@@ -141,6 +166,11 @@ class FdLoraHandle:
         """Check everything about loading `adapter` and say how; raises on any problem (naming every module
         that cannot take it), changes nothing. With `slot=False` the plan does not need a free slot yet (a
         pool checks first and makes room after): `commit` takes one."""
+        return drain(self.plan_steps(adapter, name, validate=validate, slot=slot))
+
+    def plan_steps(self, adapter: LoraAdapter, name: str | None = None, *, validate: bool = True,
+                   slot: bool = True, every: int = 0) -> Steps[LoadPlan]:
+        """`plan`, stopping every `every` modules (fdlora.layers.steps; 0: never)."""
         self._alive()
         adapter = lycoris.resolve(adapter, self.model)  # LyCORIS flat names and flat conv factors fitted to the model
         name = check_adapter_name(name if name is not None else adapter.name or
@@ -152,7 +182,9 @@ class FdLoraHandle:
         # the model's modules only when a path is not wrapped yet: a load into wrapped layers (every load but the
         # first, and every prefetch's publication) walks no module tree (~4k modules on an SDXL UNet once wrapped)
         modules = None if all(p in layers for p in adapter.modules) else self._modules()
-        for path, m in adapter.modules.items():
+        for i, (path, m) in enumerate(adapter.modules.items()):
+            if every and i and not i % every:
+                yield
             try:
                 if self._check_module(path, m, what, modules, cap):
                     to_wrap.append(path)
@@ -199,25 +231,19 @@ class FdLoraHandle:
         return layer is None
 
     def commit(self, plan: LoadPlan, *, activate: bool = True) -> int:
-        """Carry out a `plan` from `plan()`: wrap, write the banks, register the name."""
+        """Carry out a `plan` from `plan()`: wrap, write the banks, register the name. A plan carrying its writes
+        (`writes_steps`, made for its slot) launches them if every bank is still where they were made for."""
         free = self.state.slots.check_new(plan.name)  # the name is still new and a slot is free
         if plan.slot < 0:  # planned without a slot (a pool made room after checking)
             plan = dataclasses.replace(plan, slot=free)
         elif plan.slot in self.state.slots.by_name.values():
             raise CapacityError(f"slot {plan.slot} of the plan for {plan.name!r} was taken since; plan again.")
         wrapped = self.wrap(plan.to_wrap)
-        scaling = self.state.table.scaling
         try:
-            writes, rows, layers, slot = [], [], self.layers, plan.slot
-            for path, m in plan.adapter.modules.items():
-                layer = layers[path]
-                writes.append((layer.bank, slot, m))
-                rows.append(layer.index)
-            scaling[rows, slot] = torch.tensor(plan.adapter.scales(), dtype=scaling.dtype)
-            if plan.staged is not None:
-                write_staged(writes, plan.staged)
-            else:
-                AdapterBank.write_many(writes)
+            done = (plan.writes is not None and plan.writes.slot == plan.slot and not wrapped
+                    and plan.writes.launch(self.state.table.scaling, check=True))
+            if not done:
+                drain(self.writes_steps(plan)).launch(self.state.table.scaling)
         except BaseException:  # KeyboardInterrupt too: a retry must find the name free and the banks clean
             self._clear_slot(plan.slot)
             for layer in wrapped:
@@ -232,6 +258,20 @@ class FdLoraHandle:
             self.state.table.flush()
             hot.rekey(self.state, self.layers.values())  # copies the blend did not change serve the next step
         return plan.slot
+
+    def writes_steps(self, plan: LoadPlan, every: int = 0) -> Steps[Writes]:
+        """The bank and scale-table writes of `plan` into its slot (`plan.slot` >= 0, every path wrapped), ready for
+        `commit`; nothing written yet. With `every`, stopping every that many modules (fdlora.layers.steps)."""
+        writes, rows, layers, slot = [], [], self.layers, plan.slot
+        for i, (path, m) in enumerate(plan.adapter.modules.items()):
+            if every and i and not i % every:
+                yield
+            layer = layers[path]
+            writes.append((layer.bank, slot, m))
+            rows.append(layer.index)
+        scales = torch.tensor(plan.adapter.scales(), dtype=self.state.table.scaling.dtype)
+        bulk = None if plan.staged is None else (yield from prepare(writes, plan.staged, every))
+        return Writes(slot, rows, scales, bulk, writes)
 
     def _unmatched_hint(self, adapter: LoraAdapter) -> str:
         missing = [p for p in adapter.modules if p not in self.layers]

@@ -12,6 +12,7 @@ step runs (`_pipeline_steps`). Imports nothing of diffusers (the pipeline mixin 
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import weakref
@@ -25,9 +26,12 @@ from .. import env
 from ..errors import DuplicateAdapterError, FdLoraError, UnknownAdapterError
 from ..hub.load import PendingLoad, materialize
 from ..hub.worker import MAX_WORKERS
+from ..layers.steps import COMMIT, EVERY, drain
 from .scope import lock_of
 
 MAX_READERS = MAX_WORKERS  # prefetches reading at once (each holds its adapter's bytes): a reader process each
+SLICE_S = 0.0015  # the longest a publication in pieces holds the pipeline's lock before letting a step run
+PAUSE_S = 0.0002  # its pause between holds, so that a step blocked on the lock gets it first
 _readers = threading.BoundedSemaphore(MAX_READERS)
 _pending: weakref.WeakKeyDictionary[Any, dict[str, Prefetch]] = weakref.WeakKeyDictionary()
 _registry = threading.Lock()
@@ -44,7 +48,8 @@ class Prefetch:
     where it is ("queued"; "reading": resolve, read, convert and on CUDA the side-stream copy; "waiting for the
     pipeline"; "publishing"; then "done", "failed" or "cancelled"), `seconds` how long each stage took and
     `cpu_seconds` how much of that the prefetch's thread spent on a CPU (its own Python and C++, not the reader
-    process's or a copy engine's: what it may take from the serving thread)."""
+    process's or a copy engine's: what it may take from the serving thread), `slices` the seconds of each hold of
+    the pipeline's lock while publishing (a pipeline's publication holds it in pieces, see `_publish`)."""
 
     def __init__(self, name: str, source: Any) -> None:
         self.name = name
@@ -59,6 +64,7 @@ class Prefetch:
         self._result: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Prefetch], Any]] = []
+        self.slices: list[float] = []  # seconds of each hold of the pipeline's lock while publishing
         self._t = time.perf_counter()
 
     def done(self) -> bool:
@@ -199,12 +205,14 @@ def _pipeline_steps(pipe: Any, source: Any, kwargs: dict[str, Any]):
         adapters, staged = _stage(adapters, devices, validate)
         return (adapters, report, False), staged
 
-    def publish(payload, staged, name):
+    def publish(payload, staged, name):  # in pieces (fdlora.layers.steps): see `_publish`
         adapters, report, finite = payload
         adapters, report = materialize(adapters, report, finite=finite)
+        yield
         if t2:
             staged = {("transformer_2" if c == "transformer" else c): s for c, s in staged.items()}
-        return pipe._fd_attach(adapters, report, name, strict=strict, activate=False, staged=staged, **attach_kw)
+        return (yield from pipe._fd_attach_steps(adapters, report, name, strict=strict, activate=False, staged=staged,
+                                                 every=EVERY, **attach_kw))
 
     return read, publish
 
@@ -237,13 +245,7 @@ def _job(job: Prefetch, key: Any, lock, read, publish) -> None:
             job._step("reading")
             payload, staged = read(job.name)
         job._step("waiting for the pipeline")
-        with lock:
-            with job._state:
-                if job._cancelled:
-                    raise _Cancelled
-                job._publishing = True
-            job._step("publishing")
-            result = publish(payload, staged, job.name)
+        result = _publish(job, lock, publish, payload, staged)
         for s in staged.values():  # the write launched on this thread's stream reads the staging buffer, which
             s.flat.record_stream(torch.cuda.current_stream(s.flat.device))  # the side stream's pool must not reuse yet
         job._finish(result)
@@ -258,7 +260,47 @@ def _job(job: Prefetch, key: Any, lock, read, publish) -> None:
                 del jobs[job.name]
 
 
-# --- the side-stream copy -------------------------------------------------------------------------------------
+def _publish(job: Prefetch, lock, publish, payload: Any, staged: Mapping[str, Any]) -> Any:
+    """Run `publish` under `lock`: at once, or, for a publication in pieces (a generator, fdlora.layers.steps),
+    piece after piece for up to SLICE_S at a time, letting go of the lock between them (a step waiting for it runs
+    then), and from COMMIT to the end at once. Cancellable until COMMIT; `job.slices` gets each hold's seconds."""
+    pieces = inspect.isgeneratorfunction(publish)
+    work = None
+    try:
+        while True:
+            with lock:
+                with job._state:
+                    if job._cancelled:
+                        raise _Cancelled
+                    job._publishing = not pieces
+                t = time.perf_counter()
+                if work is None:
+                    job._step("publishing")
+                    work = publish(payload, staged, job.name)
+                    if not pieces:
+                        return work
+                try:
+                    now, last = t, 0.0
+                    while now == t or now - t + last <= SLICE_S:  # (one piece at least; none that would overrun)
+                        mark = next(work)
+                        last = time.perf_counter() - now
+                        now += last
+                        if mark is COMMIT:
+                            with job._state:
+                                if job._cancelled:
+                                    raise _Cancelled
+                                job._publishing = True
+                            return drain(work)
+                except StopIteration as done:
+                    return done.value
+                finally:
+                    job.slices.append(time.perf_counter() - t)
+            time.sleep(PAUSE_S)  # (a step blocked on the lock takes it now; without one, the next piece goes on)
+    finally:
+        if work is not None and pieces:
+            work.close()  # (cancelled or failed before COMMIT: nothing was changed; after it: a no-op)
+
+
 def _stage_block(packed: Any, devices: Mapping[str, torch.device | None],
                  check_finite: bool) -> tuple[dict[str, Any], bool]:
     """({component: its device copy}, whether every adapter tensor is finite) for a reader-process result: per CUDA

@@ -13,12 +13,18 @@ checks the format, and writes every tensor into one block of a host arena shared
 fdlora.pipelines.warmup, never while steps run); on CUDA the thread copies that block to the device in one
 transfer on a side stream and checks it for NaN/Inf in one pass (a sum per dtype run), then waits for that copy's
 event. FDLORA_PREFETCH_READER=thread keeps the read in this process (and its per-tensor Python on the thread).
-Only then does it take the lock a generation holds from start to end (fdlora.pipelines.scope.lock_of) and
-publish: the adapter objects are built over views of the block, and the attach step of `load_fd_lora` runs:
-shapes checked against the model, room made, the banks written from the device copy in one launch of the bulk
-writer (fdlora.layers.bulk; torch copies until fdlora.pipelines.warmup built it), the name registered. So a
-generation in flight never sees a half-written slot and never waits on the file or the PCIe transfer; the next
-one starts once the publication is done. The adapter is usable from the first call that starts after it.
+Only then does it publish, under the lock a generation holds from start to end (fdlora.pipelines.scope.lock_of):
+the adapter objects are built over views of the block, and the attach step of `load_fd_lora` runs: shapes
+checked against the model, room made, the banks' write tables made, then the banks written from the device copy in
+one launch of the bulk writer (fdlora.layers.bulk; torch copies until fdlora.pipelines.warmup built it) and the
+name registered. It does so in pieces (fdlora.layers.steps): it holds the lock for at most ~1.5 ms at a time
+(`background.SLICE_S`) and lets go of it between pieces, so the generation waiting for the lock waits for one piece,
+not for the whole publication (~25 ms of Python for an SDXL LoRA on an H100 host, which made the step it landed on
+about a third slower). Nothing changes in the pipeline before the last piece, which writes the banks and registers
+the name at once; if a call changed the components meanwhile (a load, a delete, an eviction) the last piece checks
+and writes again in one go. Loads that must wrap layers or grow the rank capacity publish in one piece. So a
+generation in flight never sees a half-written slot and never waits on the file or the PCIe transfer. The adapter
+is usable from the first call that starts after its last piece.
 
 Why a staging buffer and not the bank rows themselves on the side stream: writing bank rows before
 publication means holding a free slot meanwhile, and taking a slot (evicting, if the pool is full) needs the
@@ -34,7 +40,7 @@ Semantics (what differs from `load_fd_lora`):
   UnknownAdapterError naming the prefetch and `.result()`. They do not wait: they hold the pipeline's lock,
   which the publication needs, and a call that silently waits on a file read is what prefetching avoids.
 - `delete_adapters(name)` of a name being prefetched cancels it; `unload_lora_weights()` cancels every pending
-  prefetch. `job.cancel()` is True while the adapter is not published yet; it is then never published.
+  prefetch. `job.cancel()` is True until the publication's last piece starts; the adapter is then never published.
 - `.result()` raises exactly the error `load_fd_lora` would have raised, and the model is unchanged (the attach
   step is load_fd_lora's own, all or nothing).
 - The background thread runs in its caller's `torch.inference_mode` state, as a load there would.

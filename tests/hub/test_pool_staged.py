@@ -48,8 +48,8 @@ def kernel_calls(monkeypatch):
     """Calls of the bulk writer; nothing marked built to start with."""
     monkeypatch.setattr(pool_module, "_bulk_ready", set())
     calls = []
-    write = handle_module.write_staged
-    monkeypatch.setattr(handle_module, "write_staged", lambda *a: (calls.append(a), write(*a)))
+    prepare = handle_module.prepare  # (the writes from a device copy: fdlora.layers.bulk)
+    monkeypatch.setattr(handle_module, "prepare", lambda *a: (calls.append(a), prepare(*a))[1])
     return calls
 
 
@@ -100,3 +100,40 @@ def test_align_lists_module_names_only_for_clip_text_encoders(monkeypatch):
     h = FdLoraHandle(clip)
     pool = AdapterPool.of(h)
     assert sorted(pool.align(a).modules) == [f"text_model.{p}" for p in PATHS]
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["in-place", "bank-moved"])
+def test_writes_made_ahead_are_made_again_for_a_bank_that_moved(kernel_calls, monkeypatch, moved):
+    """A plan carrying its bank writes (made ahead, as a publication in pieces makes them between steps) launches
+    them as made while every bank is where they were made for; after a bank moved (an offload hook reallocating its
+    buffers) they are made again, for its new address. The kernel is a recorder here: the table is the check."""
+    import dataclasses
+
+    from fdlora.layers import bulk
+    from fdlora.layers.steps import drain
+
+    launched = []
+
+    class Recorder:
+        @staticmethod
+        def scatter(table, src, dst):
+            launched.append(table.clone())
+
+    monkeypatch.setattr(bulk, "_scatter", lambda: Recorder)
+    monkeypatch.setattr(bulk.env, "triton_interpret", lambda: True)
+    model = net()
+    h = served(model)
+    pool = AdapterPool.of(h)
+    pool_module.mark_bulk_ready("cpu", torch.float32)
+    host = pack_adapters({"": adapter(alpha=6.0)}, pin=False)[""]
+    plan, host = pool.make_room(pool.check("x", host, staged=stage(host, "cpu", check_finite=True)))
+    plan = dataclasses.replace(plan, slot=h.state.slots.check_new("x"))
+    plan = dataclasses.replace(plan, writes=drain(h.writes_steps(plan)))
+    bank = h.layers["b"].bank
+    if moved:
+        bank._buffers["A"] = bank.A.clone()
+    pool.commit((plan, host), activate=True)
+    assert len(kernel_calls) == 1 + moved and len(launched) == 1
+    a0, a_step = bank.addresses()[:2]
+    assert a0 + plan.slot * a_step in launched[0][:, 1].tolist()  # (column 1: where slot `slot` of A starts)
+    assert pool.known() == ["x"] and h.list_adapters() == ["x"] and all(h.layers[p].bank.used[plan.slot] for p in PATHS)

@@ -19,6 +19,7 @@ from ...errors import DuplicateAdapterError, FdLoraError, PartialLoadWarning, Ta
 from ...hub.adapter import LoraAdapter
 from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, quantized, registry_of_models
+from ...layers.steps import COMMIT, Steps, drain
 from .. import background as prefetching
 from ..scope import pipe_lock
 from . import fused_qkv, tree
@@ -70,15 +71,26 @@ class FdLoraLoading:
         once. Same keywords as `load_fd_lora`; the adapter is not activated. See fdlora.pipelines.prefetch."""
         return prefetching.pipeline_job(self, source, adapter_name, kwargs)
 
-    def _fd_attach(self, adapters: dict[str, Any], report: Any, adapter_name: str | None, *, strict: bool = False,
-                   max_slots: int | None = None, max_rank: int | None = None, validate: bool = True,
-                   targets: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
-                   load_into_transformer_2: bool = False, activate: bool = True,
-                   staged: Mapping[str, Any] | None = None):
+    def _fd_attach(self, adapters: dict[str, Any], report: Any, adapter_name: str | None, **kw: Any):
         """The attach step of `load_fd_lora` (the caller holds the pipe lock): check every component, make room,
         write. With `activate=False` (a prefetch, fdlora.pipelines.prefetch) the active set stays as it is, so
         room is made by evicting inactive adapters only. `staged`: per component, the adapter's device copy
         made off the lock (fdlora.hub.cache.stage), used when it still covers the adapter's tensors."""
+        return drain(self._fd_attach_steps(adapters, report, adapter_name, **kw))
+
+    def _fd_attach_steps(self, adapters: dict[str, Any], report: Any, adapter_name: str | None, *,
+                         strict: bool = False, max_slots: int | None = None, max_rank: int | None = None,
+                         validate: bool = True, targets: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
+                         load_into_transformer_2: bool = False, activate: bool = True,
+                         staged: Mapping[str, Any] | None = None, every: int = 0) -> Steps[Any]:
+        """`_fd_attach` in pieces (fdlora.layers.steps), as a prefetch publishes: with `every`, the checks and the
+        bank writes' tables are made `every` modules at a time, the pipeline unchanged until COMMIT; after it the
+        writes are launched, unless something changed the components since (`_fd_stamp`): then the whole attach
+        runs again at once. So does an attach that must wrap layers or grow a component's rank capacity; room made
+        by evicting is made in one piece, before the writes' tables."""
+        again = dict(strict=strict, max_slots=max_slots, max_rank=max_rank, validate=validate, targets=targets,
+                     load_into_transformer_2=load_into_transformer_2, activate=activate, staged=staged)
+        whole = (adapters, report, adapter_name)
         staged = staged or {}
         modules = self._fd_modules()
         if load_into_transformer_2:
@@ -98,7 +110,9 @@ class FdLoraLoading:
             adapters = {c: a for c, a in adapters.items() if c not in absent}
         if not adapters:
             raise FdLoraError("nothing to load: the adapter has no weights for this pipeline's components.")
-        trees = {c: tree.scan(modules[c]) for c in adapters}  # PEFT layers, fused q/k/v: one walk per component
+        trees = {}  # PEFT layers, fused q/k/v: one walk per component (~4k modules on a wrapped SDXL UNet)
+        for c in adapters:
+            trees[c] = yield from tree.scan_steps(modules[c], every * 8)  # (a module: ~1/8 of a module's check)
         adapters = {c: fused_qkv.retarget(modules[c], a) if trees[c].fused else a  # fuse_qkv_projections
                     for c, a in adapters.items()}
         handles = self._fd_handles(modules)
@@ -107,6 +121,12 @@ class FdLoraLoading:
         if name in names:
             raise DuplicateAdapterError(f"an adapter named {name!r} is already loaded; delete_adapters() it "
                                         "first or pick another adapter_name.")
+        if every:
+            if any(c not in handles or padded_rank(max(m.rank for m in a.modules.values())) > handles[c].max_rank
+                   for c, a in adapters.items()):  # wrapping or growing: at once
+                return drain(self._fd_attach_steps(*whole, **again))
+            stamp = self._fd_stamp(handles)
+            yield
         plans = []
         before = {c: dict(h.state.active) for c, h in handles.items()}  # an eviction below may deactivate
         for comp, adapter in adapters.items():
@@ -122,14 +142,33 @@ class FdLoraLoading:
                 logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
                 h.grow(max_rank=need)
             pool = AdapterPool.of(h)
-            plans.append((comp, h, pool, fresh, pool.check(name, adapter, validate=validate,
-                                                           staged=staged.get(comp))))
+            plans.append((comp, h, pool, fresh, (yield from pool.check_steps(
+                name, adapter, validate=validate, staged=staged.get(comp), every=every))))
+        if every and (self._fd_stamp(handles) != stamp  # checked against components that changed since, or
+                      or any(plan.to_wrap for *_, (plan, host) in plans)):  # layers to wrap (as growing: at once)
+            return drain(self._fd_attach_steps(*whole, **again))
         try:  # every component checked: now full pools make room (evicting their least recently used)
             plans = [(comp, h, pool, fresh, pool.make_room(plan, evict_active=activate))
                      for comp, h, pool, fresh, plan in plans]
         except BaseException:  # Ctrl-C too: no half-made room
             self._fd_reactivate(before)
             raise
+        notes = None
+        if every:  # the writes made ahead, each for the slot commit will take while nothing changes
+            stamp = self._fd_stamp(handles)
+            plans = [(comp, h, pool, fresh, (dataclasses.replace(plan, slot=h.state.slots.check_new(name)), host))
+                     for comp, h, pool, fresh, (plan, host) in plans]
+            ahead = []
+            for comp, h, pool, fresh, (plan, host) in plans:
+                yield
+                ahead.append((comp, h, pool, fresh, (dataclasses.replace(
+                    plan, writes=(yield from h.writes_steps(plan, every))), host)))
+            plans = ahead
+            yield
+            notes = self._fd_quantized_notes([comp for comp, *_ in plans], handles)
+        yield COMMIT
+        if every and self._fd_stamp(handles) != stamp:
+            return drain(self._fd_attach_steps(*whole, **again))
         extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
         done: list[tuple[FdLoraHandle, AdapterPool, bool]] = []
         wrapped = {comp: len(h.layers) for comp, h in handles.items()}
@@ -152,7 +191,18 @@ class FdLoraLoading:
                 _reapply_group_offloading(h.model)
         if activate:
             self.set_adapters([name])
-        return self._fd_note_quantized([comp for comp, *_ in plans], report, self._fd_handles(modules))
+        if notes is None:
+            notes = self._fd_quantized_notes([comp for comp, *_ in plans], self._fd_handles(modules))
+        return self._fd_note(report, notes)
+
+    @staticmethod
+    def _fd_stamp(handles: Mapping[str, FdLoraHandle]) -> tuple:
+        """What a load's checks and prepared writes rely on, per component: its handle still wrapping its model, the
+        wrapped layers, their banks' shapes, the loaded names and their slots (a publication in pieces compares it
+        before committing; a step changes none of it)."""
+        return tuple((c, id(h), registry_of_models.get(h.model) is h, h.state.epoch, len(h.layers), h.max_rank,
+                      h.state.slots.capacity, tuple(h.state.slots.by_name.items()), tuple(AdapterPool.of(h).known()))
+                     for c, h in handles.items())
 
     def _fd_reactivate(self, active: Mapping[str, Mapping[str, Any]]) -> None:
         """Put back each component's active set (after a call that changed it: a failed load whose room-making
@@ -215,9 +265,10 @@ class FdLoraLoading:
             logger.info("fd-lora: %s: %s", c, why)
         return report
 
-    def _fd_note_quantized(self, comps: Sequence[str], report: Any, handles: Mapping[str, FdLoraHandle]):
-        """Say in the report (and the log) which wrapped layers of `handles` have quantized or float8-stored bases
-        (torchao, GGUF, bitsandbytes, layerwise casting): they run base output + delta and keep no merged copy."""
+    @staticmethod
+    def _fd_quantized_notes(comps: Sequence[str], handles: Mapping[str, FdLoraHandle]) -> list[str]:
+        """Which wrapped layers of `handles` have quantized or float8-stored bases (torchao, GGUF, bitsandbytes,
+        layerwise casting): they run base output + delta and keep no merged copy. One note per component."""
         notes = []
         for comp in comps:
             kinds = Counter([k for lay in handles[comp].layers.values() if (k := quantized.kind(lay.base))])
@@ -227,6 +278,11 @@ class FdLoraLoading:
                              + ", ".join(f"{k}: {c}" for k, c in sorted(kinds.items()))
                              + "): base output + LoRA delta, no dequantized copy (the merged-weight cache skips "
                              "them; fuse_lora refuses them)")
+        return notes
+
+    @staticmethod
+    def _fd_note(report: Any, notes: list[str]):
+        """Say `notes` in the report (a copy: it may be the RAM cache's) and the log."""
         for note in notes:
             logger.info("fd-lora: %s", note)
         if report is None or not notes or all(n in report.notes for n in notes):

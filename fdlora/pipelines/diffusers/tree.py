@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...layers.fused import _FusedLora
+from ...layers.steps import Steps, drain
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,18 @@ class Tree:
 
 
 def scan(model: nn.Module) -> Tree:
+    return drain(scan_steps(model))
+
+
+def scan_steps(model: nn.Module, every: int = 0) -> Steps[Tree]:
+    """`scan`, stopping every `every` modules (fdlora.layers.steps; 0: never)."""
     peft = fused = False
     kinds = _kinds
-    stack = [model]
+    stack, n = [model], 0
     while stack:
+        n += 1
+        if every and not n % every:
+            yield
         m = stack.pop()
         d = m.__dict__
         kind = kinds.get(type(m))

@@ -8,6 +8,8 @@ before a refused load (bit-identical after it); `fdlora.layers.quantized.kind` f
 from __future__ import annotations
 
 import copy
+import threading
+from concurrent.futures import CancelledError
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 from fdlora import errors
 from fdlora.layers import quantized
+from fdlora.pipelines.scope import lock_of
 
 from .test_prefetch import WAIT, assert_same, gen, snapshot
 
@@ -128,3 +131,95 @@ def test_the_quantized_notes_fast_path_agrees_with_quantized_kind(name):
         assert quantized._stored(base) is None
     assert quantized._plain_float(base) == (name in ("fp32", "fp16", "bf16", "conv"))
     assert (quantized.kind(base) is None) == (name in ("fp32", "fp16", "bf16", "conv", "no-weight"))
+
+
+@pytest.fixture
+def pauses(monkeypatch):
+    """One piece per hold of the lock (fdlora.pipelines.background._publish), and `pauses["hook"](i)` run by another
+    thread at the i-th pause between two holds (counted in `pauses["n"]`), where it may take the pipeline's lock as a
+    step or a call would."""
+    from fdlora.pipelines import background
+
+    state = {"hook": None, "n": 0}
+    real = background.time.sleep
+
+    def pause(s):
+        if threading.current_thread().name.startswith("fdlora-prefetch-") and state["hook"] is not None:
+            state["n"] += 1
+            t = threading.Thread(target=state["hook"], args=(state["n"],))
+            t.start()
+            t.join(WAIT)
+        real(s)
+
+    monkeypatch.setattr(background, "SLICE_S", 0.0)
+    monkeypatch.setattr(background.time, "sleep", pause)
+    return state
+
+
+def test_a_publication_lets_calls_run_between_its_pieces_and_shows_nothing_before_its_end(sd15, pauses):
+    """Between two pieces of a publication another thread takes the pipeline's lock (as the next step does) and sees
+    the pipe as it was: the name unknown, banks and tables untouched. The adapter then equals load_fd_lora's."""
+    pipe, ref = copy.deepcopy(sd15.fd), copy.deepcopy(sd15.fd)
+    before, seen = snapshot(pipe), []
+
+    def step(i):
+        with lock_of(pipe):
+            seen.append(i)
+            assert_same(snapshot(pipe), before)
+
+    pauses["hook"] = step
+    job = pipe.prefetch_fd_lora(sd15.dirs["locon_b"], adapter_name="fresh")
+    job.result(WAIT)
+    assert len(seen) >= 3 and len(job.slices) == len(seen) + 1  # materialize, checks, writes' tables: then commit
+    ref.load_fd_lora(sd15.dirs["locon_b"], "fresh")
+    for p in (pipe, ref):
+        p.set_adapters(["style_a", "fresh"], [0.5, 0.8])
+    assert_same(snapshot(pipe), snapshot(ref))
+    assert torch.equal(gen(sd15, pipe), gen(sd15, ref))
+
+
+@pytest.mark.parametrize("change", ["load", "delete", "cancel"])
+def test_a_change_between_pieces_makes_the_publication_start_over_or_stop(sd15, pauses, change):
+    """A load or a delete at each pause between two pieces (before the checks, amid them, before the writes'
+    tables, before the commit): the publication checks and writes again at once, and ends as load_fd_lora after
+    that change would (the same slots, banks and tables; outputs too at the last pause). A cancel at any pause:
+    nothing published, the pipe bit-identical."""
+    ref_job = copy.deepcopy(sd15.fd).prefetch_fd_lora(sd15.dirs["locon_b"], adapter_name="fresh")
+    ref_job.result(WAIT)
+    n = len(ref_job.slices) - 1
+    assert n >= 3
+
+    def act(p):
+        if change == "load":
+            p.load_fd_lora(sd15.dirs["style_a"], "other")
+        elif change == "delete":
+            p.delete_adapters("style_a")
+
+    for at in range(1, n + 1):
+        pipe, ref = copy.deepcopy(sd15.fd), copy.deepcopy(sd15.fd)
+        before, jobs = snapshot(pipe), []
+
+        def hook(i, pipe=pipe, at=at, jobs=jobs):
+            if i == at:
+                with lock_of(pipe):
+                    if change == "cancel":
+                        assert jobs[0].cancel()
+                    else:
+                        act(pipe)
+
+        pauses.update(hook=hook, n=0)
+        jobs.append(pipe.prefetch_fd_lora(sd15.dirs["locon_b"], adapter_name="fresh"))
+        if change == "cancel":
+            with pytest.raises(CancelledError):
+                jobs[0].result(WAIT)
+            assert_same(snapshot(pipe), before)
+            continue
+        jobs[0].result(WAIT)
+        act(ref)
+        ref.load_fd_lora(sd15.dirs["locon_b"], "fresh")
+        active = ["fresh"] + (["other"] if change == "load" else [])
+        for p in (pipe, ref):
+            p.set_adapters(active, [0.8, 0.4][:len(active)])
+        assert_same(snapshot(pipe), snapshot(ref))
+    if change != "cancel":
+        assert torch.equal(gen(sd15, pipe), gen(sd15, ref))
