@@ -19,7 +19,9 @@ Rows (written to benchmarks/results/<gpu>/prefetch.json):
           page-locked reserve. `mean_ratio` counts the steps a publication lands on (the adapter objects are built
           and the banks written there), which the median may skip. Since session 27 a publication holds the lock in
           pieces of ~1.5 ms (fdlora.pipelines.background._publish): `lock_hold_max_ms` is the longest hold over
-          every load, `lock_hold_sum_ms_median` a load's total.
+          every load, `lock_hold_sum_ms_median` a load's total. `round_ratio_median`: the median over rounds of each
+          round's own ratio (its loading steps against the idle steps just before them), which a host whose step
+          time drifts between rounds (idle medians of 66 and 100 ms in one process, session 27) moves less.
           FDLORA_PREFETCH_READER=thread measures reads on the prefetch's own thread (what it did before).
   cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
           and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the UNet's
@@ -244,18 +246,22 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
 
     def rounds_of(tag: str) -> tuple[list[float], list[float], dict]:
         idle, during, loads, rounds, by_stage, clock, pageable, after = [], [], [], 0, {}, GcClock(), 0, []
+        paired = []  # per round: median loading step / median of the idle steps just before it
         while (len(during) < n or len(idle) < n) and rounds < 50:
             idle.extend(timed(step, sync) for _ in range(IDLE_PER_ROUND))
             job = pipe.prefetch_fd_lora(folder, adapter_name=f"bg{tag}{rounds}", cache=None)
-            t = time.perf_counter()
+            t, first = time.perf_counter(), len(during)
             while not job.done():
                 seen = job.stage
                 during.append(timed(step, sync))
                 by_stage.setdefault(f"{seen} -> {job.stage}", []).append(during[-1] * 1e3)
                 pageable = max(pageable, worker.ARENA.stats()["overflow_blocks"])  # blocks outside the reserve
             job.result()
+            if len(during) > first:
+                paired.append(statistics.median(during[first:]) / statistics.median(idle[-IDLE_PER_ROUND:]))
             loads.append({"seconds": time.perf_counter() - t, **{k: round(v, 4) for k, v in job.seconds.items()},
                           "cpu": {k: round(v, 4) for k, v in job.cpu_seconds.items()},
+                          "lock_holds_ms": [round(x * 1e3, 3) for x in job.slices],  # in the order held
                           "lock_holds": len(job.slices), "lock_hold_max_ms": round(max(job.slices) * 1e3, 3),
                           "lock_hold_sum_ms": round(sum(job.slices) * 1e3, 3)})
             pipe.delete_adapters(f"bg{tag}{rounds}")
@@ -265,6 +271,7 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
         return idle, during, {
             "prefetches": len(loads), "prefetch_seconds": loads[:5], "gc_seconds": clock.take(),
             "lock_hold_max_ms": max(d["lock_hold_max_ms"] for d in loads),  # the publication's longest hold
+            "round_ratios": [round(r, 4) for r in paired], "round_ratio_median": statistics.median(paired),
             "lock_hold_sum_ms_median": statistics.median(d["lock_hold_sum_ms"] for d in loads),
             "pageable_blocks_seen": pageable, "after_delete_ms": statistics.median(after),
             "steps_by_stage": {k: {"steps": len(v), "median_ms": statistics.median(v), "max_ms": max(v)}
@@ -334,8 +341,9 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1))
     if steps:
         print(f"steps: idle {steps['idle_ms']:.1f} ms, during prefetch {steps['during_prefetch_ms']:.1f} ms "
-              f"(x{steps['ratio']:.3f}, {steps['steps_during']} steps, {steps['prefetches']} prefetches); after "
-              f"gc.freeze x{steps['gc_frozen']['ratio']:.3f}; gc during: {steps['gc_seconds']}")
+              f"(x{steps['ratio']:.3f}, by round x{steps['round_ratio_median']:.3f}, {steps['steps_during']} steps, "
+              f"{steps['prefetches']} prefetches); after gc.freeze x{steps['gc_frozen']['ratio']:.3f} (by round "
+              f"x{steps['gc_frozen']['round_ratio_median']:.3f}); gc during: {steps['gc_seconds']}")
     for stage, row in steps.get("steps_by_stage", {}).items():
         print(f"  {stage:45} {row['steps']:3} steps  median {row['median_ms']:.1f} ms  max {row['max_ms']:.1f} ms")
     for kind, row in cold.items():
