@@ -1,5 +1,6 @@
-"""Where a prefetch's longest lock holds go, on the GPU host (issue 26): the first piece (adapter objects built over the
-block) and the last (from COMMIT: banks written, name registered, hot entries rekeyed), profiled while steps run.
+"""Where a prefetch's longest lock holds go, on the GPU host (issue 26): the adapter objects built over the block (here
+in one piece, profiled as one) and the last piece (from COMMIT: banks written, name registered, hot entries
+re-armed), profiled while steps run.
 
 Model, adapter and steps as bench_prefetch (full-size SDXL UNet, fp16, r32 on its attention/ff/proj layers, a step
 holding the pipeline's lock, `warmup` first, the serving adapter active). `--loads` prefetches run next to steps; for
@@ -29,7 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def top(prof: cProfile.Profile, n: int) -> list[str]:
     st = pstats.Stats(prof)
     rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:n]
-    return [f"{ct * 1e3:8.2f} {tt * 1e3:8.2f} {nc:7d}  {Path(f).name}:{line}:{fn}" for (f, line, fn), (_, nc, tt, ct, _) in rows]
+    return [f"{ct * 1e3:8.2f} {tt * 1e3:8.2f} {nc:7d}  {Path(f).name}:{line}:{fn}"
+            for (f, line, fn), (_, nc, tt, ct, _) in rows]
 
 
 def main() -> None:
@@ -54,7 +56,7 @@ def main() -> None:
     if device == "cuda":
         sync = torch.cuda.current_stream().synchronize
     first, last = cProfile.Profile(), cProfile.Profile()
-    materialize, drain = background.materialize, background.drain
+    materialize, drain = background.materialize_steps, background.drain
 
     def profiled(prof, fn):
         def run(*args, **kw):
@@ -65,7 +67,13 @@ def main() -> None:
                 prof.disable()
         return run
 
-    background.materialize = profiled(first, materialize)  # the first piece's work
+    def built(prof):  # the adapter objects, here in one piece (profiled as one: its pieces are timed in holds_ms)
+        def steps(*args, **kw):
+            return profiled(prof, drain)(materialize(*args, **{**kw, "every": 0}))
+            yield  # (a generator, as materialize_steps)
+        return steps
+
+    background.materialize_steps = built(first)
     background.drain = profiled(last, drain)  # everything from COMMIT on
     warmup(pipe, tokens=())
     holds = []
@@ -83,7 +91,7 @@ def main() -> None:
                 holds.append([round(x * 1e3, 3) for x in job.slices])
             else:
                 first, last = cProfile.Profile(), cProfile.Profile()
-                background.materialize, background.drain = profiled(first, materialize), profiled(last, drain)
+                background.materialize_steps, background.drain = built(first), profiled(last, drain)
             time.sleep(0.01)
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", "holds_ms": holds,
            "first_piece_top": top(first, a.top), "last_piece_top": top(last, a.top)}

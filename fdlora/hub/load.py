@@ -29,6 +29,7 @@ import torch
 
 from .. import env
 from ..errors import CapacityError, FormatError, PartialLoadWarning
+from ..steps import Steps, drain
 from . import formats
 from .adapter import LoraAdapter, Provenance, check_adapter_name
 from .cache import AdapterCache, CacheKey, default_cache
@@ -150,8 +151,12 @@ class PendingLoad:
     def result(self, finite: bool = False) -> tuple[dict[str, LoraAdapter], LoadReport]:
         """(adapters, report), built once. `finite`: a check over the whole block passed, so every module is
         marked checked (load_adapters' `check_finite` then checks the scales only)."""
+        return drain(self.result_steps(finite))
+
+    def result_steps(self, finite: bool = False, every: int = 0) -> Steps[tuple[dict[str, LoraAdapter], LoadReport]]:
+        """`result`, stopping every `every` modules (fdlora.steps)."""
         if self._done is None:
-            adapters, report = self.packed.tree(finite)
+            adapters, report = yield from self.packed.tree_steps(finite, every)
             block = self.packed.block
             # a deferred put runs between two steps: never one that would repack into fresh page-locked memory
             repack = self.ram is not None and self.ram.pin and block is not None and not block.pinned
@@ -165,9 +170,15 @@ def materialize(adapters: dict[str, Any], report: Any, *,
                 finite: bool = False) -> tuple[dict[str, LoraAdapter], LoadReport]:
     """What `load_adapters(..., deferred=True)` returned (with its components possibly renamed), as adapters and a
     report; anything else as it is. `finite`: see PendingLoad.result."""
+    return drain(materialize_steps(adapters, report, finite=finite))
+
+
+def materialize_steps(adapters: dict[str, Any], report: Any, *, finite: bool = False,
+                      every: int = 0) -> Steps[tuple[dict[str, LoraAdapter], LoadReport]]:
+    """`materialize`, stopping every `every` modules (fdlora.steps)."""
     if not isinstance(report, PendingLoad):
         return adapters, report
-    built, report = report.result(finite)
+    built, report = yield from report.result_steps(finite, every)
     return {c: built[p.component] if isinstance(p, PendingPart) else p for c, p in adapters.items()}, report
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, DuplicateAdapterError, TargetError, UnknownAdapterError
-from ..layers.steps import Steps, drain
+from ..steps import Steps, drain
 from .adapter import LoraAdapter, ModuleLora
 from .cache import Staged, keep_span, pack_adapters, span_of, stage
 
@@ -106,7 +106,7 @@ class AdapterPool:
 
     def check_steps(self, name: str, adapter: LoraAdapter, *, validate: bool = True, staged: Staged | None = None,
                     every: int = 0) -> Steps[tuple[Any, LoraAdapter]]:
-        """`check`, stopping every `every` modules (fdlora.layers.steps), where it holds no lock of the pool's."""
+        """`check`, stopping every `every` modules (fdlora.steps), where it holds no lock of the pool's."""
         with self._lock:
             if name in self._host:
                 raise DuplicateAdapterError(f"the pool already holds an adapter named {name!r}; delete it first or "

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ..errors import FdLoraError
+from ..steps import Steps, drain
 from .adapter import LoraAdapter, ModuleLora
 from .cache import ALIGN, known_span
 
@@ -289,8 +290,13 @@ class Packed:
     def tree(self, finite: bool = False) -> Any:
         """The result with its objects rebuilt over views of the block (`finite`: mark every module's tensors as
         checked, after a check over the block passed)."""
+        return drain(self.tree_steps(finite))
+
+    def tree_steps(self, finite: bool = False, every: int = 0) -> Steps[Any]:
+        """`tree`, stopping every `every` modules (fdlora.steps: a prefetch's publication builds the ~700
+        modules of an SDXL LoRA between serving steps)."""
         skeleton, loose = pickle.loads(self.skeleton)
-        return _Unpacker(self.tensor, loose, finite).tree(skeleton)
+        return (yield from _Unpacker(self.tensor, loose, finite, every).tree(skeleton))
 
 
 class _Worker:
@@ -384,8 +390,9 @@ class _Unpacker:
     Python call per tensor: an SDXL LoRA has ~1,400 tensors in ~40 runs); modules without checking them again
     (their constructor ran in the reader process) and adapters with their span given."""
 
-    def __init__(self, buf: torch.Tensor | None, loose: tuple[list[tuple], list[int]], finite: bool) -> None:
-        self.buf, self.finite = buf, finite
+    def __init__(self, buf: torch.Tensor | None, loose: tuple[list[tuple], list[int]], finite: bool,
+                 every: int = 0) -> None:
+        self.buf, self.finite, self.every = buf, finite, every
         groups, positions = loose
         written = self.tensors(groups)
         self.loose = [written[p] for p in positions]
@@ -401,21 +408,29 @@ class _Unpacker:
                 at += n * numel
         return out
 
-    def tree(self, obj: Any) -> Any:
+    def tree(self, obj: Any) -> Steps[Any]:
         if type(obj) is _Loose:
             return self.loose[obj[0]]
         if type(obj) is _Adapter:
-            return self.adapter(*obj)
+            return (yield from self.adapter(*obj))
         if type(obj) is dict:
-            return {k: self.tree(v) for k, v in obj.items()}
+            out = {}
+            for k, v in obj.items():
+                out[k] = yield from self.tree(v)
+            return out
         if type(obj) in (list, tuple):
-            return type(obj)(self.tree(v) for v in obj)
+            items = []
+            for v in obj:
+                items.append((yield from self.tree(v)))
+            return type(obj)(items)
         return obj
 
-    def adapter(self, use_rslora, name, provenance, modules, groups, span) -> LoraAdapter:
+    def adapter(self, use_rslora, name, provenance, modules, groups, span) -> Steps[LoraAdapter]:
         tensors = self.tensors(groups)
-        finite, mods = self.finite, {}
-        for p, ((a, b, bias, magnitude), fields) in modules.items():  # (`fields`: just unpickled, ours to fill)
+        finite, mods, every = self.finite, {}, self.every
+        for i, (p, ((a, b, bias, magnitude), fields)) in enumerate(modules.items()):  # (`fields`: just unpickled)
+            if every and i and not i % every:
+                yield
             fields["A"], fields["B"] = tensors[a], tensors[b]
             fields["bias"] = None if bias is None else tensors[bias]
             fields["magnitude"] = None if magnitude is None else tensors[magnitude]

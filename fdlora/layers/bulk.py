@@ -6,7 +6,7 @@ kernel from a table of addresses (fdlora.kernels.triton.bank_scatter), so a 1000
 one H2D copy, one small table upload and one launch instead of ~7 launches and a few views per module.
 Modules the kernel does not cover (a LoRA bias, a rank that shrank in a reused slot) and devices
 without the Triton kernel take `AdapterBank.write_many` over views of the staged copy. `prepare` builds the tables
-without touching a bank, in pieces (fdlora.layers.steps), so a prefetch's publication builds them between serving
+without touching a bank, in pieces (fdlora.steps), so a prefetch's publication builds them between serving
 steps and launches them in its last piece (fdlora.pipelines.background).
 """
 
@@ -20,9 +20,9 @@ import torch
 from .. import env
 from ..hub.adapter import ModuleLora
 from ..hub.cache import Staged
+from ..steps import Steps, drain
 from .bank import AdapterBank
 from .state import to_device
-from .steps import Steps, drain
 
 
 def _scatter():
@@ -71,7 +71,7 @@ def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Stag
 
 def prepare(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Staged, every: int = 0) -> Steps[Prepared]:
     """What `write_staged` writes, as a `Prepared` (the banks untouched); with `every`, stopping every that many
-    modules (fdlora.layers.steps)."""
+    modules (fdlora.steps)."""
     dev = staged.flat.device
     kernel = _scatter() if dev.type == "cuda" or (dev.type == "cpu" and env.triton_interpret()) else None
     out = Prepared(dev)

@@ -19,6 +19,7 @@ from ..errors import CapacityError, CompiledModelError, DuplicateAdapterError, F
 from ..hub.adapter import LoraAdapter, check_adapter_name
 from ..hub.cache import Staged
 from ..hub.formats import lycoris
+from ..steps import Steps, drain
 from . import hot, moe, shared
 from .bank import AdapterBank, padded_rank
 from .bank import arena as bank_arena
@@ -26,7 +27,6 @@ from .bulk import Prepared, prepare
 from .fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from .registry import registry_of_models
 from .state import Mode, ModelState
-from .steps import Steps, drain
 
 SampleSpec = str | None | Mapping[str, float]
 Weight = float | Callable[[str], float] | None
@@ -46,14 +46,16 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class Writes:
-    """A plan's writes into slot `slot`: its scale-table rows and scales, and the banks' writes (from the staged copy
-    by the bulk writer, `bulk`; else `AdapterBank.write_many` over `modules`)."""
+    """A plan's writes into slot `slot`: its scale-table rows and scales, the banks' writes (from the staged copy by
+    the bulk writer, `bulk`; else `AdapterBank.write_many` over `modules`), and which kept hot-path entries hold
+    past them (`rekey`)."""
 
     slot: int
-    rows: list[int]
+    rows: torch.Tensor  # [n] the modules' rows of the scale table
     scales: torch.Tensor
     bulk: Prepared | None
     modules: list
+    rekey: tuple[int, list]  # hot.rekey_steps' check, for the re-arm after the write
 
     def launch(self, scaling: torch.Tensor, check: bool = False) -> bool:
         """Write; with `check`, False (nothing written) if a bank moved since the writes were made."""
@@ -170,7 +172,7 @@ class FdLoraHandle:
 
     def plan_steps(self, adapter: LoraAdapter, name: str | None = None, *, validate: bool = True,
                    slot: bool = True, every: int = 0) -> Steps[LoadPlan]:
-        """`plan`, stopping every `every` modules (fdlora.layers.steps; 0: never)."""
+        """`plan`, stopping every `every` modules (fdlora.steps; 0: never)."""
         self._alive()
         adapter = lycoris.resolve(adapter, self.model)  # LyCORIS flat names and flat conv factors fitted to the model
         name = check_adapter_name(name if name is not None else adapter.name or
@@ -240,10 +242,11 @@ class FdLoraHandle:
             raise CapacityError(f"slot {plan.slot} of the plan for {plan.name!r} was taken since; plan again.")
         wrapped = self.wrap(plan.to_wrap)
         try:
-            done = (plan.writes is not None and plan.writes.slot == plan.slot and not wrapped
-                    and plan.writes.launch(self.state.table.scaling, check=True))
-            if not done:
-                drain(self.writes_steps(plan)).launch(self.state.table.scaling)
+            writes = plan.writes
+            if not (writes is not None and writes.slot == plan.slot and not wrapped
+                    and writes.launch(self.state.table.scaling, check=True)):
+                writes = drain(self.writes_steps(plan))
+                writes.launch(self.state.table.scaling)
         except BaseException:  # KeyboardInterrupt too: a retry must find the name free and the banks clean
             self._clear_slot(plan.slot)
             for layer in wrapped:
@@ -255,13 +258,15 @@ class FdLoraHandle:
         if activate:
             self.set_adapters([plan.name])
         else:
+            version = self.state.table.version
             self.state.table.flush()
-            hot.rekey(self.state, self.layers.values())  # copies the blend did not change serve the next step
+            hot.rekey(self.state, self.layers.values(),  # copies the blend did not change serve the next step
+                      writes.rekey if writes.rekey[0] == version else None)
         return plan.slot
 
     def writes_steps(self, plan: LoadPlan, every: int = 0) -> Steps[Writes]:
         """The bank and scale-table writes of `plan` into its slot (`plan.slot` >= 0, every path wrapped), ready for
-        `commit`; nothing written yet. With `every`, stopping every that many modules (fdlora.layers.steps)."""
+        `commit`; nothing written yet. With `every`, stopping every that many modules (fdlora.steps)."""
         writes, rows, layers, slot = [], [], self.layers, plan.slot
         for i, (path, m) in enumerate(plan.adapter.modules.items()):
             if every and i and not i % every:
@@ -271,7 +276,8 @@ class FdLoraHandle:
             rows.append(layer.index)
         scales = torch.tensor(plan.adapter.scales(), dtype=self.state.table.scaling.dtype)
         bulk = None if plan.staged is None else (yield from prepare(writes, plan.staged, every))
-        return Writes(slot, rows, scales, bulk, writes)
+        rekey = yield from hot.rekey_steps(self.state, self.layers.values(), every)
+        return Writes(slot, torch.tensor(rows, dtype=torch.long), scales, bulk, writes, rekey)
 
     def _unmatched_hint(self, adapter: LoraAdapter) -> str:
         missing = [p for p in adapter.modules if p not in self.layers]

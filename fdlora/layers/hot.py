@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..steps import Steps
 from .merged import BUDGET, _version, blend_key
 
 # what a kept entry holds, by position (one tuple: the hot path reads it with a few indexings)
@@ -101,12 +102,20 @@ def rearm(st, layers) -> None:
             m.hot = (token, *h[1:])
 
 
-def rekey(st, layers) -> None:
+def rekey(st, layers, ahead: tuple[int, list] | None = None) -> None:
     """After a write that leaves the blend's merged copies valid (a load into a slot the blend does not weigh: a
     prefetch's publication), entries that compute on a copy whose key still holds take the new token and bank
     version, so the next step pays no full decision per layer (SDXL: 722 of them, ~10 ms on an H100 host) for
-    this check (~2 us per layer) under the load's lock."""
+    this check (~2 us per layer, ~4 on a slow host) under the load's lock. `ahead`: that check made before the write
+    (`rekey_steps`, in a publication's pieces), for a table whose version is still the one it was made under (the
+    caller compares): each entry is then re-armed if it is still the very entry checked, over the same copy and W."""
     token = st.table.token
+    if ahead is not None:
+        for layer, m, h, key, wv in ahead[1]:
+            if m.hot is h and m.key is key and h[MERGED] is m.buf and h[PARAMS].get("weight") is h[W] \
+                    and _version(h[W]) == wv:
+                m.hot = (token, *h[TOKEN + 1:BVERSION], layer.bank.version, *h[BVERSION + 1:])
+        return
     for layer in layers:
         m = layer.merged
         h = m.hot
@@ -115,3 +124,20 @@ def rekey(st, layers) -> None:
         w = h[PARAMS].get("weight")
         if w is h[W] and m.key is not None and m.key == blend_key(layer, w):
             m.hot = (token, *h[TOKEN + 1:BVERSION], layer.bank.version, *h[BVERSION + 1:])
+
+
+def rekey_steps(st, layers, every: int = 0) -> Steps[tuple[int, list]]:
+    """`rekey`'s check before the write, stopping every `every` layers (fdlora.steps): (the scale table's
+    version, the entries that pass with what must not change until the re-arm)."""
+    out = []
+    for i, layer in enumerate(layers):
+        if every and i and not i % every:
+            yield
+        m = layer.merged
+        h = m.hot
+        if h is None or h[MERGED] is None or h[MERGED] is not m.buf:
+            continue
+        w = h[PARAMS].get("weight")
+        if w is h[W] and m.key is not None and m.key == blend_key(layer, w):
+            out.append((layer, m, h, m.key, _version(w)))
+    return st.table.version, out

@@ -24,9 +24,9 @@ import torch
 
 from .. import env
 from ..errors import DuplicateAdapterError, FdLoraError, UnknownAdapterError
-from ..hub.load import PendingLoad, materialize
+from ..hub.load import PendingLoad, materialize_steps
 from ..hub.worker import MAX_WORKERS
-from ..layers.steps import COMMIT, EVERY, drain
+from ..steps import COMMIT, EVERY, drain
 from .scope import lock_of
 
 MAX_READERS = MAX_WORKERS  # prefetches reading at once (each holds its adapter's bytes): a reader process each
@@ -205,9 +205,9 @@ def _pipeline_steps(pipe: Any, source: Any, kwargs: dict[str, Any]):
         adapters, staged = _stage(adapters, devices, validate)
         return (adapters, report, False), staged
 
-    def publish(payload, staged, name):  # in pieces (fdlora.layers.steps): see `_publish`
+    def publish(payload, staged, name):  # in pieces (fdlora.steps): see `_publish`
         adapters, report, finite = payload
-        adapters, report = materialize(adapters, report, finite=finite)
+        adapters, report = yield from materialize_steps(adapters, report, finite=finite, every=EVERY * 2)
         yield
         if t2:
             staged = {("transformer_2" if c == "transformer" else c): s for c, s in staged.items()}
@@ -261,7 +261,7 @@ def _job(job: Prefetch, key: Any, lock, read, publish) -> None:
 
 
 def _publish(job: Prefetch, lock, publish, payload: Any, staged: Mapping[str, Any]) -> Any:
-    """Run `publish` under `lock`: at once, or, for a publication in pieces (a generator, fdlora.layers.steps),
+    """Run `publish` under `lock`: at once, or, for a publication in pieces (a generator, fdlora.steps),
     piece after piece for up to SLICE_S at a time, letting go of the lock between them (a step waiting for it runs
     then), and from COMMIT to the end at once. Cancellable until COMMIT; `job.slices` gets each hold's seconds."""
     pieces = inspect.isgeneratorfunction(publish)

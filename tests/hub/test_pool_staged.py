@@ -110,7 +110,7 @@ def test_writes_made_ahead_are_made_again_for_a_bank_that_moved(kernel_calls, mo
     import dataclasses
 
     from fdlora.layers import bulk
-    from fdlora.layers.steps import drain
+    from fdlora.steps import drain
 
     launched = []
 

@@ -142,3 +142,35 @@ def test_a_per_call_spec_repeated_every_step_keeps_its_token_and_another_does_no
         with h.per_sample(specs):
             assert h.state.table.token is not token
             check(model(x), specs)
+
+
+@pytest.mark.parametrize("between", ["nothing", "slider", "weight-edit"])
+def test_a_load_with_its_writes_made_ahead_rearms_only_entries_that_still_hold(cache, between):
+    """A load whose writes (and hot-path check) were made ahead, as a publication in pieces makes them between steps:
+    with nothing in between, the blend's entries stay armed, as after a plain load; after a blend move or an in-place
+    edit of W between the check and the write, none is re-armed from the stale check (outputs: float64 oracle)."""
+    import dataclasses
+
+    from fdlora.steps import drain
+
+    model = net()
+    h = fdlora.inject(model, PATHS, max_slots=4, max_rank=8)
+    a, b = lora(1), lora(2)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        h.add_adapter(a, "a")
+        model(x)
+        assert kept(model, x) is not None
+        plan = h.plan(b, "b")
+        plan = dataclasses.replace(plan, writes=drain(h.writes_steps(plan)))
+        weight = 1.0
+        if between == "slider":
+            weight = 0.3
+            h.set_adapters(["a"], [weight])
+        elif between == "weight-edit":
+            model[0].weight.mul_(1.5)
+        h.commit(plan, activate=False)
+        assert (kept(model, x) is not None) == (between == "nothing")
+        close(model(x), oracle(model, x, {"a": (a, weight)}))
+        assert kept(model, x) is not None
+        close(model(x), oracle(model, x, {"a": (a, weight)}))

@@ -19,7 +19,7 @@ from ...errors import DuplicateAdapterError, FdLoraError, PartialLoadWarning, Ta
 from ...hub.adapter import LoraAdapter
 from ...hub.pool import AdapterPool
 from ...layers import FdLoraHandle, match_targets, padded_rank, quantized, registry_of_models
-from ...layers.steps import COMMIT, Steps, drain
+from ...steps import COMMIT, Steps, drain
 from .. import background as prefetching
 from ..scope import pipe_lock
 from . import fused_qkv, tree
@@ -83,7 +83,7 @@ class FdLoraLoading:
                          validate: bool = True, targets: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
                          load_into_transformer_2: bool = False, activate: bool = True,
                          staged: Mapping[str, Any] | None = None, every: int = 0) -> Steps[Any]:
-        """`_fd_attach` in pieces (fdlora.layers.steps), as a prefetch publishes: with `every`, the checks and the
+        """`_fd_attach` in pieces (fdlora.steps), as a prefetch publishes: with `every`, the checks and the
         bank writes' tables are made `every` modules at a time, the pipeline unchanged until COMMIT; after it the
         writes are launched, unless something changed the components since (`_fd_stamp`): then the whole attach
         runs again at once. So does an attach that must wrap layers or grow a component's rank capacity; room made
@@ -169,12 +169,12 @@ class FdLoraLoading:
         yield COMMIT
         if every and self._fd_stamp(handles) != stamp:
             return drain(self._fd_attach_steps(*whole, **again))
-        extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
         done: list[tuple[FdLoraHandle, AdapterPool, bool]] = []
         wrapped = {comp: len(h.layers) for comp, h in handles.items()}
         try:
             for comp, h, pool, fresh, plan in plans:
-                if fresh:
+                if fresh:  # (diffusers' `components`, which _fd_denoiser reads, inspects signatures)
+                    extra = targets if isinstance(targets, Mapping) else {self._fd_denoiser(): targets or []}
                     self._fd_install(h, extra.get(comp) or [])
                 done.append((h, pool, fresh))
                 pool.commit(plan, activate=False)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...layers.fused import _FusedLora
-from ...layers.steps import Steps, drain
+from ...steps import Steps, drain
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ def scan(model: nn.Module) -> Tree:
 
 
 def scan_steps(model: nn.Module, every: int = 0) -> Steps[Tree]:
-    """`scan`, stopping every `every` modules (fdlora.layers.steps; 0: never)."""
+    """`scan`, stopping every `every` modules (fdlora.steps; 0: never)."""
     peft = fused = False
     kinds = _kinds
     stack, n = [model], 0
