@@ -55,7 +55,7 @@ class Writes:
     scales: torch.Tensor
     bulk: Prepared | None
     modules: list
-    rekey: tuple[int, list]  # hot.rekey_steps' check, for the re-arm after the write
+    rekey: tuple[int, list] | None  # hot.rekey_steps' check, for the re-arm after the write (None: not made)
 
     def launch(self, scaling: torch.Tensor, check: bool = False) -> bool:
         """Write; with `check`, False (nothing written) if a bank moved since the writes were made."""
@@ -260,13 +260,15 @@ class FdLoraHandle:
         else:
             version = self.state.table.version
             self.state.table.flush()
+            ahead = writes.rekey  # (made with the writes, under this table version: see hot.rekey)
             hot.rekey(self.state, self.layers.values(),  # copies the blend did not change serve the next step
-                      writes.rekey if writes.rekey[0] == version else None)
+                      ahead if ahead is not None and ahead[0] == version else None)
         return plan.slot
 
-    def writes_steps(self, plan: LoadPlan, every: int = 0) -> Steps[Writes]:
+    def writes_steps(self, plan: LoadPlan, every: int = 0, rekey: bool = False) -> Steps[Writes]:
         """The bank and scale-table writes of `plan` into its slot (`plan.slot` >= 0, every path wrapped), ready for
-        `commit`; nothing written yet. With `every`, stopping every that many modules (fdlora.steps)."""
+        `commit`; nothing written yet. With `every`, stopping every that many modules (fdlora.steps); with `rekey`
+        (a load that will not activate), the hot path's re-arm check too (hot.rekey_steps)."""
         writes, rows, layers, slot = [], [], self.layers, plan.slot
         for i, (path, m) in enumerate(plan.adapter.modules.items()):
             if every and i and not i % every:
@@ -276,8 +278,8 @@ class FdLoraHandle:
             rows.append(layer.index)
         scales = torch.tensor(plan.adapter.scales(), dtype=self.state.table.scaling.dtype)
         bulk = None if plan.staged is None else (yield from prepare(writes, plan.staged, every))
-        rekey = yield from hot.rekey_steps(self.state, self.layers.values(), every)
-        return Writes(slot, torch.tensor(rows, dtype=torch.long), scales, bulk, writes, rekey)
+        ahead = (yield from hot.rekey_steps(self.state, self.layers.values(), every)) if rekey else None
+        return Writes(slot, torch.tensor(rows, dtype=torch.long), scales, bulk, writes, ahead)
 
     def _unmatched_hint(self, adapter: LoraAdapter) -> str:
         missing = [p for p in adapter.modules if p not in self.layers]

@@ -162,7 +162,7 @@ def test_a_load_with_its_writes_made_ahead_rearms_only_entries_that_still_hold(c
         model(x)
         assert kept(model, x) is not None
         plan = h.plan(b, "b")
-        plan = dataclasses.replace(plan, writes=drain(h.writes_steps(plan)))
+        plan = dataclasses.replace(plan, writes=drain(h.writes_steps(plan, rekey=True)))
         weight = 1.0
         if between == "slider":
             weight = 0.3

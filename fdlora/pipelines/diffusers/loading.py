@@ -162,7 +162,7 @@ class FdLoraLoading:
             for comp, h, pool, fresh, (plan, host) in plans:
                 yield
                 ahead.append((comp, h, pool, fresh, (dataclasses.replace(
-                    plan, writes=(yield from h.writes_steps(plan, every))), host)))
+                    plan, writes=(yield from h.writes_steps(plan, every, rekey=not activate))), host)))
             plans = ahead
             yield
             notes = self._fd_quantized_notes([comp for comp, *_ in plans], handles)
