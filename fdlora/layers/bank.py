@@ -239,6 +239,28 @@ class AdapterBank(nn.Module):
         for vs in versions.values():
             torch._foreach_add_(list(vs.values()), 1)
 
+    @staticmethod
+    def clear_many(banks: list[AdapterBank], slot: int) -> None:
+        """`bank.clear(slot)` for many banks, in a few grouped launches per device and dtype instead of ~6 per bank
+        (a delete or an eviction clears a slot of every layer: 722 on an SDXL UNet, between two serving steps).
+        Banks with a LoRA bias or DoRA magnitudes, and other layouts, clear one by one."""
+        zeros: dict[tuple, list[torch.Tensor]] = {}
+        marked = []
+        for bank in banks:
+            if (type(bank).clear is not AdapterBank.clear or type(bank).write is not AdapterBank.write
+                    or bank.bias is not None or bank.magnitude is not None):
+                bank.clear(slot)
+                continue
+            A, B, ranks = bank.A, bank.B, bank.ranks
+            zeros.setdefault((A.device, A.dtype), []).extend((A[slot], B[:, slot]))
+            zeros.setdefault((ranks.device, ranks.dtype), []).append(ranks[slot:slot + 1])
+            bank.dora_eps[slot] = None  # (what _write_magnitude(slot, None) does without magnitudes)
+            bank.mark(slot, 0, device=False)
+            marked.append(bank)
+        for ts in zeros.values():
+            torch._foreach_zero_(ts)
+        AdapterBank.bump(marked)
+
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
         self.B[:, slot].zero_()

@@ -295,9 +295,7 @@ class FdLoraHandle:
 
     def _clear_slot(self, slot: int) -> None:
         self.state.epoch += 1
-        for layer in self.layers.values():
-            if layer.bank.used[slot]:
-                layer.bank.clear(slot)
+        AdapterBank.clear_many([layer.bank for layer in self.layers.values() if layer.bank.used[slot]], slot)
         self.state.table.scaling[:, slot] = 0
 
     def delete_adapter(self, names: str | Sequence[str]) -> None:

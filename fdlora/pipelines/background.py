@@ -301,6 +301,7 @@ def _publish(job: Prefetch, lock, publish, payload: Any, staged: Mapping[str, An
             work.close()  # (cancelled or failed before COMMIT: nothing was changed; after it: a no-op)
 
 
+# --- the side-stream copy -------------------------------------------------------------------------------------
 def _stage_block(packed: Any, devices: Mapping[str, torch.device | None],
                  check_finite: bool) -> tuple[dict[str, Any], bool]:
     """({component: its device copy}, whether every adapter tensor is finite) for a reader-process result: per CUDA

@@ -36,3 +36,34 @@ def test_write_many_matches_write_including_a_shrinking_rank():
             for x, y in zip(state(b1), state(b2)):
                 assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
     assert torch.count_nonzero(many[0].A[0, 3:]) == 0 and torch.count_nonzero(many[0].B[:, 0, 3:]) == 0
+
+
+def test_clear_many_matches_clear_including_bias_and_dora_banks():
+    """AdapterBank.clear_many (a delete or an eviction: one slot of every layer) leaves banks bit-identical to
+    clear() bank by bank: A, B and ranks zeroed, host mirrors and versions moved; banks with a LoRA bias or a DoRA
+    slot take clear() themselves."""
+    def filled():
+        out = banks() + [AdapterBank(3, 16, 12, (10,), torch.float32, "cpu")]
+        for i, b in enumerate(out):
+            for slot, r in ((0, 5), (1, 16), (2, 3)):
+                b.write(slot, lora(b, r, 7 * i + slot))
+        g = torch.Generator().manual_seed(3)
+        out[2].write(1, ModuleLora(torch.randn(4, 10, generator=g), torch.randn(12, 4, generator=g), None,
+                                   bias=torch.randn(12, generator=g)))
+        out[0].write(2, ModuleLora(torch.randn(2, 10, generator=g), torch.randn(12, 2, generator=g), None,
+                                   magnitude=torch.rand(12, generator=g) + 0.5))
+        return out
+
+    one, many = filled(), filled()
+    for slot in (1, 2):
+        for b in one:
+            b.clear(slot)
+        versions = [b.version for b in many]
+        AdapterBank.clear_many(many, slot)
+        assert all(b.version > v for b, v in zip(many, versions))
+        for b1, b2 in zip(one, many):
+            for x, y in zip(state(b1), state(b2)):
+                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+            assert b1.dora_eps == b2.dora_eps and torch.equal(b1._buffers["dversion"], b2._buffers["dversion"])
+            assert (b1.bias is None) == (b2.bias is None) and (b1.bias is None or torch.equal(b1.bias, b2.bias))
+    assert torch.count_nonzero(many[1].A[1:]) == 0 and many[1].host_ranks == [5, 0, 0]
