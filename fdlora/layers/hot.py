@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..steps import Steps
+from ..steps import Steps, drain
 from .merged import BUDGET, _version, blend_key
 
 # what a kept entry holds, by position (one tuple: the hot path reads it with a few indexings)
@@ -108,21 +108,12 @@ def rekey(st, layers, ahead: tuple[int, list] | None = None) -> None:
     version, so the next step pays no full decision per layer (SDXL: 722 of them, ~10 ms on an H100 host) for
     this check (~2 us per layer, ~4 on a slow host) under the load's lock. `ahead`: that check made before the write
     (`rekey_steps`, in a publication's pieces), for a table whose version is still the one it was made under (the
-    caller compares): each entry is then re-armed if it is still the very entry checked, over the same copy and W."""
+    caller compares); without it the check runs now. Each entry is re-armed if it is still the very entry checked,
+    over the same copy and W."""
     token = st.table.token
-    if ahead is not None:
-        for layer, m, h, key, wv in ahead[1]:
-            if m.hot is h and m.key is key and h[MERGED] is m.buf and h[PARAMS].get("weight") is h[W] \
-                    and _version(h[W]) == wv:
-                m.hot = (token, *h[TOKEN + 1:BVERSION], layer.bank.version, *h[BVERSION + 1:])
-        return
-    for layer in layers:
-        m = layer.merged
-        h = m.hot
-        if h is None or h[MERGED] is None or h[MERGED] is not m.buf:
-            continue
-        w = h[PARAMS].get("weight")
-        if w is h[W] and m.key is not None and m.key == blend_key(layer, w):
+    for layer, m, h, key, wv in (ahead if ahead is not None else drain(rekey_steps(st, layers)))[1]:
+        if m.hot is h and m.key is key and h[MERGED] is m.buf and h[PARAMS].get("weight") is h[W] \
+                and _version(h[W]) == wv:
             m.hot = (token, *h[TOKEN + 1:BVERSION], layer.bank.version, *h[BVERSION + 1:])
 
 

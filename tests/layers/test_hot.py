@@ -24,11 +24,14 @@ def kept(model, x, path="0"):
     return hot.get(fdlora.handle(model).layers[path], x)
 
 
-def test_repeated_calls_take_it_and_every_state_change_leaves_it(cache):
+def injected():
+    """(model, its handle with 4 slots, adapters a and b not loaded yet, an input)."""
     model = net()
-    h = fdlora.inject(model, PATHS, max_slots=4, max_rank=8)
-    a, b = lora(1), lora(2)
-    x = torch.randn(5, 32)
+    return model, fdlora.inject(model, PATHS, max_slots=4, max_rank=8), lora(1), lora(2), torch.randn(5, 32)
+
+
+def test_repeated_calls_take_it_and_every_state_change_leaves_it(cache):
+    model, h, a, b, x = injected()
     with torch.no_grad():
         h.add_adapter(a, "a")
         assert kept(model, x) is None
@@ -153,10 +156,7 @@ def test_a_load_with_its_writes_made_ahead_rearms_only_entries_that_still_hold(c
 
     from fdlora.steps import drain
 
-    model = net()
-    h = fdlora.inject(model, PATHS, max_slots=4, max_rank=8)
-    a, b = lora(1), lora(2)
-    x = torch.randn(5, 32)
+    model, h, a, b, x = injected()
     with torch.no_grad():
         h.add_adapter(a, "a")
         model(x)
