@@ -254,7 +254,7 @@ class AdapterBank(nn.Module):
             A, B, ranks = bank.A, bank.B, bank.ranks
             zeros.setdefault((A.device, A.dtype), []).extend((A[slot], B[:, slot]))
             zeros.setdefault((ranks.device, ranks.dtype), []).append(ranks[slot:slot + 1])
-            bank.dora_eps[slot] = None  # (what _write_magnitude(slot, None) does without magnitudes)
+            bank._write_magnitude(slot, None)
             bank.mark(slot, 0, device=False)
             marked.append(bank)
         for ts in zeros.values():

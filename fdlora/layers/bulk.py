@@ -41,15 +41,13 @@ class Prepared:
     device: torch.device
     tables: dict[tuple, list[int]] = field(default_factory=dict)  # (src dtype, bank dtype) -> 9 numbers a row
     marks: list[tuple[AdapterBank, int, int]] = field(default_factory=list)  # (bank, slot, rank) the kernel writes
-    buffers: list[dict] = field(default_factory=list)  # each marked bank's buffers, and their addresses then:
-    where: list[int] = field(default_factory=list)  # A, B, ranks per bank
+    where: list[int] = field(default_factory=list)  # each marked bank's A, B, ranks addresses when prepared
     rest: list[tuple[AdapterBank, int, ModuleLora]] = field(default_factory=list)
 
     def launch(self, check: bool = False) -> bool:
         """Write every bank; with `check`, first that every bank is where it was when prepared (an offload hook may
         have moved it since): False, and nothing written, if one is not."""
-        if check and [p for b in self.buffers for p in (b["A"].data_ptr(), b["B"].data_ptr(),
-                                                           b["ranks"].data_ptr())] != self.where:
+        if check and _where(m[0] for m in self.marks) != self.where:
             return False
         kernel = _scatter()
         for (src, dst), rows in self.tables.items():  # (a page-locked copy: from pageable memory the host would
@@ -57,11 +55,15 @@ class Prepared:
             kernel.scatter(to_device(table, self.device), src, dst)
         for bank, slot, r in self.marks:
             bank.mark(slot, r, device=False)
-        if self.buffers:  # the device versions, one grouped launch (AdapterBank.bump, with the list made ahead)
-            torch._foreach_add_(list({id(v): v for v in (b["dversion"] for b in self.buffers)}.values()), 1)
+        AdapterBank.bump([m[0] for m in self.marks])
         if self.rest:
             AdapterBank.write_many(self.rest)
         return True
+
+
+def _where(banks) -> list[int]:
+    """The addresses of the buffers the bulk writer's table rows point into (A, B, ranks), bank after bank."""
+    return [t.data_ptr() for b in banks for t in (b._buffers["A"], b._buffers["B"], b._buffers["ranks"])]
 
 
 def write_staged(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Staged) -> None:
@@ -93,8 +95,7 @@ def prepare(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Staged, e
                 rows += (A.data_ptr() + base, a0 + slot * a_step, A.numel(), B.data_ptr() + base, b0 + slot * b_step,
                          n, r, b_row, k0 + slot * k_step)
                 out.marks.append((bank, slot, r))
-                out.buffers.append(buffers)
-                out.where += (buffers["A"].data_ptr(), buffers["B"].data_ptr(), buffers["ranks"].data_ptr())
                 continue
         out.rest.append((bank, slot, m.replace(staged.view(A), staged.view(B), staged.view(m.bias))))
+    out.where = _where(m[0] for m in out.marks)
     return out

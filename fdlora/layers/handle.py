@@ -59,13 +59,11 @@ class Writes:
 
     def launch(self, scaling: torch.Tensor, check: bool = False) -> bool:
         """Write; with `check`, False (nothing written) if a bank moved since the writes were made."""
-        if self.bulk is not None and check and not self.bulk.launch(check=True):
+        if self.bulk is not None and not self.bulk.launch(check):
             return False
-        scaling[self.rows, self.slot] = self.scales
         if self.bulk is None:
             AdapterBank.write_many(self.modules)
-        elif not check:
-            self.bulk.launch()
+        scaling[self.rows, self.slot] = self.scales
         return True
 
 
