@@ -60,6 +60,7 @@ import fdlora  # noqa: E402
 from fdlora import env  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
 from fdlora.testing import median_ms  # noqa: E402
+from fdlora.training.adapters import state_of  # noqa: E402
 
 TARGETS = {"step_x_peft": 0.75, "peak_x_peft": 1.0, "layer_x_torch": 0.6}
 
@@ -110,37 +111,56 @@ def _verify(pm, fm, loss_fn, small, autocast) -> float:
 def _time(model, loss_fn, batch, steps, dev, autocast, losses=None) -> tuple[float, float]:
     """(median step ms, peak GiB allocated above the resident baseline) of AdamW steps; the last step's loss is
     appended to `losses` if given."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5) if params else None  # the floor: no parameter to train
+    return _time_runs({"": (model, None)}, loss_fn, batch, steps, dev, autocast, losses)[""]
 
-    def step():
+
+def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[str, tuple[float, float]]:
+    """{name: (median step ms, peak GiB allocated above what was resident before the step)} of AdamW steps of each
+    run {name: (model, prepare or None, called before each of its steps)}, taken in turn one step each, so that a
+    slow spell of a shared host falls on every run alike (runs of one model share its optimizer). The last step's
+    loss of each run is appended to `losses` if given."""
+    opts = {}
+    for model, _ in runs.values():
+        if id(model) not in opts:
+            params = [p for p in model.parameters() if p.requires_grad]
+            opts[id(model)] = torch.optim.AdamW(params, lr=1e-5) if params else None  # the floor: nothing to train
+
+    def step(model, prepare):
+        if prepare is not None:
+            prepare()
         with autocast():
             loss = loss_fn(model, batch)
         loss.backward()
+        opt = opts[id(model)]
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    step()  # warm-up: optimizer state, kernels compiled
+    for model, prepare in runs.values():
+        step(model, prepare)  # warm-up: optimizer state, kernels compiled
     _sync(dev)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, peaks, last = {n: [] for n in runs}, dict.fromkeys(runs, 0.0), {}
     for _ in range(steps):
-        _sync(dev)
-        t = time.perf_counter()
-        last = step()
-        _sync(dev)
-        times.append((time.perf_counter() - t) * 1e3)
+        for name, (model, prepare) in runs.items():
+            _sync(dev)
+            if dev.type == "cuda":
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            last[name] = step(model, prepare)
+            _sync(dev)
+            times[name].append((time.perf_counter() - t) * 1e3)
+            if dev.type == "cuda":
+                peaks[name] = max(peaks[name], (torch.cuda.max_memory_allocated() - base) / 2**30)
     if losses is not None:
-        losses.append(float(last))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else float("nan")
-    for p in params:
-        p.grad = None
-    return statistics.median(times), peak
+        losses.extend(float(v) for v in last.values())
+    for model, _ in runs.values():
+        for p in model.parameters():
+            p.grad = None
+    return {n: (statistics.median(times[n]), peaks[n] if dev.type == "cuda" else float("nan")) for n in runs}
 
 
 # ----------------------------------------------------------------------------------------------- cases
@@ -243,9 +263,17 @@ def run_case(name, dev, smoke, steps) -> dict:
 
     err = _verify(pm, fm, loss_fn, small, autocast)
     bound = 1e-4 if dtype == torch.float32 else 5e-2
-    peft_ms, peft_peak = _time(pm, loss_fn, batch, steps, dev, autocast)
-    fd_ms, fd_peak = _time(fm, loss_fn, batch, steps, dev, autocast)
+    halves = state_of(fm).halves
+
+    def casts(off):  # fd-lora's A / B copies made once per pass for all layers (off: by each layer, as before)
+        return lambda: setattr(halves, "off", off)
+
+    t = _time_runs({"peft": (pm, None), "fd": (fm, casts(False)), "fd_own_casts": (fm, casts(True))}, loss_fn,
+                   batch, steps, dev, autocast)
+    (peft_ms, peft_peak), (fd_ms, fd_peak), (own_ms, _) = t["peft"], t["fd"], t["fd_own_casts"]
+    halves.off = False
     row = {"case": name, "fd_ms": fd_ms, "peft_ms": peft_ms, "step_x_peft": fd_ms / peft_ms,
+           "fd_own_casts_ms": own_ms, "own_casts_x_peft": own_ms / peft_ms,
            "fd_peak_gib": fd_peak, "peft_peak_gib": peft_peak,
            "peak_x_peft": fd_peak / peft_peak if peft_peak == peft_peak and peft_peak > 0 else None,
            "grad_rel_err": err, "grad_bound": bound, "checked": err < bound,
@@ -455,8 +483,14 @@ def layer_inputs(dev, dtype, M: int, K: int, N: int) -> tuple[torch.Tensor, ...]
 
 def layer_microbench(dev, smoke, repeats) -> list[dict]:
     """LoRA backward of one layer: what an eager training step runs (on CUDA with half activations the backward of
-    fdlora.kernels.train_ops' Function, from the h, A and s B its forward kept; else the registered op) vs the
-    PEFT-style torch path; `op_ms` times the registered op (what torch.compile traces) too."""
+    fdlora.kernels.train_ops' Function, from the hs = s h, A and s B its forward kept; else the registered op) vs the
+    PEFT-style torch path; `op_ms` times the registered op (what torch.compile traces) too.
+
+    Two measures. `gpu_x_torch`: the LoRA products alone, grad_x's LoRA part returned as its own tensor on both
+    sides. `layer_lora_x_torch`: what the LoRA part adds to the whole layer's backward, each side's layer backward
+    less the frozen base's alone (grad_x = gy W, one GEMM): fd-lora's layer adds gy W into its grad_x by the base
+    GEMM itself (addmm_, reading grad_x once more), PEFT's autograd sums the base's and the LoRA branch's grad_x of
+    the shared input (an add over [M, K], reading two and writing one), which the first measure leaves out."""
     import fdlora.kernels.train_ops  # noqa: F401
     from fdlora.kernels.reference import lora_train
 
@@ -466,19 +500,23 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
     rows = []
     for K, N in shapes:
         gy, x, A, B, s = layer_inputs(dev, dtype, M, K, N)
+        W = torch.randn(N, K, device=dev, dtype=dtype, generator=torch.Generator(dev).manual_seed(1)) / K ** 0.5
         h = (x.float() @ A.t())
 
         def op(gy=gy, x=x, h=h, A=A, B=B, s=s):  # the registered op (what torch.compile traces)
             return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, None, A, B, s)
 
         Ab, Bb, hb = A.to(dtype), B.to(dtype), h.to(dtype)
-        if dev.type == "cuda" and dtype != torch.float32 and env.train_backward() != "triton":
-            Bs = (B.float() * s).to(dtype)  # what an eager step's forward kept (fdlora.kernels.train_ops._Linear)
+        half = dev.type == "cuda" and dtype != torch.float32 and env.train_backward() != "triton"
+        if half:  # what an eager step's forward kept (fdlora.kernels.train_ops._Linear with half_casts)
+            Ac, sA, _, sB = lora_train.half_casts(A, B, s, dtype)
+            hs = torch.nn.functional.linear(x, sA)
 
-            def fd(gy=gy, x=x, hb=hb, Ab=Ab, Bs=Bs, s=s):
-                return lora_train.lora_train_linear_backward_half(gy, x, hb, None, Ab, Bs, s)
+            def fd(gy=gy, x=x, hs=hs, Ac=Ac, sB=sB, W=None):
+                return lora_train.lora_train_linear_backward_half(gy, x, hs, W, Ac, sB, None)
         else:
-            fd = op
+            def fd(gy=gy, x=x, h=h, A=A, B=B, s=s, W=None):
+                return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, W, A, B, s)
 
         def torch_path(gy=gy, x=x, s=s, hb=hb, Ab=Ab, Bb=Bb):  # autograd's work for lora_B(lora_A(x)) * s
             gys = gy * s.to(dtype)
@@ -488,13 +526,26 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
             gx = gh @ Ab
             return gx, gA, gB
 
+        def base(gy=gy, W=W):  # a frozen layer's backward: its input gradient alone
+            return gy @ W
+
+        def fd_layer(W=W):
+            return fd(W=W)
+
+        def torch_layer(gy=gy, W=W):  # the base's grad_x plus the LoRA branch's, summed as autograd sums them
+            gx, gA, gB = torch_path()
+            return (gy @ W).add_(gx), gA, gB
+
         a, b = fd(), torch_path()
         err = max(float((p.float() - q.float()).abs().max() / q.float().abs().max()) for p, q in zip(a, b))
+        a, b = fd_layer(), torch_layer()
+        err_layer = max(float((p.float() - q.float()).abs().max() / q.float().abs().max()) for p, q in zip(a, b))
         t_fd = median_ms(fd, repeats, dev.type)
         t_torch = median_ms(torch_path, repeats, dev.type)
-        t_op = median_ms(op, repeats, dev.type) if fd is not op else t_fd
+        t_op = median_ms(op, repeats, dev.type) if half else t_fd
         row = {"M": M, "K": K, "N": N, "r": 16, "dtype": str(dtype).split(".")[-1], "fd_ms": t_fd,
                "torch_ms": t_torch, "layer_x_torch": t_fd / t_torch, "op_ms": t_op, "rel_err_vs_torch": err,
+               "layer_rel_err_vs_torch": err_layer,
                "fd_backward": env.train_backward() if dev.type == "cuda" else "reference"}
         if dev.type == "cuda" and importlib.util.find_spec("triton") is not None:  # the opt-in fused kernels too
             from fdlora.kernels.triton.lora_backward import lora_backward
@@ -506,8 +557,13 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
             from bench_delta import gpu_us
 
             g_fd, g_torch = gpu_us(fd), gpu_us(torch_path)
-            row.update(fd_gpu_us=g_fd, torch_gpu_us=g_torch, gpu_x_torch=g_fd / g_torch)
+            g_base, g_fd_layer, g_torch_layer = gpu_us(base), gpu_us(fd_layer), gpu_us(torch_layer)
+            row.update(fd_gpu_us=g_fd, torch_gpu_us=g_torch, gpu_x_torch=g_fd / g_torch, base_gpu_us=g_base,
+                       fd_layer_gpu_us=g_fd_layer, torch_layer_gpu_us=g_torch_layer,
+                       layer_lora_x_torch=(g_fd_layer - g_base) / (g_torch_layer - g_base),
+                       layer_whole_x_torch=g_fd_layer / g_torch_layer)
         rows.append(row)
+        del gy, x, W
     return rows
 
 
@@ -557,12 +613,14 @@ def main(argv=None) -> int:
                       + (f"; triton kernels {r['triton_ms']:.3f} ms ({r['triton_x_torch']:.2f}x)" if "triton_ms" in r
                          else "")
                       + (f"; GPU time fd {r['fd_gpu_us']:.0f} us, torch {r['torch_gpu_us']:.0f} us "
-                         f"({r['gpu_x_torch']:.2f}x)" if "fd_gpu_us" in r else ""), flush=True)
+                         f"({r['gpu_x_torch']:.2f}x); in the layer: base {r['base_gpu_us']:.0f} us, fd "
+                         f"{r['fd_layer_gpu_us']:.0f}, torch {r['torch_layer_gpu_us']:.0f}, LoRA part "
+                         f"{r['layer_lora_x_torch']:.2f}x" if "fd_gpu_us" in r else ""), flush=True)
             continue
         row = run_case(name, dev, a.smoke, steps)
         result["cases"].append(row)
         print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
-              f"({row['step_x_peft']:.2f}x); "
+              f"({row['step_x_peft']:.2f}x; each layer casting its own {row['own_casts_x_peft']:.2f}x); "
               f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; "
               f"grads vs PEFT {row['grad_rel_err']:.1e} ({'ok' if row['checked'] else 'MISMATCH'}); "
               f"floor (no LoRA) {row['floor_ms']:.1f} ms = {row['floor_x_peft']:.2f}x PEFT", flush=True)

@@ -193,7 +193,7 @@ class _Linear(torch.autograd.Function):
     in-place GEMM pair (instead of the base's own backward, a second [M, K] gradient and their sum)."""
 
     @staticmethod
-    def forward(ctx, x, u, y0, W, bias, A, B, scale, run=None):
+    def forward(ctx, x, u, y0, W, bias, A, B, scale, run=None, casts=None):
         shape = ctx.shape = x.shape
         if run is not None:
             y0, ctx.saved = run.forward(x)  # grad mode is off in here: the base records nothing
@@ -205,6 +205,7 @@ class _Linear(torch.autograd.Function):
         dt = lora_in.dtype
         ctx.a_dtype, ctx.b_dtype = A.dtype, B.dtype
         own = run is not None
+        folded = None  # the scale: None when folded into the saved h (casts made ahead)
         if (dt is x.dtype is A.dtype is B.dtype and (dt is torch.float32 or dt is torch.float64)
                 and (W is None or W.dtype is dt) and (bias is None or bias.dtype is dt)
                 and (y0 is None or y0.dtype is dt)):
@@ -212,11 +213,18 @@ class _Linear(torch.autograd.Function):
             y, h = ref.lora_train_linear_uniform(x, lora_in, y0, W, bias, A, B, scale, own)
         elif _half_pair(lora_in):
             ctx.how = _HALF
-            y, h, A, B = ref.lora_train_linear_half(x, lora_in, y0, W, bias, A, B, scale, own)  # A, B kept cast
+            if (y0 is None or y0.dtype is dt) and (W is None or x.dtype is dt):  # (y in u's dtype)
+                As, sA, Bc, sB = ref.half_casts(A, B, scale, dt) if casts is None or casts[0].dtype is not dt \
+                    else casts
+                y, h = ref.lora_train_linear_half_cast(x, lora_in, y0, W, bias, sA, Bc, own)
+                A, B = As, sB  # what the backward reads, with h = s u A^T
+            else:
+                y, h, A, B = ref.lora_train_linear_half(x, lora_in, y0, W, bias, A, B, scale, own)  # A, B kept cast
+                folded = scale
         else:
             ctx.how = _MIXED
             y, h = ref.lora_train_linear(x, lora_in, y0, W, bias, A, B, scale)
-        ctx.u_is_x, ctx.scale, ctx.run = u is None, scale, run
+        ctx.u_is_x, ctx.scale, ctx.run = u is None, scale if ctx.how is not _HALF else folded, run
         ctx.y0_dtype = None if y0 is None or own else y0.dtype
         ctx.save_for_backward(lora_in, h, W, A, B)
         return y if len(shape) == 2 else _unsafe_view(y, (*shape[:-1], y.shape[-1]))
@@ -255,7 +263,7 @@ class _Linear(torch.autograd.Function):
             grad_x = None if grad_x is None else grad_x.view(shape)
             grad_u = None if grad_u is None else grad_u.view(shape)
             grad_y0 = None if grad_y0 is None else grad_y0.view(*shape[:-1], gy.shape[-1])
-        return grad_x, grad_u, grad_y0, None, None, grad_A, grad_B, None, None
+        return grad_x, grad_u, grad_y0, None, None, grad_A, grad_B, None, None, None
 
 
 # Function.apply without its Python wrapper (argument binding for setup_context Functions, functorch unwrapping):
@@ -282,9 +290,10 @@ class _Conv2d(torch.autograd.Function):
 
 
 def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | None, bias: Tensor | None, A: Tensor,
-                 B: Tensor, scale: Tensor) -> Tensor:
+                 B: Tensor, scale: Tensor, casts: tuple[Tensor, ...] | None = None) -> Tensor:
     """y [..., N] of fdlora::lora_train_linear for x [..., K] (u like x, y0 like y): the registered op (on the
-    leading dimensions folded) while torch.compile traces, its eager Function otherwise."""
+    leading dimensions folded) while torch.compile traces, its eager Function otherwise. `casts`: A, s A, B, s B
+    made ahead in the activations' dtype (fdlora.layers.half_casts; the eager half-precision pair reads them)."""
     if torch.compiler.is_compiling():
         K = x.shape[-1]
         y = torch.ops.fdlora.lora_train_linear(x.reshape(-1, K), None if u is None else u.reshape(-1, K),
@@ -293,10 +302,11 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
         return y.view(*x.shape[:-1], y.shape[-1])
     if torch._C._are_functorch_transforms_active():
         return _Linear.apply(x, u, y0, W, bias, A, B, scale)
-    return _linear_apply(x, u, y0, W, bias, A, B, scale)
+    return _linear_apply(x, u, y0, W, bias, A, B, scale, None, casts)
 
 
-def train_linear_over(base, run, x: Tensor, u: Tensor | None, A: Tensor, B: Tensor, scale: Tensor) -> Tensor:
+def train_linear_over(base, run, x: Tensor, u: Tensor | None, A: Tensor, B: Tensor, scale: Tensor,
+                      casts: tuple[Tensor, ...] | None = None) -> Tensor:
     """base(x) + the LoRA part, for a frozen `base` module whose input gradient is gy W, and `run` computing both as
     the module does: run.forward(x) -> (base(x), saved), run.weight(saved, dtype) -> W [N, K] (a bitsandbytes 4-bit
     layer: fdlora.layers.frozen_4bit). In eager the base runs inside the Function (see _Linear): no graph node and no
@@ -304,7 +314,7 @@ def train_linear_over(base, run, x: Tensor, u: Tensor | None, A: Tensor, B: Tens
     base(x) through its own autograd and the registered op, as for any outside base."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return train_linear(x, u, base(x), None, None, A, B, scale)
-    return _linear_apply(x, u, None, None, None, A, B, scale, run)
+    return _linear_apply(x, u, None, None, None, A, B, scale, run, casts)
 
 
 def train_conv2d(u: Tensor, y0: Tensor, A: Tensor, B: Tensor, scale: Tensor, stride: list[int],

@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import FdLoraError
 from ..kernels import train_ops
 from .frozen_4bit import frozen_4bit
+from .half_casts import HalfCasts
 from .fused import FusedLoraLinear, linear_dims
 from .state import Mode
 
@@ -51,6 +52,7 @@ class TrainState:
     configs: dict[str, object] = field(default_factory=dict)  # name -> the LoraConfig it was made from
     _index: dict = field(default_factory=dict)  # (samples tuple, name, device) -> index tensor
     _cast: tuple | None = field(default=None, repr=False, compare=False)  # the last autocast cast (see cast)
+    halves: HalfCasts = field(default_factory=HalfCasts, repr=False, compare=False)  # A, B copies per forward pass
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cast": None}  # (weak references do not pickle)
@@ -118,6 +120,7 @@ class _TrainableLora(_Passthrough):
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         self.dropout: dict[str, float] = {}
+        self.scale_f: dict[str, float] = {}  # the scaling buffers' values (what HalfCasts multiplies by)
         object.__setattr__(self, "state", state)
 
     def add(self, name: str, r: int, scale: float, dropout: float, init: object, dtype: torch.dtype,
@@ -138,6 +141,7 @@ class _TrainableLora(_Passthrough):
         self.register_buffer(f"scaling_{name}", torch.tensor(float(scale), dtype=torch.float32, device=device),
                              persistent=False)
         self.dropout[name] = float(dropout)
+        self.scale_f[name] = float(scale)
 
     def scaling(self, name: str) -> torch.Tensor:
         return self._buffers[f"scaling_{name}"]
@@ -153,6 +157,14 @@ class _TrainableLora(_Passthrough):
         steps of hundreds of small layers."""
         m = self._modules
         return m["lora_A"]._parameters[name], m["lora_B"]._parameters[name], self._buffers[f"scaling_{name}"]
+
+    def _lora_cast(self, name: str, x: torch.Tensor) -> tuple:
+        """`_lora` and the half-precision copies of A and B that an eager CUDA step of x reads, made ahead for the
+        whole model (fdlora.layers.half_casts; None where the layer makes its own)."""
+        A, B, scale = self._lora(name)
+        if not train_ops._half_pair(x):
+            return A, B, scale, None
+        return A, B, scale, self.state.halves.get((self.path, name), A, B, self.scale_f[name], scale, x.dtype)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         st = self.state
@@ -238,18 +250,18 @@ class TrainableLoraLinear(_TrainableLora):
         plain = self._plain_weight(args, kwargs)
         if plain is None and (inside := self._inside_base(args, kwargs)) is not None:
             y = train_ops.train_linear_over(inside, self._run_4bit, x, self._lora_input(names[0], x),
-                                            *self._lora(names[0]))
+                                            *self._lora_cast(names[0], x))
             for name in names[1:]:
                 y = self._add_lora(x, y, name)
             return y
         y, (W, bias) = (None, plain) if plain is not None else (self._base_out(x, args, kwargs), (None, None))
         for name in names:
-            y = train_ops.train_linear(x, self._lora_input(name, x), y, W, bias, *self._lora(name))
+            y = train_ops.train_linear(x, self._lora_input(name, x), y, W, bias, *self._lora_cast(name, x))
             W = bias = None  # the base goes into the first adapter's call only
         return y
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
-        return train_ops.train_linear(x, self._lora_input(name, x), y, None, None, *self._lora(name))
+        return train_ops.train_linear(x, self._lora_input(name, x), y, None, None, *self._lora_cast(name, x))
 
 
 class TrainableLoraConv2d(_TrainableLora):

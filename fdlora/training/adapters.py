@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import AdapterNameError, DuplicateAdapterError, TargetError, UnknownAdapterError, UnsupportedFeatureError
+from ..layers import half_casts
 from ..layers.trainable import TRAINABLE, SavedCopy, TrainableLoraConv2d, TrainableLoraLinear, TrainState
 from ..pipelines.transformers import loraconfig
 
@@ -133,6 +134,8 @@ def add_trainable_adapter(model: nn.Module, name: str, config: object, *, dtype:
         module.add(name)
     st.configs[name] = cfg
     st.active.append(name)
+    st.halves.clear()
+    half_casts.arm(model, st)
     _freeze(model)
     return model
 
@@ -208,3 +211,4 @@ def remove_trainable(model: nn.Module) -> None:
     """Put every wrapped module back (trainable adapters and modules_to_save copies are dropped)."""
     for path, m in _wrappers(model):
         _set(model, path, m.base)
+    half_casts.disarm(model)

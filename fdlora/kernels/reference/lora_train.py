@@ -158,19 +158,40 @@ def lora_train_linear_half(
     return _add_delta(base, y0, _to(h, out), Bs, own_y0), h, As, Bs
 
 
+def lora_train_linear_half_cast(
+    x: torch.Tensor, u: torch.Tensor, y0: torch.Tensor | None, W: torch.Tensor | None, bias: torch.Tensor | None,
+    sA: torch.Tensor, Bc: torch.Tensor, own_y0: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # y, hs = u (s A)^T [M, r], both in u's dtype
+    """`lora_train_linear_half` from casts made ahead (`half_casts`: sA = s A and Bc = B in u's dtype, which is
+    also y's): the scale is folded into the saved hs, so the backward needs no product with it (see
+    `lora_train_linear_backward_half` with scale None) and the forward runs no cast: 3 launches for a plain base."""
+    hs = F.linear(u, sA)
+    return _add_delta(_base(x, y0, W, bias, u.dtype), y0, hs, Bc, own_y0), hs
+
+
+def half_casts(A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # A, s A, B, s B in dtype
+    """What `lora_train_linear_half_cast` (s A, B) and its backward (A, s B) read, each product in A's / B's
+    precision rounded once. fdlora.layers.half_casts makes the same tensors for all layers of a model at once."""
+    return _to(A, dtype), _scaled(A, scale, dtype), _to(B, dtype), _scaled(B, scale, dtype)
+
+
 def lora_train_linear_backward_half(
     gy: torch.Tensor, u: torch.Tensor, h: torch.Tensor, W: torch.Tensor | None, As: torch.Tensor, Bs: torch.Tensor,
-    scale: torch.Tensor, need_u: bool = True,
+    scale: torch.Tensor | None, need_u: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:  # grad_u (u's dtype; None: not needed), fp32 grads
     """The backward of `lora_train_linear_half` from its saved h, As and Bs: g = gy Bs, grad_B = s gy^T h,
     grad_A = g^T u, grad_u = g As (+ gy W, added in place), the weight gradients accumulated and returned in fp32 by
-    the GEMM itself on CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`. (Each piece's
+    the GEMM itself on CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`. With scale
+    None, h is `lora_train_linear_half_cast`'s hs = s h, so grad_B = gy^T hs needs no product (4 launches). (Each piece's
     other forms, cuBLAS orientations and Triton kernels: fdlora.kernels.triton.lora_backward_parts; none was faster
     per call on an H100, benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward_parts.json; as GPU time some
     compositions were, sweep_train_backward_parts_graph.json, short of the target at two shapes.)"""
     dt = u.dtype
     g = torch.mm(gy, _to(Bs, dt))  # [M, r]
-    grad_B = _mm_f32(gy.t(), h).mul_(scale)
+    grad_B = _mm_f32(gy.t(), h)
+    if scale is not None:
+        grad_B.mul_(scale)
     grad_A = _mm_f32(g.t(), u)
     if not need_u:
         return None, grad_A, grad_B
