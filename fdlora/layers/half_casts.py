@@ -13,8 +13,8 @@ counters have not moved since. The pass bounds what the counters cannot see (an 
 some optimizers make it): no pass reuses another's copies, as autocast's weight cast cache lives for one autocast
 region. Outside a pass (a submodule called on its own, gradient checkpointing's recompute in the backward), for a
 layer whose parameters were replaced, in a model sharded by FSDP (its units gather their parameters as each is
-called), or once the parameters' storage moved between passes (ZeRO-3 frees it), the layer makes its own with `half_casts`: the same tensors bit for bit, so a recompute saves
-what the first forward saved.
+called), or once the parameters' storage moved between passes (ZeRO-3 frees it), the layer makes its own with
+`half_casts`: the same tensors bit for bit, so a recompute saves what the first forward saved.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from torch import nn
 from ..errors import FdLoraError
 from ..kernels import train_ops
 from .frozen_4bit import frozen_4bit
-from .half_casts import HalfCasts
 from .fused import FusedLoraLinear, linear_dims
+from .half_casts import HalfCasts
 from .state import Mode
 
 

@@ -93,7 +93,7 @@ def test_replaced_parameters_and_a_layer_called_alone():
     batch = _batch(armed)
     armed(**batch), alone(**batch)
     for m in (armed, alone):  # new Parameter objects under the same names
-        for path, (A, B) in fdlora.lora_parameters(m, "a").items():
+        for path, (A, _) in fdlora.lora_parameters(m, "a").items():
             layer = m.get_submodule(path)
             layer.lora_A["a"] = torch.nn.Parameter(A.detach() * 3)
     assert torch.equal(armed(**batch).logits, alone(**batch).logits)
