@@ -184,9 +184,9 @@ def lora_train_linear_backward_half(
     grad_A = g^T u, grad_u = g As (+ gy W, added in place), the weight gradients accumulated and returned in fp32 by
     the GEMM itself on CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`. With
     scale None, h is `lora_train_linear_half_cast`'s hs = s h, so grad_B = gy^T hs needs no product (4 launches).
-    (Each piece's other forms, cuBLAS orientations and Triton kernels: fdlora.kernels.triton.lora_backward_parts; none was faster
-    per call on an H100, benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward_parts.json; as GPU time some
-    compositions were, sweep_train_backward_parts_graph.json, short of the target at two shapes.)"""
+    (Each piece's other forms, cuBLAS orientations and Triton kernels: fdlora.kernels.triton.lora_backward_parts;
+    none was faster per call on an H100, benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward_parts.json;
+    as GPU time some compositions were, sweep_train_backward_parts_graph.json, short of the target at two shapes.)"""
     dt = u.dtype
     g = torch.mm(gy, _to(Bs, dt))  # [M, r]
     grad_B = _mm_f32(gy.t(), h)
