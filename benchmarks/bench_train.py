@@ -114,6 +114,10 @@ def _time(model, loss_fn, batch, steps, dev, autocast, losses=None) -> tuple[flo
     return _time_runs({"": (model, None)}, loss_fn, batch, steps, dev, autocast, losses)[""]
 
 
+BLOCKED = False  # --blocked: each run's steps one after another (as before session 28), not in turn
+STEP_MS: dict[str, list[float]] = {}  # the last _time_runs' step times, per run
+
+
 def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[str, tuple[float, float]]:
     """{name: (median step ms, peak GiB allocated above what was resident before the step)} of AdamW steps of each
     run {name: (model, prepare or None, called before each of its steps)}, taken in turn one step each, so that a
@@ -143,23 +147,26 @@ def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     times, peaks, last = {n: [] for n in runs}, dict.fromkeys(runs, 0.0), {}
-    for _ in range(steps):
-        for name, (model, prepare) in runs.items():
-            _sync(dev)
-            if dev.type == "cuda":
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            last[name] = step(model, prepare)
-            _sync(dev)
-            times[name].append((time.perf_counter() - t) * 1e3)
-            if dev.type == "cuda":
-                peaks[name] = max(peaks[name], (torch.cuda.max_memory_allocated() - base) / 2**30)
+    order = [n for n in runs for _ in range(steps)] if BLOCKED else [n for _ in range(steps) for n in runs]
+    for name in order:
+        model, prepare = runs[name]
+        _sync(dev)
+        if dev.type == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        last[name] = step(model, prepare)
+        _sync(dev)
+        times[name].append((time.perf_counter() - t) * 1e3)
+        if dev.type == "cuda":
+            peaks[name] = max(peaks[name], (torch.cuda.max_memory_allocated() - base) / 2**30)
     if losses is not None:
         losses.extend(float(v) for v in last.values())
     for model, _ in runs.values():
         for p in model.parameters():
             p.grad = None
+    STEP_MS.clear()
+    STEP_MS.update(times)
     return {n: (statistics.median(times[n]), peaks[n] if dev.type == "cuda" else float("nan")) for n in runs}
 
 
@@ -241,16 +248,6 @@ def floor_model(build, first, dev):
     return model
 
 
-def floor_ms(build, first, loss_fn, batch, steps, dev, autocast) -> float:
-    """Step ms of `floor_model`."""
-    model = floor_model(build, first, dev)
-    ms, _ = _time(model, loss_fn, batch, steps, dev, autocast)
-    del model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return ms
-
-
 def run_case(name, dev, smoke, steps) -> dict:
     build, lora_cfg, batch, small, loss_fn, dtype, first = CASES[name](dev, smoke)
     pm, fm = _pair(build, lora_cfg, dev)
@@ -268,22 +265,27 @@ def run_case(name, dev, smoke, steps) -> dict:
     def casts(off):  # fd-lora's A / B copies made once per pass for all layers (off: by each layer, as before)
         return lambda: setattr(halves, "off", off)
 
-    t = _time_runs({"peft": (pm, None), "fd": (fm, casts(False)), "fd_own_casts": (fm, casts(True))}, loss_fn,
-                   batch, steps, dev, autocast)
-    (peft_ms, peft_peak), (fd_ms, fd_peak), (own_ms, _) = t["peft"], t["fd"], t["fd_own_casts"]
+    floor = floor_model(build, first, dev)  # resident beside the pair, so that its steps are taken in turn too
+    t = _time_runs({"peft": (pm, None), "fd": (fm, casts(False)), "fd_own_casts": (fm, casts(True)),
+                    "floor": (floor, None)}, loss_fn, batch, steps, dev, autocast)
+    (peft_ms, peft_peak), (fd_ms, fd_peak), (own_ms, _), (floor_ms_, _) = (t[k] for k in ("peft", "fd", "fd_own_casts",
+                                                                                           "floor"))
     halves.off = False
+    step_ms = {k: [round(v, 2) for v in vs] for k, vs in STEP_MS.items()}
+    rounds = [f / p for f, p in zip(step_ms["fd"], step_ms["peft"])]  # each round's steps were taken together
     row = {"case": name, "fd_ms": fd_ms, "peft_ms": peft_ms, "step_x_peft": fd_ms / peft_ms,
+           "round_ratio_median": statistics.median(rounds),
            "fd_own_casts_ms": own_ms, "own_casts_x_peft": own_ms / peft_ms,
+           "timing": "blocked" if BLOCKED else "in turn",
            "fd_peak_gib": fd_peak, "peft_peak_gib": peft_peak,
            "peak_x_peft": fd_peak / peft_peak if peft_peak == peft_peak and peft_peak > 0 else None,
            "grad_rel_err": err, "grad_bound": bound, "checked": err < bound,
-           "trainable_params": sum(p.numel() for p in fdlora.trainable_parameters(fm))}
-    del pm, fm
+           "trainable_params": sum(p.numel() for p in fdlora.trainable_parameters(fm)),
+           "floor_ms": floor_ms_, "floor_x_peft": floor_ms_ / peft_ms, "fd_x_floor": fd_ms / floor_ms_,
+           "step_ms": step_ms}
+    del pm, fm, floor
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    row["floor_ms"] = floor_ms(build, first, loss_fn, batch, steps, dev, autocast)
-    row["floor_x_peft"] = row["floor_ms"] / peft_ms
-    row["fd_x_floor"] = fd_ms / row["floor_ms"]
     return row
 
 
@@ -435,7 +437,7 @@ def run_multi(a) -> int:
     modes = [m for m in ("ddp", "fsdp") if getattr(a, m)]
     cases = [c for c in a.cases if c in CASES]
     pairs = [(m, c) for m in modes for c in cases if c != "vit"] + [(m, "vit") for m in modes if "vit" in cases]
-    steps = a.steps or (2 if a.smoke else 10)
+    steps = a.steps or (2 if a.smoke else 30)
     meta, failed = None, False
     if acc.is_main_process:
         e = environment(acc.device)
@@ -597,11 +599,15 @@ def main(argv=None) -> int:
                    "batch split over the processes, the model replicated (DDP); rows merged into --out")
     p.add_argument("--fsdp", action="store_true", help="under accelerate launch: the same with the frozen base "
                    "sharded as `fdlora train` shards it (FSDP2); with --ddp, both modes in one launch")
+    p.add_argument("--blocked", action="store_true", help="time each run's steps one after another instead of in "
+                   "turn (the order before session 28; a shared host's slow spells then fall on one run)")
     a = p.parse_args(argv)
+    global BLOCKED
+    BLOCKED = a.blocked
     if a.ddp or a.fsdp:
         return run_multi(a)
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
-    steps = a.steps or (2 if a.smoke else 10)
+    steps = a.steps or (2 if a.smoke else 30)
     result = {"env": environment(dev), "smoke": a.smoke, "targets": TARGETS, "cases": [], "layer": []}
     for name in a.cases:
         if name == "layer":
@@ -620,7 +626,8 @@ def main(argv=None) -> int:
         row = run_case(name, dev, a.smoke, steps)
         result["cases"].append(row)
         print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
-              f"({row['step_x_peft']:.2f}x; each layer casting its own {row['own_casts_x_peft']:.2f}x); "
+              f"({row['step_x_peft']:.2f}x, per round {row['round_ratio_median']:.2f}x; each layer casting its own "
+              f"{row['own_casts_x_peft']:.2f}x); "
               f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; "
               f"grads vs PEFT {row['grad_rel_err']:.1e} ({'ok' if row['checked'] else 'MISMATCH'}); "
               f"floor (no LoRA) {row['floor_ms']:.1f} ms = {row['floor_x_peft']:.2f}x PEFT", flush=True)
