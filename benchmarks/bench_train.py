@@ -116,6 +116,7 @@ def _time(model, loss_fn, batch, steps, dev, autocast, losses=None) -> tuple[flo
 
 BLOCKED = False  # --blocked: each run's steps one after another (as before session 28), not in turn
 STEP_MS: dict[str, list[float]] = {}  # the last _time_runs' step times, per run
+CPU_MS: dict[str, list[float]] = {}  # and the process CPU time of each step's enqueue (before the final sync)
 
 
 def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[str, tuple[float, float]]:
@@ -146,7 +147,7 @@ def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[
     _sync(dev)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    times, peaks, last = {n: [] for n in runs}, dict.fromkeys(runs, 0.0), {}
+    times, peaks, last, cpu = {n: [] for n in runs}, dict.fromkeys(runs, 0.0), {}, {n: [] for n in runs}
     order = [n for n in runs for _ in range(steps)] if BLOCKED else [n for _ in range(steps) for n in runs]
     for name in order:
         model, prepare = runs[name]
@@ -154,8 +155,9 @@ def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[
         if dev.type == "cuda":
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         last[name] = step(model, prepare)
+        cpu[name].append((time.process_time() - c) * 1e3)
         _sync(dev)
         times[name].append((time.perf_counter() - t) * 1e3)
         if dev.type == "cuda":
@@ -167,6 +169,8 @@ def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[
             p.grad = None
     STEP_MS.clear()
     STEP_MS.update(times)
+    CPU_MS.clear()
+    CPU_MS.update(cpu)
     return {n: (statistics.median(times[n]), peaks[n] if dev.type == "cuda" else float("nan")) for n in runs}
 
 
@@ -273,6 +277,7 @@ def run_case(name, dev, smoke, steps) -> dict:
     halves.off = False
     step_ms = {k: [round(v, 2) for v in vs] for k, vs in STEP_MS.items()}
     rounds = [f / p for f, p in zip(step_ms["fd"], step_ms["peft"])]  # each round's steps were taken together
+    cpu = {k: statistics.median(v) for k, v in CPU_MS.items()}
     row = {"case": name, "fd_ms": fd_ms, "peft_ms": peft_ms, "step_x_peft": fd_ms / peft_ms,
            "round_ratio_median": statistics.median(rounds),
            "fd_own_casts_ms": own_ms, "own_casts_x_peft": own_ms / peft_ms,
@@ -282,6 +287,7 @@ def run_case(name, dev, smoke, steps) -> dict:
            "grad_rel_err": err, "grad_bound": bound, "checked": err < bound,
            "trainable_params": sum(p.numel() for p in fdlora.trainable_parameters(fm)),
            "floor_ms": floor_ms_, "floor_x_peft": floor_ms_ / peft_ms, "fd_x_floor": fd_ms / floor_ms_,
+           "cpu_ms": cpu, "cpu_x_peft": cpu["fd"] / cpu["peft"],
            "step_ms": step_ms}
     del pm, fm, floor
     if dev.type == "cuda":
@@ -559,11 +565,12 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
             from bench_delta import gpu_us
 
             g_fd, g_torch = gpu_us(fd), gpu_us(torch_path)
-            g_base, g_fd_layer, g_torch_layer = gpu_us(base), gpu_us(fd_layer), gpu_us(torch_layer)
+            rounds = [[gpu_us(f) for f in (base, fd_layer, torch_layer)] for _ in range(5)]  # in turn: clocks drift
+            g_base, g_fd_layer, g_torch_layer = (statistics.median(r[i] for r in rounds) for i in range(3))
             row.update(fd_gpu_us=g_fd, torch_gpu_us=g_torch, gpu_x_torch=g_fd / g_torch, base_gpu_us=g_base,
                        fd_layer_gpu_us=g_fd_layer, torch_layer_gpu_us=g_torch_layer,
-                       layer_lora_x_torch=(g_fd_layer - g_base) / (g_torch_layer - g_base),
-                       layer_whole_x_torch=g_fd_layer / g_torch_layer)
+                       layer_lora_x_torch=statistics.median((f - b) / (t - b) for b, f, t in rounds),
+                       layer_whole_x_torch=g_fd_layer / g_torch_layer, layer_rounds_us=rounds)
         rows.append(row)
         del gy, x, W
     return rows
@@ -627,7 +634,7 @@ def main(argv=None) -> int:
         result["cases"].append(row)
         print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
               f"({row['step_x_peft']:.2f}x, per round {row['round_ratio_median']:.2f}x; each layer casting its own "
-              f"{row['own_casts_x_peft']:.2f}x); "
+              f"{row['own_casts_x_peft']:.2f}x; host CPU per step {row['cpu_x_peft']:.2f}x); "
               f"peak {row['fd_peak_gib']:.2f} vs {row['peft_peak_gib']:.2f} GiB; "
               f"grads vs PEFT {row['grad_rel_err']:.1e} ({'ok' if row['checked'] else 'MISMATCH'}); "
               f"floor (no LoRA) {row['floor_ms']:.1f} ms = {row['floor_x_peft']:.2f}x PEFT", flush=True)

@@ -302,7 +302,28 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
         return y.view(*x.shape[:-1], y.shape[-1])
     if torch._C._are_functorch_transforms_active():
         return _Linear.apply(x, u, y0, W, bias, A, B, scale)
+    if casts is not None and u is None and y0 is None and W is not None:  # the C++ form, where it is built
+        dt = x.dtype
+        if W.dtype is dt and (bias is None or bias.dtype is dt) and casts[0].dtype is dt:
+            host = _HOST or _host()
+            if host is not False:
+                return host(x, A, B, W, bias, *casts)
     return _linear_apply(x, u, y0, W, bias, A, B, scale, None, casts)
+
+
+_HOST = None  # fdlora.kernels.host's half_linear once looked for (False: not available here)
+
+
+def _host():
+    """The C++ form of the half pair over a plain base (fdlora.kernels.host: the same ATen calls without the Python
+    around them), built on first use; False where it cannot be (the Function above then runs)."""
+    global _HOST
+    if _HOST is None:
+        from .host import build
+
+        lib = build.load()
+        _HOST = lib.half_linear if lib is not None else False
+    return _HOST
 
 
 def train_linear_over(base, run, x: Tensor, u: Tensor | None, A: Tensor, B: Tensor, scale: Tensor,

@@ -152,3 +152,22 @@ def test_no_cast_per_layer_in_a_pass():
             m(**batch).loss.backward()
         counts.append(c.casts)
     assert counts[1] - counts[0] == 4 * n  # A, s A, B, s B per layer, made by six grouped ops instead
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_layer_equals_the_python_function(device, monkeypatch):
+    """fdlora.kernels.host's C++ form of the layer (plain base, casts made ahead) against the Python Function it
+    stands in for: the same steps bit for bit. Where no C++ compiler builds it, the layer runs the Function."""
+    from fdlora.kernels.host import build
+
+    if build.problem() is not None:
+        pytest.skip(f"the C++ training layer cannot be built here: {build.problem()}")
+    armed = _model(device=device)
+    twin = copy.deepcopy(armed)
+    batch = _batch(armed)
+    got = _train(armed, 3, batch)
+    assert train_ops._HOST not in (None, False), build.status()
+    monkeypatch.setattr(train_ops, "_HOST", False)
+    want = _train(twin, 3, batch)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.equal(a, b)

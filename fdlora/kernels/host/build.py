@@ -1,0 +1,102 @@
+"""Building and loading the C++ training layer (train.cpp): just in time on first use, into the cache.
+
+Needs a C++ compiler and ninja (no CUDA toolkit: the file calls ATen only, so one build serves CPU and CUDA); built
+once per torch and source version into $FDLORA_CUDA_CACHE (default ~/.cache/fdlora/cuda)/host-<digest>/, under a
+file lock so concurrent processes build once (about half a minute). `FDLORA_TRAIN_CPP=0` turns it off. Where it
+cannot be built, `load()` returns None and `status()` says why; the layers then run their Python Function, which
+computes the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from ... import env
+
+SOURCE = Path(__file__).parent / "train.cpp"
+NAME = "fdlora_train_host"
+FLAGS = ["-O3"]
+VAR = "FDLORA_TRAIN_CPP"
+
+
+def build_dir() -> Path:
+    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    return env.cuda_cache_dir() / f"host-torch{torch.__version__.split('+')[0]}-{h}"
+
+
+def problem() -> str | None:
+    """Why the library cannot be built or used here, or None."""
+    if os.environ.get(VAR, "").strip().lower() in ("0", "off", "false", "no"):
+        return f"{VAR} turns it off"
+    if (build_dir() / f"{NAME}.so").is_file():
+        return None
+    if shutil.which("ninja") is None and shutil.which("ninja", path=os.path.dirname(sys.executable)) is None:
+        return "ninja not found; pip install ninja"
+    from ..cuda.build import compiler
+
+    if compiler() is None:
+        return "no C++ compiler that links libstdc++ as a shared library (g++ or c++ on PATH, or CXX)"
+    return None
+
+
+_loaded: object = None
+_reason: str | None = None
+
+
+def status() -> str:
+    if _loaded is not None and _loaded is not False:
+        return f"loaded ({build_dir() / NAME}.so)"
+    return f"not loaded: {_reason or problem() or 'builds on first use'}"
+
+
+def load():
+    """The library's module (building it first if needed), or None where it cannot be built (see status)."""
+    global _loaded, _reason
+    if _loaded is None:
+        _loaded, _reason = False, problem()
+        if _reason is None:
+            try:
+                _loaded = _import(_build())
+            except Exception as e:  # a failed build leaves the Python path, with the reason kept
+                _reason = f"building it failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:] or e}"
+    return _loaded or None
+
+
+def _build() -> Path:
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    from ..cuda.build import compiler
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / f"{NAME}.so"
+    with FileLock(str(out / "build.lock"), timeout=1800):
+        if lib.is_file():
+            return lib
+        print(f"[fdlora] building the C++ training layer into {out} (once; about half a minute)", file=sys.stderr,
+              flush=True)
+        previous = os.environ.get("CXX")
+        os.environ["CXX"] = compiler()
+        try:
+            cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(out), verbose=False)
+        finally:
+            if previous is None:
+                os.environ.pop("CXX", None)
+            else:
+                os.environ["CXX"] = previous
+    return lib
+
+
+def _import(lib: Path):
+    spec = importlib.util.spec_from_file_location(NAME, str(lib))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
