@@ -9,14 +9,19 @@ fdlora.kernels.train_ops' Function, reusing what its forward kept; the registere
 PEFT-style torch path (four GEMMs and a scale: grad_B, g, grad_A, grad_x) at Llama-3-8B layer shapes: wall time of
 one call synchronised on both sides (host launch time included: at N = 1024 the pieces are shorter on the GPU than
 their launches), and on CUDA as GPU time too (CUDA graph replays, `fd_gpu_us` / `torch_gpu_us`: what the backward
-adds to a GPU-bound step such as the llama case's).
+adds to a GPU-bound step such as the llama case's), and what the LoRA part adds to the whole layer's backward
+(`layer_lora_x_torch`; see layer_microbench).
 
 Each case verifies first (one step's LoRA gradients of fd-lora vs PEFT on a small batch, relative error reported and
-bounded), then times `--steps` optimizer steps of each (median ms) and the peak memory they allocate above what is
-resident before the loop (activations, gradients, optimizer state). Then the floor: the same base model with no
-adapter at all, frozen, its forward and the backward every LoRA training step needs (the input gradient through every
-layer, from the first targeted block's input; no weight gradient, no optimizer). No LoRA implementation can step
-faster than that, so `floor_x_peft` > 0.75 means the step target is out of reach on that case. Targets (issue 23):
+bounded), then times `--steps` rounds (default 30), each one optimizer step of PEFT, of fd-lora, of fd-lora with each
+layer making its own casts through the Python Function (`fd_own_casts`), and of the floor, in turn (a shared host's
+slow spells fall on all of them; `--blocked`: each run's steps together): median ms, the median of each round's
+fd-lora / PEFT ratio, the process's CPU time per step enqueued (`cpu_ms`: the host's work, what a host-bound step
+waits on), and the peak memory each step allocates above what was resident before it (activations, gradients). The
+floor is the same base model with no adapter at all, frozen, its forward and the backward every LoRA training step
+needs (the input gradient through every layer, from the first targeted block's input; no weight gradient, no
+optimizer). No LoRA implementation can step faster than that, so `floor_x_peft` > 0.75 means the step target is out
+of reach on that case. Targets (issue 23):
 step time <= 0.75x PEFT's, peak memory <= PEFT's, layer backward <= 0.6x the torch path. `--smoke` runs every
 code path on toy shapes on CPU.
 
