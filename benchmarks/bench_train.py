@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 import fdlora  # noqa: E402
 from fdlora import env  # noqa: E402
 from fdlora.pipelines import fullsize  # noqa: E402
-from fdlora.testing import median_ms  # noqa: E402
+from fdlora.testing import graphs_ms, median_ms  # noqa: E402
 from fdlora.training.adapters import state_of  # noqa: E402
 
 TARGETS = {"step_x_peft": 0.75, "peak_x_peft": 1.0, "layer_x_torch": 0.6}
@@ -504,7 +504,7 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
     less the frozen base's alone (grad_x = gy W, one GEMM): fd-lora's layer adds gy W into its grad_x by the base
     GEMM itself (addmm_, reading grad_x once more), PEFT's autograd sums the base's and the LoRA branch's grad_x of
     the shared input (an add over [M, K], reading two and writing one), which the first measure leaves out."""
-    import fdlora.kernels.train_ops  # noqa: F401
+    from fdlora.kernels import train_ops
     from fdlora.kernels.reference import lora_train
 
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -526,7 +526,7 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
             hs = torch.nn.functional.linear(x, sA)
 
             def fd(gy=gy, x=x, hs=hs, Ac=Ac, sB=sB, W=None):
-                return lora_train.lora_train_linear_backward_half(gy, x, hs, W, Ac, sB, None)
+                return train_ops.half_backward(gy, x, hs, W, Ac, sB, None)
         else:
             def fd(gy=gy, x=x, h=h, A=A, B=B, s=s, W=None):
                 return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, W, A, B, s)
@@ -570,12 +570,14 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
             from bench_delta import gpu_us
 
             g_fd, g_torch = gpu_us(fd), gpu_us(torch_path)
-            rounds = [[gpu_us(f) for f in (base, fd_layer, torch_layer)] for _ in range(5)]  # in turn: clocks drift
+            rounds = [list(r) for r in zip(*(  # replays in turn (the GPU's clocks drift), us
+                [t * 1e3 for t in ts] for ts in graphs_ms([base, fd_layer, torch_layer], 60)))]
             g_base, g_fd_layer, g_torch_layer = (statistics.median(r[i] for r in rounds) for i in range(3))
             row.update(fd_gpu_us=g_fd, torch_gpu_us=g_torch, gpu_x_torch=g_fd / g_torch, base_gpu_us=g_base,
                        fd_layer_gpu_us=g_fd_layer, torch_layer_gpu_us=g_torch_layer,
                        layer_lora_x_torch=statistics.median((f - b) / (t - b) for b, f, t in rounds),
-                       layer_whole_x_torch=g_fd_layer / g_torch_layer, layer_rounds_us=rounds)
+                       layer_whole_x_torch=g_fd_layer / g_torch_layer,
+                       layer_rounds_us=[[round(v, 1) for v in r] for r in rounds])
         rows.append(row)
         del gy, x, W
     return rows

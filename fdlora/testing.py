@@ -84,6 +84,13 @@ def graph_ms(fn, reps: int) -> list[float]:
     """GPU time in ms of each of `reps` replays of `fn` captured once in a CUDA graph, L2 flushed before each (no host
     time, no operand left warm in L2 by the call before). `fn` runs once uncaptured first (compiles, autotunes) and
     the graph once untimed; all on a side stream of the current device."""
+    return graphs_ms([fn], reps)[0]
+
+
+def graphs_ms(fns, reps: int) -> list[list[float]]:
+    """`graph_ms` of several functions, their replays taken in turn (rep i of each, then rep i + 1): the i-th times
+    of all of them share the GPU's clocks of that moment, so per-rep differences and ratios are steadier than those
+    of separate runs."""
     dev = torch.cuda.current_device()
     flush = _FLUSH.get(dev)
     if flush is None:
@@ -91,20 +98,25 @@ def graph_ms(fn, reps: int) -> list[float]:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        graphs = []
+        for fn in fns:
             fn()
-        graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            flush.zero_()
-            start.record(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
             graph.replay()
-            end.record(stream)
+            graphs.append(graph)
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+                  for _ in range(reps)]
+        for rep in events:
+            for graph, (start, end) in zip(graphs, rep):
+                flush.zero_()
+                start.record(stream)
+                graph.replay()
+                end.record(stream)
     torch.cuda.current_stream().wait_stream(stream)
     stream.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+    return [[rep[i][0].elapsed_time(rep[i][1]) for rep in events] for i in range(len(fns))]
 
 
 @contextlib.contextmanager

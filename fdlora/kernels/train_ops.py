@@ -252,8 +252,7 @@ class _Linear(torch.autograd.Function):
                                                                             ctx.scale, need_u)
         else:
             if ctx.how is _HALF:
-                grad_u, grad_A, grad_B = ref.lora_train_linear_backward_half(gy_u, u, h, W if u_is_x else None, A, B,
-                                                                             ctx.scale, need_u)
+                grad_u, grad_A, grad_B = half_backward(gy_u, u, h, W if u_is_x else None, A, B, ctx.scale, need_u)
             else:
                 grad_u, grad_A, grad_B = _eager_linear_backward(gy_u, u, h, W if u_is_x else None, A, B, ctx.scale)
             a_dtype, b_dtype = ctx.a_dtype, ctx.b_dtype
@@ -308,8 +307,8 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
         return y.view(*x.shape[:-1], y.shape[-1])
     if torch._C._are_functorch_transforms_active():
         return _Linear.apply(x, u, y0, W, bias, A, B, scale)
-    if casts is not None and u is None and y0 is None and W is not None:  # the C++ form, where it is built
-        dt = x.dtype
+    if casts is not None and u is None and y0 is None and W is not None and (x.numel() < FUSED_MIN or not _fused()):
+        dt = x.dtype  # the C++ form, where it is built (host time is what small layers pay; large ones, GPU time)
         if W.dtype is dt and (bias is None or bias.dtype is dt) and casts[0].dtype is dt:
             host = _HOST or _host()
             if host is not False:
@@ -318,6 +317,30 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
 
 
 _HOST = None  # fdlora.kernels.host's half_linear once looked for (False: not available here)
+FUSED_MIN = 1 << 24  # elements of u from which the half pair's backward takes the fused pass over u (GPU time)
+_FUSED = None  # lora_backward_parts.half_backward_fused once looked for (False: no Triton)
+
+
+def _fused():
+    global _FUSED
+    if _FUSED is None:
+        try:
+            from .triton.lora_backward_parts import half_backward_fused
+        except ImportError:
+            half_backward_fused = False
+        _FUSED = half_backward_fused
+    return _FUSED
+
+
+def half_backward(gy, u, h, W, As, Bs, scale, need_u=True):
+    """The half pair's backward (lora_train.lora_train_linear_backward_half's signature) as an eager CUDA step runs
+    it: from FUSED_MIN elements of u, with Triton, rank <= 64 and grad_u wanted, grad_A and grad_u in one pass over
+    u (lora_backward_parts.half_backward_fused: the LoRA part of a Llama-3-8B layer's backward 0.53-0.55x the
+    PEFT-style path's against 0.59-0.61x, benchmarks/results/nvidia-h100-80gb-hbm3/probe_x_pass.json); else
+    cuBLAS's GEMMs."""
+    if need_u and u.is_cuda and u.numel() >= FUSED_MIN and As.shape[0] <= 64 and _fused():
+        return _FUSED(gy, u, h, W, As, Bs, scale)
+    return ref.lora_train_linear_backward_half(gy, u, h, W, As, Bs, scale, need_u)
 
 
 def _host():

@@ -167,6 +167,54 @@ def test_parts_interpreted(case, tile):
                base.double() + g.double() @ As.double())
 
 
+@pytest.mark.skipif(not (HAS_TRITON and env.triton_interpret()), reason="runs under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case,tile", [pytest.param(c, t, id=f"{c[0]}-{t}") for c in PART_CASES
+                                       for t in ("16x16-w1-s1-f1", "16x16-w1-s1-f2", "32x16-w1-s1-f0")])
+def test_x_pass_interpreted(case, tile):
+    """grad_A and grad_u from one pass over u: every element of grad_u written (NaN-poisoned empty), grad_A summed
+    over ragged row groups; then the fused backward against the oracle, with and without the base W."""
+    from fdlora.kernels.triton import lora_backward_parts as P
+    from fdlora.testing import poisoned_empty
+
+    _, M, K, N, r = case
+    gy, u, h, B, A = _part_inputs(M, K, N, r)
+    g = gy @ B
+    with poisoned_empty():
+        grad_u, grad_A = P.x_pass(g, u, A, P.Tile.parse(tile))
+    _close("grad_u", grad_u, g.double() @ A.double())
+    _close("grad_A", grad_A, g.double().t() @ u.double())
+    scale = torch.tensor(0.75)
+    for W in (None, torch.randn(N, K, generator=torch.Generator().manual_seed(2)) / K ** 0.5):
+        got = P.half_backward_fused(gy, u, h * 0.75, W, A, B * 0.75, None)
+        want = ref.lora_train_linear_backward(*[None if t is None else t.double() for t in (gy, u, h, W, A, B, scale)])
+        for name, a, b in zip(("grad_u", "grad_A", "grad_B"), got, want):
+            _close(f"{name} (W={'yes' if W is not None else 'none'})", a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and CUDA), reason="needs CUDA")
+@pytest.mark.parametrize("K,N", [(4096, 1024), (1000, 700)])
+def test_fused_backward_cuda_bf16(K, N):
+    """What eager steps run for large layers (train_ops.half_backward from FUSED_MIN elements of u): the fused pass
+    against the cuBLAS half path on the same saved tensors, bf16, at a Llama-3-8B shape and a ragged one."""
+    from fdlora.kernels import train_ops
+
+    g = torch.Generator("cuda").manual_seed(0)
+    M = max(train_ops.FUSED_MIN // K + 3, 64)
+    gy = torch.randn(M, N, device="cuda", generator=g).to(BF16)
+    x = torch.randn(M, K, device="cuda", generator=g).to(BF16)
+    A = torch.randn(16, K, device="cuda", generator=g) / K ** 0.5
+    B = torch.randn(N, 16, device="cuda", generator=g) / 4
+    W = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(BF16)
+    Ac, sA, _, sB = ref.half_casts(A, B, torch.tensor(2.0, device="cuda"), BF16)
+    hs = torch.nn.functional.linear(x, sA)
+    assert train_ops._fused() is not False
+    got = train_ops.half_backward(gy, x, hs, W, Ac, sB, None)
+    want = ref.lora_train_linear_backward_half(gy, x, hs, W, Ac, sB, None)
+    for name, a, b in zip(("grad_x", "grad_A", "grad_B"), got, want):
+        _close(name, a.double(), b.double(), 1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and CUDA), reason="needs CUDA")
 @pytest.mark.parametrize("tile", ["16x16-w1-s1-f2", "128x128-w4-s3-f2", "64x256-w4-s3-f0-t", "128x128-w8-s3-f1"])

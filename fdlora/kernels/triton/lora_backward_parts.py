@@ -148,6 +148,47 @@ def _grad_a_kernel(
 
 
 @triton.jit
+def _x_pass_kernel(
+    g_ptr,  # [M, r] u's dtype
+    u_ptr,  # [M, K]
+    a_ptr,  # [r, K] u's dtype (A)
+    gu_ptr,  # [M, K] out: g A
+    gap_ptr,  # [G, r, K] fp32 out: g^T u's partial per row group
+    M, K, R, rows_per,
+    sgm, sgr, sum_, suk, sar, sak, som, sok,
+    RP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The gA and gu pieces in one pass over u's columns: each [BM, BK] step reads u's tile for grad_A's partial and
+    writes grad_u's tile beside it (g and A's columns stay in registers)."""
+    pid = tl.program_id(0)
+    kb = tl.cdiv(K, BK)
+    pid_m, pid_k = pid // kb, pid % kb
+    ks = pid_k * BK + tl.arange(0, BK)
+    km = ks < K
+    rr = tl.arange(0, RP)
+    rk = rr < R
+    a = tl.load(a_ptr + rr[:, None] * sar + ks[None, :] * sak, mask=rk[:, None] & km[None, :], other=0.0)
+    a = a.to(tl.float32) if IEEE else a.to(u_ptr.dtype.element_ty)
+    acc = tl.zeros((RP, BK), dtype=tl.float32)
+    lo = pid_m * rows_per
+    hi = tl.minimum(M, lo + rows_per)
+    for m0 in range(lo, hi, BM):
+        rows = m0 + tl.arange(0, BM)
+        rm = rows < hi
+        rows = rows.to(tl.int64)
+        g = tl.load(g_ptr + rows[:, None] * sgm + rr[None, :] * sgr, mask=rm[:, None] & rk[None, :], other=0.0)
+        u = tl.load(u_ptr + rows[:, None] * sum_ + ks[None, :] * suk, mask=rm[:, None] & km[None, :], other=0.0)
+        g = g.to(tl.float32) if IEEE else g.to(u_ptr.dtype.element_ty)
+        u = u.to(tl.float32) if IEEE else u
+        acc = mma(tl.trans(g), u, acc, False, IEEE)
+        out = mma(g, a, tl.zeros((BM, BK), dtype=tl.float32), False, IEEE)
+        tl.store(gu_ptr + rows[:, None] * som + ks[None, :] * sok, out.to(gu_ptr.dtype.element_ty),
+                 mask=rm[:, None] & km[None, :])
+    tl.store(gap_ptr + pid_m.to(tl.int64) * R * K + rr[:, None] * K + ks[None, :], acc,
+             mask=rk[:, None] & km[None, :])
+
+
+@triton.jit
 def _gy_kernel(
     gy_ptr,  # [M, N]
     bs_ptr,  # [N, r] (s B, gy's dtype)
@@ -274,6 +315,49 @@ def grad_a(
         return torch.zeros(_parts(g).shape[2], u.shape[1], dtype=torch.float32, device=u.device)
     p = grad_a_partials(g, u, tile)
     return p[0] if p.shape[0] == 1 else p.sum(0)
+
+
+def x_pass(
+    g: torch.Tensor,  # [M, r] u's dtype
+    u: torch.Tensor,  # [M, K]
+    As: torch.Tensor,  # [r, K] u's dtype
+    tile: Tile | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # grad_u = g As [M, K] (u's dtype), grad_A = g^T u [r, K] fp32
+    """The gA and gu pieces in one pass (`_x_pass_kernel`): u read once, grad_u written beside it."""
+    t = tile or (INTERPRETED if C.INTERPRET else Tile())
+    M, K = u.shape
+    r = g.shape[1]
+    out = torch.empty(M, K, dtype=u.dtype, device=u.device)
+    if M == 0 or K == 0:
+        return out, torch.zeros(r, K, dtype=torch.float32, device=u.device)
+    G, per = _rows_per(M, K, t, u)
+    parts = torch.empty(G, r, K, dtype=torch.float32, device=u.device)
+    _x_pass_kernel[(G * triton.cdiv(K, t.BL),)](
+        g, u, As, out, parts, M, K, r, per, *g.stride(), *u.stride(), *As.stride(), *out.stride(), RP=_rp(r),
+        BM=t.BM, BK=t.BL, IEEE=u.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+    return out, (parts[0] if G == 1 else parts.sum(0))
+
+
+FUSED_TILE = Tile(BM=128, BL=128, warps=8, stages=3, fill=2)  # x_pass's best at bench_train's layer shapes
+
+
+def half_backward_fused(
+    gy: torch.Tensor, u: torch.Tensor, h: torch.Tensor, W: torch.Tensor | None, As: torch.Tensor, Bs: torch.Tensor,
+    scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # grad_u (+ gy W), grad_A fp32, grad_B fp32
+    """lora_train.lora_train_linear_backward_half (grad_u wanted) with grad_A and grad_u from one pass over u
+    (`x_pass`): what eager CUDA steps run where u is large enough for GPU time to matter (train_ops). On an H100 at
+    M = 8192, K = 4096 the pass takes 59 us against cuBLAS's 67-69 for the two GEMMs; at K = 14336, 175-180 against
+    182 (benchmarks/results/nvidia-h100-80gb-hbm3/probe_x_pass.json)."""
+    dt = u.dtype
+    g = torch.mm(gy, _to(Bs, dt))
+    grad_B = _mm_f32(gy.t(), h)
+    if scale is not None:
+        grad_B.mul_(scale)
+    grad_u, grad_A = x_pass(g, u, _to(As, dt), FUSED_TILE)
+    if W is not None:
+        grad_u.addmm_(gy, _to(W, dt))  # the base part added by its GEMM (reads grad_u once more, as cuBLAS's path)
+    return grad_u, grad_A, grad_B
 
 
 def gy_partials(
