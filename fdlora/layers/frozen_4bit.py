@@ -2,9 +2,10 @@
 
 The op's eager Function (fdlora.kernels.train_ops.train_linear_over) computes the base output and, in the backward,
 the base's input gradient gy W itself. `Frozen4bit` does both as bitsandbytes does them, through its public
-`bitsandbytes.functional` only:
+`bitsandbytes.functional` and the `torch.ops.bitsandbytes.dequantize_4bit` op it calls:
 
-    forward   absmax = the block scales (dequantize_blockwise of the double-quantized ones + offset, once a call)
+    forward   absmax = the block scales (dequantize_blockwise of the double-quantized ones + offset, made once and
+              kept while the quant state's tensors are the same and unchanged: the base is frozen)
               W = dequantize_4bit(weight, absmax) in the compute dtype           [N, K]
               y0 = linear(x in the compute dtype, W, bias), in x's dtype
     backward  W = dequantize_4bit(weight, the saved absmax) in gy's dtype         (grad_x = gy W + the LoRA part)
@@ -50,7 +51,7 @@ class Frozen4bit:
     """forward(x) -> (y0, saved) and weight(saved, dtype) -> W [N, K] of one frozen Linear4bit (see the module
     docstring)."""
 
-    __slots__ = ("module",)
+    __slots__ = ("module", "_scales")
 
     def __init__(self, module: nn.Module) -> None:
         global _bnb_f
@@ -59,6 +60,7 @@ class Frozen4bit:
 
             _bnb_f = bitsandbytes.functional
         self.module = module
+        self._scales = None  # (the quant state's absmax and state2 tensors and versions, their fp32 dequantization)
 
     def _direct(self, x: Tensor):
         """(the packed weight as a plain tensor, its quant state) when forward may skip the module, else None. (The
@@ -93,16 +95,29 @@ class Frozen4bit:
         xc = x if cd is None or x.dtype is cd else x.to(cd)
         absmax = qs.absmax
         if qs.nested:
-            absmax = _bnb_f.dequantize_blockwise(absmax, qs.state2)
-            absmax += qs.offset
-            if absmax.dtype is not torch.float32:
-                absmax = absmax.float()
+            absmax = self._block_scales(qs)
         W = _dequantize(w, qs, absmax, xc.dtype)
         bias = m._parameters["bias"]
         if bias is not None and bias.dtype is not xc.dtype:
             bias.data = bias.data.to(xc.dtype)  # as Linear4bit.forward does: its bias is kept in the compute dtype
         y0 = F.linear(xc, W, bias)
         return (y0 if y0.dtype is x.dtype else y0.to(x.dtype)), (w, qs, absmax)
+
+    def _block_scales(self, qs) -> Tensor:
+        """The double-quantized block scales dequantized (fp32), made once for as long as the quant state's tensors
+        are the same and unchanged (a frozen base: every step would make them again, 2-3 launches a layer)."""
+        a, st = qs.absmax, qs.state2
+        key = (a, a._version, st.absmax, st.absmax._version, st.code, qs.offset)
+        c = self._scales
+        if c is not None and len(c[0]) == len(key) and all(x is y if isinstance(x, Tensor) else x == y
+                                                           for x, y in zip(c[0], key)):
+            return c[1]
+        absmax = _bnb_f.dequantize_blockwise(a, st)
+        absmax += qs.offset
+        if absmax.dtype is not torch.float32:
+            absmax = absmax.float()
+        self._scales = (key, absmax)
+        return absmax
 
     def weight(self, saved: tuple | None, dtype: torch.dtype) -> Tensor:
         """W [N, K] in dtype, from what `forward` returned (None: the module's weight dequantized as MatMul4Bit
@@ -114,7 +129,7 @@ class Frozen4bit:
 
 
 def _dequantize(w: Tensor, qs, absmax: Tensor, dtype: torch.dtype) -> Tensor:
-    """The packed weight w with quant state qs dequantized into dtype [N, K], given its fp32 block scales."""
-    st = _bnb_f.QuantState(absmax=absmax, shape=qs.shape, code=qs.code, blocksize=qs.blocksize,
-                           quant_type=qs.quant_type, dtype=dtype)
-    return _bnb_f.dequantize_4bit(w, st)
+    """The packed weight w with quant state qs dequantized into dtype [N, K], given its fp32 block scales: the op
+    bitsandbytes.functional.dequantize_4bit calls, called directly (its wrapper builds a QuantState and checks it
+    each call, host time twice a layer a step; this quant state was checked when the module made it)."""
+    return torch.ops.bitsandbytes.dequantize_4bit.default(w, absmax, qs.blocksize, qs.quant_type, qs.shape, dtype)

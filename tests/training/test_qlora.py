@@ -121,3 +121,25 @@ def test_frozen_4bit_equals_the_module(case):
     with torch.no_grad():
         y, saved = run.forward(x)
     assert calls and saved is None and torch.equal(y, want)
+
+
+def test_frozen_4bit_keeps_its_block_scales_while_the_quant_state_holds():
+    """The double-quantized block scales are dequantized once and kept (the base is frozen), and made again once the
+    quant state's scales change in place: the output then follows the module's own."""
+    from fdlora.layers.frozen_4bit import frozen_4bit
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 96)
+    q = bnb.nn.Linear4bit(128, 96, compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4")
+    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True)
+    q = q.to("cpu").train()
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    run = frozen_4bit(q)
+    with torch.no_grad():
+        first, saved = run.forward(x)
+        again, saved2 = run.forward(x)
+        assert saved2[2] is saved[2] and torch.equal(first, again)  # the scales made once
+        q.weight.quant_state.absmax.mul_(2)  # the stored (quantized) scales change in place: made again
+        y, saved3 = run.forward(x)
+        want = q(x)
+    assert saved3[2] is not saved[2] and torch.equal(y, want) and not torch.equal(y, first)
