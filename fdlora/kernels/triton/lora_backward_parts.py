@@ -22,7 +22,9 @@ half path (lora_train.lora_train_linear_backward_half) from one form per piece, 
 bench_train's layer shapes no combination beat it timed per call (benchmarks/results/nvidia-h100-80gb-hbm3/
 sweep_train_backward_parts.json: Triton's launches are host-bound there); as GPU time the best per shape did
 (sweep_train_backward_parts_graph.json: 0.51 / 0.70 / 0.37 / 0.65x the torch path against the half path's 0.58 /
-0.76 / 0.45 / 0.73x), still short of the 0.6 target at two shapes, so nothing here is on a training path.
+0.76 / 0.45 / 0.73x), still short of the 0.6 target at two shapes. On a training path (session 28): `x_pass`, the gA
+and gu pieces in one pass over u (u read once, grad_u written beside it), which eager CUDA steps of large layers run
+(`half_backward_fused`, chosen by fdlora.kernels.train_ops.half_backward).
 """
 
 from __future__ import annotations
