@@ -119,6 +119,15 @@ def prefetch_reader() -> str:
 TRAIN_BACKWARD_VAR = "FDLORA_TRAIN_BACKWARD"
 
 
+TRAIN_CPP_VAR = "FDLORA_TRAIN_CPP"
+
+
+def train_cpp() -> bool:
+    """`FDLORA_TRAIN_CPP`: whether eager training steps may build and run the C++ form of the trainable layer
+    (fdlora.kernels.host; default on; 0 / off / false / no: the Python Function, which computes the same)."""
+    return os.environ.get(TRAIN_CPP_VAR, "").strip().lower() not in ("0", "off", "false", "no")
+
+
 def train_backward() -> str:
     """`FDLORA_TRAIN_BACKWARD`: how a trainable layer's LoRA backward runs on CUDA: "blas" (default: four cuBLAS
     GEMMs in the activations' dtype, fdlora.kernels.reference.lora_train.lora_train_linear_backward_blas) or

@@ -23,7 +23,6 @@ from ... import env
 SOURCE = Path(__file__).parent / "train.cpp"
 NAME = "fdlora_train_host"
 FLAGS = ["-O3"]
-VAR = "FDLORA_TRAIN_CPP"
 
 
 def build_dir() -> Path:
@@ -33,8 +32,8 @@ def build_dir() -> Path:
 
 def problem() -> str | None:
     """Why the library cannot be built or used here, or None."""
-    if os.environ.get(VAR, "").strip().lower() in ("0", "off", "false", "no"):
-        return f"{VAR} turns it off"
+    if not env.train_cpp():
+        return f"{env.TRAIN_CPP_VAR} turns it off"
     if (build_dir() / f"{NAME}.so").is_file():
         return None
     if shutil.which("ninja") is None and shutil.which("ninja", path=os.path.dirname(sys.executable)) is None:

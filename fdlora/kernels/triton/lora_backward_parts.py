@@ -58,6 +58,18 @@ def _load_g(g_ptr, rows, rm, rr, rk, P, sgp, sgm, sgr, BM: tl.constexpr, RP: tl.
 
 
 @triton.jit
+def _blocks(L, R, BL: tl.constexpr, RP: tl.constexpr):
+    """This program's row block (or group) and its BL columns of L, with the rank axis: (pid_m, the column block,
+    cols, their mask, ranks, their mask). Consecutive programs take adjacent columns of the same rows."""
+    pid = tl.program_id(0)
+    lb = tl.cdiv(L, BL)
+    pid_m, pid_l = pid // lb, pid % lb
+    cols = pid_l * BL + tl.arange(0, BL)
+    rr = tl.arange(0, RP)
+    return pid_m, pid_l, cols, cols < L, rr, rr < R
+
+
+@triton.jit
 def _grad_u_kernel(
     g_ptr,  # [P, M, r]: P = 1 and u's dtype, or fp32 partials (ROUND)
     a_ptr,  # [r, K] u's dtype
@@ -67,16 +79,10 @@ def _grad_u_kernel(
     RP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kb = tl.cdiv(K, BK)
-    pid_m, pid_k = pid // kb, pid % kb  # consecutive programs: adjacent columns of the same rows
+    pid_m, _, ks, km, rr, rk = _blocks(K, R, BK, RP)
     rows = pid_m * BM + tl.arange(0, BM)
     rm = rows < M
     rows = rows.to(tl.int64)
-    ks = pid_k * BK + tl.arange(0, BK)
-    km = ks < K
-    rr = tl.arange(0, RP)
-    rk = rr < R
     g = _load_g(g_ptr, rows, rm, rr, rk, P, sgp, sgm, sgr, BM, RP, ROUND)
     a = tl.load(a_ptr + rr[:, None] * sar + ks[None, :] * sak, mask=rk[:, None] & km[None, :], other=0.0)
     g = g.to(tl.float32) if IEEE else g.to(out_ptr.dtype.element_ty)  # partials: the rounding of a GEMM writing g
@@ -127,13 +133,7 @@ def _grad_a_kernel(
     RP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, TRANS: tl.constexpr, ROUND: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kb = tl.cdiv(K, BK)
-    pid_m, pid_k = pid // kb, pid % kb
-    ks = pid_k * BK + tl.arange(0, BK)
-    km = ks < K
-    rr = tl.arange(0, RP)
-    rk = rr < R
+    pid_m, _, ks, km, rr, rk = _blocks(K, R, BK, RP)
     lo = pid_m * rows_per
     hi = tl.minimum(M, lo + rows_per)
     acc = _rank_zeros(BK, RP, not TRANS)  # TRANS: u^T g, the wide axis K as the dot's M (the MMA's long side)
@@ -162,32 +162,23 @@ def _x_pass_kernel(
 ):
     """The gA and gu pieces in one pass over u's columns: each [BM, BK] step reads u's tile for grad_A's partial and
     writes grad_u's tile beside it (g and A's columns stay in registers)."""
-    pid = tl.program_id(0)
-    kb = tl.cdiv(K, BK)
-    pid_m, pid_k = pid // kb, pid % kb
-    ks = pid_k * BK + tl.arange(0, BK)
-    km = ks < K
-    rr = tl.arange(0, RP)
-    rk = rr < R
+    pid_m, _, ks, km, rr, rk = _blocks(K, R, BK, RP)
     a = tl.load(a_ptr + rr[:, None] * sar + ks[None, :] * sak, mask=rk[:, None] & km[None, :], other=0.0)
     a = a.to(tl.float32) if IEEE else a.to(u_ptr.dtype.element_ty)
-    acc = tl.zeros((RP, BK), dtype=tl.float32)
+    acc = _rank_zeros(BK, RP, True)
     lo = pid_m * rows_per
-    hi = tl.minimum(M, lo + rows_per)
-    for m0 in range(lo, hi, BM):
+    for m0 in range(lo, tl.minimum(M, lo + rows_per), BM):
         rows = m0 + tl.arange(0, BM)
-        rm = rows < hi
+        rm = rows < tl.minimum(M, lo + rows_per)
         rows = rows.to(tl.int64)
-        g = tl.load(g_ptr + rows[:, None] * sgm + rr[None, :] * sgr, mask=rm[:, None] & rk[None, :], other=0.0)
+        g = _load_g(g_ptr, rows, rm, rr, rk, 1, 0, sgm, sgr, BM, RP, False)
         u = tl.load(u_ptr + rows[:, None] * sum_ + ks[None, :] * suk, mask=rm[:, None] & km[None, :], other=0.0)
         g = g.to(tl.float32) if IEEE else g.to(u_ptr.dtype.element_ty)
-        u = u.to(tl.float32) if IEEE else u
-        acc = mma(tl.trans(g), u, acc, False, IEEE)
+        acc = _rank_acc(u.to(tl.float32) if IEEE else u, g, acc, True, IEEE)
         out = mma(g, a, tl.zeros((BM, BK), dtype=tl.float32), False, IEEE)
         tl.store(gu_ptr + rows[:, None] * som + ks[None, :] * sok, out.to(gu_ptr.dtype.element_ty),
                  mask=rm[:, None] & km[None, :])
-    tl.store(gap_ptr + pid_m.to(tl.int64) * R * K + rr[:, None] * K + ks[None, :], acc,
-             mask=rk[:, None] & km[None, :])
+    _rank_store(gap_ptr + pid_m.to(tl.int64) * R * K, ks, rr, 1, K, acc, km, rk, True)
 
 
 @triton.jit
@@ -201,13 +192,7 @@ def _gy_kernel(
     sgm, sgn, sbn, sbr, shm, shr,
     RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    nb = tl.cdiv(N, BN)
-    pid_m, pid_n = pid // nb, pid % nb
-    cols = pid_n * BN + tl.arange(0, BN)
-    cm = cols < N
-    rr = tl.arange(0, RP)
-    rk = rr < R
+    pid_m, pid_n, cols, cm, rr, rk = _blocks(N, R, BN, RP)
     b = tl.load(bs_ptr + cols[:, None] * sbn + rr[None, :] * sbr, mask=cm[:, None] & rk[None, :], other=0.0)
     b = b.to(tl.float32) if IEEE else b.to(gy_ptr.dtype.element_ty)
     gb = _rank_zeros(BN, RP, TRANS)  # TRANS: h^T gy, rank as the dot's M
