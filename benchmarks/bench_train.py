@@ -116,19 +116,15 @@ def _verify(pm, fm, loss_fn, small, autocast) -> float:
 def _time(model, loss_fn, batch, steps, dev, autocast, losses=None) -> tuple[float, float]:
     """(median step ms, peak GiB allocated above the resident baseline) of AdamW steps; the last step's loss is
     appended to `losses` if given."""
-    return _time_runs({"": (model, None)}, loss_fn, batch, steps, dev, autocast, losses)[""]
+    return _time_runs({"": (model, None)}, loss_fn, batch, steps, dev, autocast, losses)[""][:2]
 
 
-BLOCKED = False  # --blocked: each run's steps one after another (as before session 28), not in turn
-STEP_MS: dict[str, list[float]] = {}  # the last _time_runs' step times, per run
-CPU_MS: dict[str, list[float]] = {}  # and the process CPU time of each step's enqueue (before the final sync)
-
-
-def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[str, tuple[float, float]]:
-    """{name: (median step ms, peak GiB allocated above what was resident before the step)} of AdamW steps of each
-    run {name: (model, prepare or None, called before each of its steps)}, taken in turn one step each, so that a
-    slow spell of a shared host falls on every run alike (runs of one model share its optimizer). The last step's
-    loss of each run is appended to `losses` if given."""
+def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None, blocked=False) -> dict[str, tuple]:
+    """{name: (median step ms, peak GiB allocated above what was resident before the step, every step's ms, every
+    step's process CPU ms enqueued (before the final sync))} of AdamW steps of each run {name: (model, prepare or
+    None, called before each of its steps)}, taken in turn one step each, so that a slow spell of a shared host falls
+    on every run alike (blocked: each run's steps one after another, as before session 28; runs of one model share
+    its optimizer). The last step's loss of each run is appended to `losses` if given."""
     opts = {}
     for model, _ in runs.values():
         if id(model) not in opts:
@@ -153,7 +149,7 @@ def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     times, peaks, last, cpu = {n: [] for n in runs}, dict.fromkeys(runs, 0.0), {}, {n: [] for n in runs}
-    order = [n for n in runs for _ in range(steps)] if BLOCKED else [n for _ in range(steps) for n in runs]
+    order = [n for n in runs for _ in range(steps)] if blocked else [n for _ in range(steps) for n in runs]
     for name in order:
         model, prepare = runs[name]
         _sync(dev)
@@ -172,11 +168,8 @@ def _time_runs(runs, loss_fn, batch, steps, dev, autocast, losses=None) -> dict[
     for model, _ in runs.values():
         for p in model.parameters():
             p.grad = None
-    STEP_MS.clear()
-    STEP_MS.update(times)
-    CPU_MS.clear()
-    CPU_MS.update(cpu)
-    return {n: (statistics.median(times[n]), peaks[n] if dev.type == "cuda" else float("nan")) for n in runs}
+    return {n: (statistics.median(times[n]), peaks[n] if dev.type == "cuda" else float("nan"), times[n], cpu[n])
+            for n in runs}
 
 
 # ----------------------------------------------------------------------------------------------- cases
@@ -257,7 +250,7 @@ def floor_model(build, first, dev):
     return model
 
 
-def run_case(name, dev, smoke, steps) -> dict:
+def run_case(name, dev, smoke, steps, blocked=False) -> dict:
     build, lora_cfg, batch, small, loss_fn, dtype, first = CASES[name](dev, smoke)
     pm, fm = _pair(build, lora_cfg, dev)
     pm.train(), fm.train()
@@ -276,17 +269,17 @@ def run_case(name, dev, smoke, steps) -> dict:
 
     floor = floor_model(build, first, dev)  # resident beside the pair, so that its steps are taken in turn too
     t = _time_runs({"peft": (pm, None), "fd": (fm, casts(False)), "fd_own_casts": (fm, casts(True)),
-                    "floor": (floor, None)}, loss_fn, batch, steps, dev, autocast)
-    (peft_ms, peft_peak), (fd_ms, fd_peak), (own_ms, _), (floor_ms_, _) = (t[k] for k in ("peft", "fd", "fd_own_casts",
-                                                                                           "floor"))
+                    "floor": (floor, None)}, loss_fn, batch, steps, dev, autocast, blocked=blocked)
+    (peft_ms, peft_peak), (fd_ms, fd_peak), (own_ms, _), (floor_ms_, _) = (t[k][:2] for k in ("peft", "fd",
+                                                                                               "fd_own_casts", "floor"))
     halves.off = False
-    step_ms = {k: [round(v, 2) for v in vs] for k, vs in STEP_MS.items()}
+    step_ms = {k: [round(v, 2) for v in r[2]] for k, r in t.items()}
     rounds = [f / p for f, p in zip(step_ms["fd"], step_ms["peft"])]  # each round's steps were taken together
-    cpu = {k: statistics.median(v) for k, v in CPU_MS.items()}
+    cpu = {k: statistics.median(r[3]) for k, r in t.items()}
     row = {"case": name, "fd_ms": fd_ms, "peft_ms": peft_ms, "step_x_peft": fd_ms / peft_ms,
            "round_ratio_median": statistics.median(rounds),
            "fd_own_casts_ms": own_ms, "own_casts_x_peft": own_ms / peft_ms,
-           "timing": "blocked" if BLOCKED else "in turn",
+           "timing": "blocked" if blocked else "in turn",
            "fd_peak_gib": fd_peak, "peft_peak_gib": peft_peak,
            "peak_x_peft": fd_peak / peft_peak if peft_peak == peft_peak and peft_peak > 0 else None,
            "grad_rel_err": err, "grad_bound": bound, "checked": err < bound,
@@ -448,7 +441,7 @@ def run_multi(a) -> int:
     modes = [m for m in ("ddp", "fsdp") if getattr(a, m)]
     cases = [c for c in a.cases if c in CASES]
     pairs = [(m, c) for m in modes for c in cases if c != "vit"] + [(m, "vit") for m in modes if "vit" in cases]
-    steps = a.steps or (2 if a.smoke else 30)
+    steps = a.steps or (2 if a.smoke else 10)
     meta, failed = None, False
     if acc.is_main_process:
         e = environment(acc.device)
@@ -516,8 +509,8 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
         W = torch.randn(N, K, device=dev, dtype=dtype, generator=torch.Generator(dev).manual_seed(1)) / K ** 0.5
         h = (x.float() @ A.t())
 
-        def op(gy=gy, x=x, h=h, A=A, B=B, s=s):  # the registered op (what torch.compile traces)
-            return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, None, A, B, s)
+        def op(gy=gy, x=x, h=h, A=A, B=B, s=s, W=None):  # the registered op (what torch.compile traces)
+            return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, W, A, B, s)
 
         Ab, Bb, hb = A.to(dtype), B.to(dtype), h.to(dtype)
         half = dev.type == "cuda" and dtype != torch.float32 and env.train_backward() != "triton"
@@ -528,8 +521,7 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
             def fd(gy=gy, x=x, hs=hs, Ac=Ac, sB=sB, W=None):
                 return train_ops.half_backward(gy, x, hs, W, Ac, sB, None)
         else:
-            def fd(gy=gy, x=x, h=h, A=A, B=B, s=s, W=None):
-                return torch.ops.fdlora.lora_train_linear_backward(gy, x, h, W, A, B, s)
+            fd = op
 
         def torch_path(gy=gy, x=x, s=s, hb=hb, Ab=Ab, Bb=Bb):  # autograd's work for lora_B(lora_A(x)) * s
             gys = gy * s.to(dtype)
@@ -542,7 +534,7 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
         def base(gy=gy, W=W):  # a frozen layer's backward: its input gradient alone
             return gy @ W
 
-        def fd_layer(W=W):
+        def fd_layer(W=W, fd=fd):
             return fd(W=W)
 
         def torch_layer(gy=gy, W=W):  # the base's grad_x plus the LoRA branch's, summed as autograd sums them
@@ -616,8 +608,6 @@ def main(argv=None) -> int:
     p.add_argument("--blocked", action="store_true", help="time each run's steps one after another instead of in "
                    "turn (the order before session 28; a shared host's slow spells then fall on one run)")
     a = p.parse_args(argv)
-    global BLOCKED
-    BLOCKED = a.blocked
     if a.ddp or a.fsdp:
         return run_multi(a)
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
@@ -637,7 +627,7 @@ def main(argv=None) -> int:
                          f"{r['fd_layer_gpu_us']:.0f}, torch {r['torch_layer_gpu_us']:.0f}, LoRA part "
                          f"{r['layer_lora_x_torch']:.2f}x" if "fd_gpu_us" in r else ""), flush=True)
             continue
-        row = run_case(name, dev, a.smoke, steps)
+        row = run_case(name, dev, a.smoke, steps, a.blocked)
         result["cases"].append(row)
         print(f"{name}: fd-lora {row['fd_ms']:.1f} ms/step vs PEFT {row['peft_ms']:.1f} "
               f"({row['step_x_peft']:.2f}x, per round {row['round_ratio_median']:.2f}x; each layer casting its own "

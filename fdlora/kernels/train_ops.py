@@ -307,10 +307,10 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
         return y.view(*x.shape[:-1], y.shape[-1])
     if torch._C._are_functorch_transforms_active():
         return _Linear.apply(x, u, y0, W, bias, A, B, scale)
-    if casts is not None and u is None and y0 is None and W is not None and (x.numel() < FUSED_MIN or not _fused()):
+    if casts is not None and u is None and y0 is None and W is not None and not _takes_fused(x, A.shape[0]):
         dt = x.dtype  # the C++ form, where it is built (host time is what small layers pay; large ones, GPU time)
         if W.dtype is dt and (bias is None or bias.dtype is dt) and casts[0].dtype is dt:
-            host = _HOST or _host()
+            host = _HOST if _HOST is not None else _host()
             if host is not False:
                 return host(x, A, B, W, bias, *casts)
     return _linear_apply(x, u, y0, W, bias, A, B, scale, None, casts)
@@ -332,13 +332,18 @@ def _fused():
     return _FUSED
 
 
+def _takes_fused(u: Tensor, r: int) -> bool:
+    """Whether the half pair's backward of a rank-r layer on u takes the fused pass over u (`half_backward`)."""
+    return u.is_cuda and u.numel() >= FUSED_MIN and r <= 64 and _fused() is not False
+
+
 def half_backward(gy, u, h, W, As, Bs, scale, need_u=True):
     """The half pair's backward (lora_train.lora_train_linear_backward_half's signature) as an eager CUDA step runs
     it: from FUSED_MIN elements of u, with Triton, rank <= 64 and grad_u wanted, grad_A and grad_u in one pass over
     u (lora_backward_parts.half_backward_fused: the LoRA part of a Llama-3-8B layer's backward 0.53-0.55x the
     PEFT-style path's against 0.59-0.61x, benchmarks/results/nvidia-h100-80gb-hbm3/probe_x_pass.json); else
     cuBLAS's GEMMs."""
-    if need_u and u.is_cuda and u.numel() >= FUSED_MIN and As.shape[0] <= 64 and _fused():
+    if need_u and _takes_fused(u, As.shape[0]):
         return _FUSED(gy, u, h, W, As, Bs, scale)
     return ref.lora_train_linear_backward_half(gy, u, h, W, As, Bs, scale, need_u)
 

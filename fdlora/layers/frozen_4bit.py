@@ -109,8 +109,7 @@ class Frozen4bit:
         a, st = qs.absmax, qs.state2
         key = (a, a._version, st.absmax, st.absmax._version, st.code, qs.offset)
         c = self._scales
-        if c is not None and len(c[0]) == len(key) and all(x is y if isinstance(x, Tensor) else x == y
-                                                           for x, y in zip(c[0], key)):
+        if c is not None and all(x is y if isinstance(x, Tensor) else x == y for x, y in zip(c[0], key)):
             return c[1]
         absmax = _bnb_f.dequantize_blockwise(a, st)
         absmax += qs.offset

@@ -30,6 +30,11 @@ class _Group:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.made = -1  # the pass whose copies these are
+        self.off = False  # storage moved between passes: every layer makes its own
+        self._empty()
+
+    def _empty(self) -> None:
         self.index: dict[tuple, int] = {}
         self.A: list[torch.Tensor] = []
         self.B: list[torch.Tensor] = []
@@ -37,8 +42,6 @@ class _Group:
         self.casts: list[list[torch.Tensor]] = [[], [], [], []]  # A, s A, B, s B
         self.versions: list[tuple[int, int]] = []
         self.ptrs: list[tuple[int, int]] = []
-        self.made = -1  # the pass whose copies these are
-        self.off = False  # storage moved between passes: every layer makes its own
 
     def get(self, key: tuple, A: torch.Tensor, B: torch.Tensor, s: float, scale: torch.Tensor, now: int):
         i = self.index.get(key)
@@ -78,7 +81,7 @@ class _Group:
             return False
         if [(a.data_ptr(), b.data_ptr()) for a, b in zip(self.A, self.B)] != self.ptrs:
             self.off = True
-            self.clear_lists()
+            self._empty()  # (nothing is served from here on: drop the references)
             return False
         cA, sA, cB, sB = self.casts
         with torch.no_grad():
@@ -90,10 +93,6 @@ class _Group:
         self.made = now
         return True
 
-    def clear_lists(self) -> None:
-        self.index.clear()
-        self.A, self.B, self.s, self.versions, self.ptrs = [], [], [], [], []
-        self.casts = [[], [], [], []]
 
 
 class HalfCasts:
@@ -151,12 +150,11 @@ def _end(module: nn.Module, args, out) -> None:
 def arm(model: nn.Module, state) -> None:
     """Open and close a pass around each forward call of `model` (once per model; the hooks find the state through
     the model, so a deep copy of the model finds its own)."""
-    if _STATE in model.__dict__:
-        object.__setattr__(model, _STATE, state)
-        return
+    hooked = _STATE in model.__dict__
     object.__setattr__(model, _STATE, state)
-    model.register_forward_pre_hook(_begin)
-    model.register_forward_hook(_end, always_call=True)
+    if not hooked:
+        model.register_forward_pre_hook(_begin)
+        model.register_forward_hook(_end, always_call=True)
 
 
 def disarm(model: nn.Module) -> None:

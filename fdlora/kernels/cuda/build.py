@@ -13,8 +13,10 @@ Compute capabilities: $FDLORA_CUDA_ARCHS ("8.0;9.0"), else the local GPUs' (JIT)
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -113,6 +115,34 @@ def compiler() -> str | None:
     return None
 
 
+def has_ninja() -> bool:
+    """Whether ninja (torch.utils.cpp_extension's builder) is on PATH or beside this Python."""
+    return shutil.which("ninja") is not None or shutil.which("ninja", path=os.path.dirname(sys.executable)) is not None
+
+
+@contextlib.contextmanager
+def environ(**values: str):
+    """os.environ with `values` set (what cpp_extension reads: CXX, TORCH_CUDA_ARCH_LIST), restored after."""
+    previous = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def import_library(name: str, lib: Path):
+    """The extension module at `lib`, imported under `name`."""
+    spec = importlib.util.spec_from_file_location(name, str(lib))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_problem() -> str | None:
     """Why the extension cannot be built on this machine, or None."""
     cuda_compiler = nvcc()
@@ -127,7 +157,7 @@ def build_problem() -> str | None:
     if version.split(".")[0] != torch.version.cuda.split(".")[0]:
         return (f"nvcc is CUDA {version} but torch was built with CUDA {torch.version.cuda}; install the matching "
                 "toolkit or point CUDA_HOME at it")
-    if shutil.which("ninja") is None and shutil.which("ninja", path=os.path.dirname(sys.executable)) is None:
+    if not has_ninja():
         return "ninja not found; pip install ninja"
     if compiler() is None:
         return (f"the C++ compiler ({os.environ.get('CXX') or 'c++'}) links libstdc++ statically, and no g++ or c++ "
@@ -166,23 +196,16 @@ def build(verbose: bool = False) -> Path:
             return lib
         print(f"[fdlora] building the CUDA extension for sm {archs()} into {out} (once; about a minute)",
               file=sys.stderr, flush=True)
-        previous = {k: os.environ.get(k) for k in ("TORCH_CUDA_ARCH_LIST", "CXX")}
-        os.environ["TORCH_CUDA_ARCH_LIST"], os.environ["CXX"] = archs(), compiler()
         if "CUDA_HOME" not in os.environ:
             os.environ["CUDA_HOME"] = str(Path(nvcc()).parent.parent)
         try:
-            cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
-                               extra_cuda_cflags=FLAGS, build_directory=str(out), verbose=verbose)
+            with environ(TORCH_CUDA_ARCH_LIST=archs(), CXX=compiler()):
+                cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
+                                   extra_cuda_cflags=FLAGS, build_directory=str(out), verbose=verbose)
         except Exception as e:
             raise BackendUnavailableError(f"building the fd-lora CUDA extension failed: {type(e).__name__}: "
                                           f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}. Rerun "
                                           "`fdlora env --build-cuda --verbose` to see the compiler output.") from e
-        finally:
-            for k, v in previous.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return lib
 
 
@@ -194,13 +217,7 @@ def load():
     it registers the torch.ops.fdlora_cuda ops."""
     global _loaded
     if _loaded is None:
-        import importlib.util
-
         packaged = _packaged()
         lib = packaged or _cached() or build()
-        name = "fdlora.kernels.cuda._C" if packaged else NAME
-        spec = importlib.util.spec_from_file_location(name, str(lib))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _loaded = module
+        _loaded = import_library("fdlora.kernels.cuda._C" if packaged else NAME, lib)
     return _loaded

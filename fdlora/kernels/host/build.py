@@ -10,15 +10,13 @@ computes the same.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from ... import env
+from ..cuda.build import compiler, environ, has_ninja, import_library
 
 SOURCE = Path(__file__).parent / "train.cpp"
 NAME = "fdlora_train_host"
@@ -36,10 +34,8 @@ def problem() -> str | None:
         return f"{env.TRAIN_CPP_VAR} turns it off"
     if (build_dir() / f"{NAME}.so").is_file():
         return None
-    if shutil.which("ninja") is None and shutil.which("ninja", path=os.path.dirname(sys.executable)) is None:
+    if not has_ninja():
         return "ninja not found; pip install ninja"
-    from ..cuda.build import compiler
-
     if compiler() is None:
         return "no C++ compiler that links libstdc++ as a shared library (g++ or c++ on PATH, or CXX)"
     return None
@@ -62,17 +58,15 @@ def load():
         _loaded, _reason = False, problem()
         if _reason is None:
             try:
-                _loaded = _import(_build())
+                _loaded = import_library(NAME, _build())
             except Exception as e:  # a failed build leaves the Python path, with the reason kept
-                _reason = f"building it failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:] or e}"
+                _reason = f"building it failed: {type(e).__name__}: {(str(e).strip().splitlines() or [e])[-1]}"
     return _loaded or None
 
 
 def _build() -> Path:
     from filelock import FileLock
     from torch.utils import cpp_extension
-
-    from ..cuda.build import compiler
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -82,20 +76,6 @@ def _build() -> Path:
             return lib
         print(f"[fdlora] building the C++ training layer into {out} (once; about half a minute)", file=sys.stderr,
               flush=True)
-        previous = os.environ.get("CXX")
-        os.environ["CXX"] = compiler()
-        try:
+        with environ(CXX=compiler()):
             cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(out), verbose=False)
-        finally:
-            if previous is None:
-                os.environ.pop("CXX", None)
-            else:
-                os.environ["CXX"] = previous
     return lib
-
-
-def _import(lib: Path):
-    spec = importlib.util.spec_from_file_location(NAME, str(lib))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

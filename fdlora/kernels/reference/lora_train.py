@@ -178,7 +178,7 @@ def half_casts(A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, dtype: tor
 
 def lora_train_linear_backward_half(
     gy: torch.Tensor, u: torch.Tensor, h: torch.Tensor, W: torch.Tensor | None, As: torch.Tensor, Bs: torch.Tensor,
-    scale: torch.Tensor | None, need_u: bool = True,
+    scale: torch.Tensor | None, need_u: bool = True, u_pass=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:  # grad_u (u's dtype; None: not needed), fp32 grads
     """The backward of `lora_train_linear_half` from its saved h, As and Bs: g = gy Bs, grad_B = s gy^T h,
     grad_A = g^T u, grad_u = g As (+ gy W, added in place), the weight gradients accumulated and returned in fp32 by
@@ -186,16 +186,21 @@ def lora_train_linear_backward_half(
     scale None, h is `lora_train_linear_half_cast`'s hs = s h, so grad_B = gy^T hs needs no product (4 launches).
     (Each piece's other forms, cuBLAS orientations and Triton kernels: fdlora.kernels.triton.lora_backward_parts;
     none was faster per call on an H100, benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward_parts.json;
-    as GPU time some compositions were, sweep_train_backward_parts_graph.json, short of the target at two shapes.)"""
+    as GPU time some compositions were, sweep_train_backward_parts_graph.json, short of the target at two shapes.)
+    `u_pass(g, u, As) -> (grad_u, grad_A)`: the two products over u in another form (lora_backward_parts.x_pass's
+    one pass, which large layers take on CUDA)."""
     dt = u.dtype
     g = torch.mm(gy, _to(Bs, dt))  # [M, r]
     grad_B = _mm_f32(gy.t(), h)
     if scale is not None:
         grad_B.mul_(scale)
-    grad_A = _mm_f32(g.t(), u)
     if not need_u:
-        return None, grad_A, grad_B
-    grad_u = torch.mm(g, As)
+        return None, _mm_f32(g.t(), u), grad_B
+    if u_pass is None:
+        grad_A = _mm_f32(g.t(), u)
+        grad_u = torch.mm(g, As)
+    else:
+        grad_u, grad_A = u_pass(g, u, As)
     if W is not None:
         grad_u.addmm_(gy, _to(W, dt))  # in place: no copy of grad_u
     return grad_u, grad_A, grad_B

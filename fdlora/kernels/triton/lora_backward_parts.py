@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.lora_train import _mm_f32, _to
+from ..reference.lora_train import _mm_f32, _to, lora_train_linear_backward_half
 from . import config as C
 from .tiles import mma
 
@@ -336,15 +336,11 @@ def half_backward_fused(
     (`x_pass`): what eager CUDA steps run where u is large enough for GPU time to matter (train_ops). On an H100 at
     M = 8192, K = 4096 the pass takes 59 us against cuBLAS's 67-69 for the two GEMMs; at K = 14336, 175-180 against
     182 (benchmarks/results/nvidia-h100-80gb-hbm3/probe_x_pass.json)."""
-    dt = u.dtype
-    g = torch.mm(gy, _to(Bs, dt))
-    grad_B = _mm_f32(gy.t(), h)
-    if scale is not None:
-        grad_B.mul_(scale)
-    grad_u, grad_A = x_pass(g, u, _to(As, dt), FUSED_TILE)
-    if W is not None:
-        grad_u.addmm_(gy, _to(W, dt))  # the base part added by its GEMM (reads grad_u once more, as cuBLAS's path)
-    return grad_u, grad_A, grad_B
+    return lora_train_linear_backward_half(gy, u, h, W, As, Bs, scale, True, _fused_pass)
+
+
+def _fused_pass(g: torch.Tensor, u: torch.Tensor, As: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x_pass(g, u, As, FUSED_TILE)
 
 
 def gy_partials(
