@@ -14,8 +14,8 @@ every component before evicting or committing anything, so a bad text-encoder pa
 untouched too.
 
 On CUDA a load goes to the device in one transfer and reaches the banks in one launch of the bulk
-writer (fdlora.layers.bulk) once that kernel is built for the device and dtype (`mark_bulk_ready`:
-fdlora.pipelines.warmup builds it); before that, through torch copies from views of the device copy
+writer (fdlora.layers.storage.bulk) once that kernel is built for the device and dtype (`mark_bulk_ready`:
+fdlora.integrations.warmup builds it); before that, through torch copies from views of the device copy
 (~1,400 small copies for an SDXL LoRA, a few ms), so no load waits for a kernel build: building it before
 the first load took 0.66 s off that load on an H100 host (1.41 -> 0.75 s, benchmarks/bench_prefetch.py cold).
 """
@@ -99,7 +99,7 @@ class AdapterPool:
               staged: Staged | None = None) -> tuple[Any, LoraAdapter]:
         """Check everything about loading `adapter` (shapes, targets, ranks, finite values with `validate`)
         and copy it to the device; changes nothing in the model or the pool. `staged`: a device copy made
-        beforehand (a prefetch stages on a side stream, fdlora.pipelines.prefetch); used if it still covers
+        beforehand (a prefetch stages on a side stream, fdlora.integrations.prefetch); used if it still covers
         the adapter's tensors, else the adapter is staged again here."""
         with self._lock:
             return drain(self.check_steps(name, adapter, validate=validate, staged=staged))
@@ -150,6 +150,32 @@ class AdapterPool:
                     self.reloads += 1
                 self._recent[n] = None
                 self._recent.move_to_end(n)
+
+    def arrange(self, names: Sequence[str]) -> None:
+        """Make `names` resident with their slots in the order of `names` (the ones this pool holds).
+
+        Sums over slots (a blend, per-sample weights, a merged copy) meet adapters in slot order, and float
+        addition depends on order; after `arrange`, adapters used together are summed in the order given,
+        whatever order earlier loads and evictions left them in. When they are out of order, all of them leave
+        their slots and come back from RAM in that order (slots are taken lowest free first); the active set
+        is put back as it was."""
+        with self._lock:
+            names = [n for n in dict.fromkeys(names) if n in self._host]
+            self.ensure(names, evict_active=True)
+            h = self.handle
+            placed = [h.state.slots.by_name[n] for n in names]
+            if placed == sorted(placed):
+                return
+            active = dict(h.state.active)
+            h.delete_adapter(names)
+            for n in names:
+                del self._recent[n]
+            for n in names:
+                h.commit(self._plan(n, self._host[n], False), activate=False)
+                self._recent[n] = None
+                self.reloads += 1
+            if dict(h.state.active) != active:
+                h.set_adapters(list(active), list(active.values()))
 
     def set_adapters(self, names: str | Sequence[str], weights=None) -> None:
         """`handle.set_adapters` after making `names` resident; adapters it deactivates may be evicted."""
@@ -220,7 +246,7 @@ class AdapterPool:
     def _plan(self, name: str, host: LoraAdapter, check_finite: bool, staged: Staged | None = None):
         """handle.plan for `host`, taking no slot yet (commit does). On CUDA the packed host copy goes to the
         device in one transfer (NaN-checked there) and `commit` fills the banks from it in one launch
-        (fdlora.layers.bulk)."""
+        (fdlora.layers.storage.bulk)."""
         return drain(self._plan_steps(name, host, check_finite, staged))
 
     def _plan_steps(self, name: str, host: LoraAdapter, check_finite: bool, staged: Staged | None = None,

@@ -13,7 +13,8 @@ so host memory holds the adapters Ray's LRU holds plus that many, the device at 
 
 Each request keeps its own seed (one torch.Generator per prompt), so a request's image does not depend on
 the batch it lands in, up to float rounding of batched matmuls (CPU: ~2e-6, at most 1/255 after the PNG
-conversion).
+conversion). Nor on the slots its adapters landed in: before each call, the call's adapters are put in slots in
+name order (`_arrange`), so sums over slots meet them in one order whatever the replica's load history.
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ class Engine:
     def _delete(self, name: str) -> None:
         self.pipe.delete_adapters(name)
 
+    def _arrange(self, names: Sequence[str]) -> None:
+        """The call's adapters in slots in name order (fdlora.hub.pool.AdapterPool.arrange), in every component: a
+        blend sums its adapters in that order, so a request's image does not depend on the slots its adapters
+        landed in after earlier loads, evictions and releases."""
+        from ..hub.pool import AdapterPool
+
+        handles = getattr(self.pipe, "fd_lora_handles", None)
+        for h in (handles() if handles else {}).values():
+            AdapterPool.of(h).arrange(sorted(names))
+
     def _used(self, names: Sequence[str]) -> None:
         """After a call naming `names`: the ones Ray does not hold become the most recent partners; past
         `adapters_per_replica` partners, the least recently used go (a later request loads them again)."""
@@ -135,6 +146,7 @@ class Engine:
             kw["max_sequence_length"] = 32
         with self._lock:
             self.ensure(names)
+            self._arrange(names)
             if self.known():  # always per prompt: a load activates its adapter, a request without any is the base
                 kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
             with torch.inference_mode():
@@ -180,7 +192,7 @@ class TextEngine(Engine):
         return list(h.list_adapters()) if h is not None else []
 
     def ensure(self, names: Sequence[str]) -> None:
-        from ..pipelines.transformers import load_fd_lora
+        from fdlora.integrations.transformers import load_fd_lora
 
         with self._lock:
             for name in names:
