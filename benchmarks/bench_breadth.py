@@ -12,7 +12,7 @@ rounds of CUDA-event-timed steps (`fdlora.testing.step_ms`), x_base the ratio to
     python3 benchmarks/bench_breadth.py --family flux wan21 --out $OUT/b.json
     python3 benchmarks/bench_breadth.py --smoke --out /tmp/breadth.json         # tiny configs on CPU, ~1 min
 
-Smoke mode builds the tiny configs of tests/pipelines/diffusers/families.py (every family the tests cover).
+Smoke mode builds the tiny configs of tests/integrations/diffusers/families.py (every family the tests cover).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fdlora  # noqa: E402,F401  (attaches pipe.load_fd_lora)
-from fdlora.pipelines.fullsize import built_on  # noqa: E402
+from fdlora.fixtures.fullsize import built_on  # noqa: E402
 from fdlora.testing import step_ms  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -46,7 +46,7 @@ NAMES, BLEND = ["a0", "a1", "a2", "a3"], [0.7, 0.5, 0.3, 0.2]
 def _tiny():
     if "fdlora_bench_families" not in sys.modules:
         spec = importlib.util.spec_from_file_location("fdlora_bench_families",
-                                                      ROOT / "tests/pipelines/diffusers/families.py")
+                                                      ROOT / "tests/integrations/diffusers/families.py")
         mod = sys.modules["fdlora_bench_families"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     return sys.modules["fdlora_bench_families"]

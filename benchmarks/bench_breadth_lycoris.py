@@ -10,7 +10,7 @@ fdlora.hub.formats.lycoris, so they load exactly as a file would):
 Every ΔW has entries of about the same size (std ~0.01, a strong LoRA beside SDXL's ~0.02 weights): an adapter
 several times stronger than the base (a first try gave LoKr 5x this) drives the fp16 UNet into values where its
 own rounding (merged reference and fd-lora alike) no longer agrees with itself within the bound below.
-    dora-r16     lora-r16 plus a magnitude [N] (PEFT's DoRA)                   eager per-layer path (fdlora.layers.dora)
+    dora-r16     lora-r16 plus a magnitude [N] (PEFT's DoRA)                   eager per-layer path (fdlora.layers.modules.dora)
 
 Each row is verified first (fd-lora's step against the same UNet with W + ΔW merged, DoRA by its formula; fp16 bound
 derived from eager PyTorch's own error: 5x the base step's fp16-vs-fp32 difference), then timed: median of
@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fdlora  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
 from fdlora.hub.adapter import LoraAdapter, ModuleLora  # noqa: E402
 from fdlora.hub.formats.lycoris import exact_module  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
 from fdlora.testing import step_ms  # noqa: E402
 
 KINDS = ("lora-r16", "loha-r8", "lokr-f8-r16", "dora-r16")
@@ -48,7 +48,7 @@ KINDS = ("lora-r16", "loha-r8", "lokr-f8-r16", "dora-r16")
 
 def module_shapes(model, targets) -> dict[str, tuple[int, int, tuple[int, ...]]]:
     """path -> (N, K flat, A's row shape) of every Linear / Conv2d matching `targets`."""
-    from fdlora.layers.targets import match_targets
+    from fdlora.layers.model.targets import match_targets
 
     out = {}
     for path in match_targets(model, targets, None, None, None):

@@ -2,7 +2,7 @@
 
 What compiled and captured models run (`handle.freeze()`, then a CUDA graph of the step): every fused layer calls
 fdlora::merged_linear, whose stamped merge finds nothing changed on the device and returns before the GEMM on W'
-(merged-weight cache, fdlora.layers.merged), or with the cache off the per-call kernels. Same models as
+(merged-weight cache, fdlora.layers.fastpath.merged), or with the cache off the per-call kernels. Same models as
 bench_pipeline.py (SDXL UNet batch 2 at 1024^2 fp16, Flux 4096 + 512 tokens bf16, real widths, `--depth` blocks).
 Timed: replays of each captured step (GPU-bound, no host launch cost), interleaved in rounds, ratio to that round's
 base; then "switch + replay": set_adapters between replays, so every layer re-merges inside the replay. Outputs are
@@ -31,7 +31,7 @@ from bench_pipeline import flux, fold, out_of, sdxl  # noqa: E402
 
 import fdlora  # noqa: E402
 from fdlora.hub.adapter import LoraAdapter, ModuleLora  # noqa: E402
-from fdlora.layers.captured import CudaGraphs  # noqa: E402
+from fdlora.layers.fastpath.captured import CudaGraphs  # noqa: E402
 
 
 def adapter(model, targets, seed, rank=16):

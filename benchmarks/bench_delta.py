@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fdlora.kernels.reference import lora as ref  # noqa: E402
+from fdlora.kernels import ops as ref  # noqa: E402
 from fdlora.testing import graph_ms  # noqa: E402
 
 SHAPES = [  # name, M, K, N, dtype
@@ -190,7 +190,15 @@ def same_size_copy_us(nbytes: int) -> float:
 def run_case(family, M, K, N, dtype, c: Case, gen, ops, copy_gbps: float, sms: int) -> dict:
     from triton.testing import do_bench
 
-    from fdlora.kernels.triton import dispatch, lora_delta, lora_delta_rows, lora_expand_add, lora_shrink
+    from fdlora.kernels.triton.forward import (
+        delta_dispatch as dispatch,
+    )
+    from fdlora.kernels.triton.forward import (
+        lora_delta,
+        lora_delta_rows,
+        lora_expand_add,
+        lora_shrink,
+    )
 
     x, W, A, B, scale, gw, ranks, row_slot = build(M, K, N, dtype, c, gen)
     y = F.linear(x, W)

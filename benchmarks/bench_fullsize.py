@@ -1,15 +1,17 @@
 """Headline benchmark (issue 22): full-size SDXL UNet, Flux-dev transformer and Llama-3-8B with LoRA, fd-lora vs base.
 
-Models come from fdlora.pipelines.fullsize (real configs, random weights built on the GPU in fp16 / bf16). Four r16
+Models come from fdlora.fixtures.fullsize (real configs, random weights built on the GPU in fp16 / bf16). Four r16
 adapters a0..a3 are made as a user would, with PEFT (init_lora_weights=False, B scaled by 0.1 so that half-precision
 comparisons mean something); diffusers+PEFT (or PEFT) is timed first as a reference (rows peft_*, target null) and
 gives every oracle; then the model is converted in place with `fdlora.from_peft`. The base model is a second module
 tree over the same weight tensors, so base and fd-lora run interleaved in one process without a second copy.
 
 Per case: verification first (max |y - ref| / max |ref| within the dtype's tolerance and below half the LoRA's own
-effect |ref - base|; per-prompt oracles are one PEFT call per adapter, the slider's is PEFT at the final weight),
-then interleaved rounds, each running base and the case once in rotated order, timed with CUDA events around the
-whole step: host time included, eager LoRA steps are host-bound and that is the point. ms and base_ms are medians,
+effect |ref - base|; per-prompt oracles are one PEFT call per adapter, the slider's is PEFT at the final weight;
+generate16_mixed4 compares every step's logits with a float32 PEFT oracle teacher-forced on the generated tokens:
+`verify_generation`), then interleaved rounds, each running base and the case once in rotated order, timed with CUDA
+events around the whole step: host time included, eager LoRA steps are host-bound and that is the point. ms and
+base_ms are medians,
 x_base the median of the per-round ratios. peak_gib: max_memory_allocated during the case; cache_gib: merged-weight
 copies held after it. A wrong case makes the exit code 1 (after the JSON is written); a compile failure is recorded
 with ms null.
@@ -17,6 +19,7 @@ with ms null.
     python3 benchmarks/bench_fullsize.py --model sdxl --out $OUT/fullsize.json   # then --model flux / llama: merged
     python3 benchmarks/bench_fullsize.py --model flux --cases nocache_1 --profile nocache_1
     python3 benchmarks/bench_fullsize.py --model llama --smoke --out /tmp/f.json  # toy widths on CPU, seconds
+    python3 benchmarks/bench_fullsize.py --model llama --swap-check  # exit 0: generate16_mixed4's check fails a swap
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fdlora  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
 from fdlora.testing import step_ms  # noqa: E402  (the suite's one step timer)
 
 warnings.filterwarnings("ignore")
@@ -90,6 +93,7 @@ class Run:
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.model, self.smoke, self.profile, self.out_path = a.model, a.smoke, a.profile, a.out
+        self.swap_check = a.swap_check
         self.dev = torch.device("cpu" if a.smoke else "cuda")
         self.dtype = torch.float32 if a.smoke else {"sdxl": torch.float16}.get(a.model, torch.bfloat16)
         self.rounds = a.rounds or (2 if a.smoke else 10)
@@ -148,13 +152,22 @@ class Run:
               f"{effect / scale:.3g} of max|ref|  {'OK' if ok else 'WRONG'}", flush=True)
         return rel, f"effect {effect / scale:.3g}" + ("" if ok else "; WRONG: fails the check")
 
+    def verdict(self, case: str, v: dict) -> tuple[float, str]:
+        """A check made elsewhere (verify_generation's dict): recorded and printed like `check`'s."""
+        if not v["ok"]:
+            self.failed.append(case)
+        print(f"  verify {self.model} {case}: {v['note']}  {'OK' if v['ok'] else 'WRONG'}", flush=True)
+        return v["rel"], v["note"] + ("" if v["ok"] else "; WRONG: fails the check")
+
     def case(self, case: str, step, base, verify, notes: str = "") -> None:
-        """verify() -> (y, ref, LoRA effect) first, then time `step` against `base` and record the row."""
+        """verify() -> (y, ref, LoRA effect), or a verdict dict, first; then time `step` against `base` and record
+        the row."""
         if not self.wants(case):
             return
         if self.dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        rel, note = self.check(case, *verify())
+        got = verify()
+        rel, note = self.verdict(case, got) if isinstance(got, dict) else self.check(case, *got)
         if self.profile == case:
             profile(self, step, base)
         ms, base_ms, x = self.interleaved(base, step)
@@ -480,6 +493,57 @@ class Decoder:
                           position_ids=self.position_ids, use_cache=True, **self.kw).logits
 
 
+EPS = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}  # one ulp at 1.0
+
+
+def teacher_forced(model, prompts: torch.Tensor, tokens: torch.Tensor, names: list[str]) -> torch.Tensor:
+    """[new, B, V] logits that predicted each of `tokens` [B, new] after `prompts` [B, T]: one forward over the whole
+    sequence (no KV cache), row i with adapter names[i] (PEFT's adapter_names)."""
+    seq = torch.cat([prompts, tokens[:, :-1]], 1)
+    out = model(input_ids=seq, attention_mask=torch.ones_like(seq), use_cache=False, logits_to_keep=tokens.shape[1],
+                adapter_names=list(names))
+    return out.logits.transpose(0, 1)
+
+
+def rotated(names: list[str]) -> list[str]:
+    """Each row's adapter moved one row down (with 4 adapters over the rows, every row gets another one)."""
+    return names[-1:] + names[:-1]
+
+
+def verify_generation(generated: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor],
+                      oracle, prompts: torch.Tensor, names: list[str]) -> dict:
+    """Check mixed-adapter greedy generation against a higher-precision oracle, step by step on its own tokens.
+
+    generated / reference: (tokens [B, new], per-step logits [new, B, V]) of the model under test and of the
+    reference (PEFT in the same dtype), each from its own generate(adapter_names=names). `oracle` is the reference
+    model in a wider dtype (float32 for a bf16 run, float64 for float32). Each side's logits are compared with the
+    oracle's teacher-forced logits of that side's own tokens, at every step, so a greedy token that flips on a
+    near-tie changes what is compared, never whether it compares. Rules:
+    - err (max |logits - oracle|) <= 4 x the reference's own error + 4 ulps of max |oracle| (the dtype's error as
+      the reference implementation makes it on the same path: KV cache, same adapters);
+    - err <= 0.5 x what moving each row's adapter to the next row changes in the oracle's logits (`swap`), or the
+      check could not tell a swapped adapter from the right one;
+    - every logit finite.
+    Returns ok, rel (err / max |oracle|), err, limit, swap, ref_err, flips (steps whose token is not the oracle's
+    argmax) and a one-line note."""
+    tokens, logits = generated
+    want = teacher_forced(oracle, prompts, tokens, names).double()
+    ref_want = teacher_forced(oracle, prompts, reference[0], names).double()
+    swapped = teacher_forced(oracle, prompts, tokens, rotated(names)).double()
+    err = float((logits.double() - want).abs().max())
+    ref_err = float((reference[1].double() - ref_want).abs().max())
+    scale = float(want.abs().max())
+    limit = 4 * ref_err + 4 * EPS[logits.dtype] * scale
+    swap = float((swapped - want).abs().max())
+    ok = bool(torch.isfinite(logits).all()) and err <= limit and err <= 0.5 * swap
+    flips = int((want.argmax(-1) != tokens.t()).any(1).sum())
+    note = (f"teacher-forced vs {str(want.dtype).removeprefix('torch.')} oracle over {tokens.shape[1]} steps: "
+            f"err {err:.3g} (limit {limit:.3g} = 4 x PEFT's {ref_err:.3g} + 4 ulps), adapters moved one row: "
+            f"{swap:.3g}; {flips} step(s) off the oracle's argmax")
+    return {"ok": ok, "rel": err / scale, "err": err, "limit": limit, "swap": swap, "ref_err": ref_err,
+            "flips": flips, "note": note}
+
+
 def llm(r: Run) -> None:
     from peft import LoraConfig, get_peft_model
 
@@ -515,33 +579,34 @@ def llm(r: Run) -> None:
         return lambda: m(input_ids=ids, use_cache=False, logits_to_keep=1).logits
 
     with torch.inference_mode():
-        yb = {"dec": Decoder(base, B, ctx, room).step(), "pre": prefill_of(base)(), "gen": generate(base, None, True)}
+        yb = {"dec": Decoder(base, B, ctx, room).step(), "pre": prefill_of(base)()}
         ref = {"dec": Decoder(peft, B, ctx, room).step(), "pre": prefill_of(peft)(),
                "mixed": Decoder(peft, B, ctx, room, mixed).step(), "gen": generate(peft, gmixed, True)}
-        if r.wants("peft_decode32_mixed4"):
+        if r.wants("peft_decode32_mixed4") and not r.swap_check:
             r.reference("peft_decode32_mixed4", Decoder(peft, B, ctx, room, mixed).step,
                         Decoder(base, B, ctx, room).step)
+    # generate16_mixed4's oracle: the PEFT model in float32 (float64 for a float32 run), before conversion
+    oracle = (copy.deepcopy(peft).to(torch.float64 if r.dtype == torch.float32 else torch.float32)
+              if r.wants("generate16_mixed4") else None)
 
     fd = fdlora.from_peft(peft)
     r.layers = len(fdlora.handle(fd).layers)
     print(f"  {r.layers} fused LoRA layers", flush=True)
 
-    def check_generate():
-        toks, logits = generate(fd, gmixed, True)
-        same = (toks == ref["gen"][0]).all(0)  # per step: every row's token equal
-        k = int(same.long().cumprod(0).sum())  # steps 0..k have equal prefixes, their logits compare
-        notes.append(f"greedy tokens equal for {k}/{new} steps")
-        return logits[:k + 1], ref["gen"][1][:k + 1], effect(ref["gen"][1][0], yb["gen"][1][0])
+    def check_generate(names=gmixed):
+        return verify_generation(generate(fd, names, True), ref["gen"], oracle, prompts, gmixed)
 
+    if r.swap_check:  # the check itself, shown to fail on a generation whose rows' adapters were moved
+        with torch.inference_mode():
+            r.verdict("generate16_mixed4", check_generate(rotated(gmixed)))
+        return
     with torch.inference_mode():
         d, db = Decoder(fd, B, ctx, room, mixed), Decoder(base, B, ctx, room)
         r.case("decode32_mixed4", d.step, db.step, lambda: (d.step(), ref["mixed"], effect(ref["mixed"], yb["dec"])),
                f"{B} rows x 1 token over a {ctx}-token KV cache, adapter_names mixing 4")
-        notes = []
-        r.case("generate16_mixed4", lambda: generate(fd, gmixed), lambda: generate(base), check_generate)
-        if notes and r.wants("generate16_mixed4"):
-            r.rows[-1]["notes"] = "; ".join([f"{G} x {ctx}-token prompts, {new} new tokens, greedy"] + notes
-                                            + [r.rows[-1]["notes"]])
+        r.case("generate16_mixed4", lambda: generate(fd, gmixed), lambda: generate(base), check_generate,
+               f"{G} x {ctx}-token prompts, {new} new tokens, greedy, adapter_names mixing 4")
+        del oracle
         run = prefill_of(fd)
         r.case("prefill2048_1", run, prefill_of(base), lambda: (run(), ref["pre"], effect(ref["pre"], yb["pre"])),
                f"1 x {prefill} tokens, last position's logits")
@@ -607,7 +672,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, help="interleaved timing rounds (default 10; smoke 2)")
     ap.add_argument("--smoke", action="store_true", help="toy widths on CPU: every code path, meaningless timings")
     ap.add_argument("--profile", metavar="CASE", help="torch.profiler over 3 steps of CASE: host ops, host us/layer")
+    ap.add_argument("--swap-check", action="store_true",
+                    help="llama: run only generate16_mixed4's check, on a generation with each row's adapter moved to "
+                         "the next row; exit 0 when the check fails as it must, 1 when it passes")
     r = Run(ap.parse_args())
+    if r.swap_check and (r.model != "llama" or r.out_path):
+        ap.error("--swap-check runs llama's generate16_mixed4 check only and writes no JSON: --model llama, no --out")
     if r.smoke:
         torch.set_num_threads(1)  # toy ops: threads only contend (CI runners, shared machines)
     if r.dev.type == "cuda" and not torch.cuda.is_available():
@@ -621,6 +691,11 @@ def main() -> int:
         print(f"{r.model}: {time.time() - t0:.0f} s")
         if r.out_path:
             write(r.out_path, environment(r), r.rows)
+    if r.swap_check:
+        caught = "generate16_mixed4" in r.failed
+        print("swap check: the generation check " + ("FAILED on swapped adapters, as it must" if caught else
+                                                       "PASSED swapped adapters: it cannot tell them apart"))
+        return 0 if caught else 1
     table(r.rows)
     if r.failed:
         print(f"WRONG (failed verification): {', '.join(r.failed)}", file=sys.stderr)

@@ -102,7 +102,7 @@ def lora_flops(M, K, N, lora):
 
 
 def warm_tasks(sweep: bool, decode: bool) -> list[tuple]:
-    from fdlora.kernels.triton import lora_linear as L
+    from fdlora.kernels.triton.forward import lora_linear as L
 
     cfgs = SWEEP_CONFIGS() if sweep else L.CONFIGS["many"]
     tasks = []
@@ -123,7 +123,7 @@ def warm_tasks(sweep: bool, decode: bool) -> list[tuple]:
 
 
 def SWEEP_CONFIGS():
-    from fdlora.kernels.triton.lora_linear import _cfg
+    from fdlora.kernels.triton.forward.lora_linear import _cfg
 
     return [
         _cfg(8, 3, 128, 256, 64), _cfg(8, 4, 128, 256, 64), _cfg(8, 4, 128, 128, 64), _cfg(8, 3, 256, 128, 64),
@@ -133,10 +133,10 @@ def SWEEP_CONFIGS():
 
 
 def run_warm(tasks: list[tuple]) -> list[str]:
-    from fdlora.kernels.triton import lora_linear as L
-    from fdlora.kernels.triton.lora_delta import lora_delta
-    from fdlora.kernels.triton.lora_merge import launch_merge
-    from fdlora.kernels.triton.lora_shrink import launch_shrink
+    from fdlora.kernels.triton.forward import lora_linear as L
+    from fdlora.kernels.triton.forward.lora_delta import lora_delta
+    from fdlora.kernels.triton.forward.lora_shrink import launch_shrink
+    from fdlora.kernels.triton.merge.lora_merge import launch_merge
 
     out = []
     for t in tasks:
@@ -229,10 +229,10 @@ def bench_case(model: str, M: int, K: int, N: int, lora: str, paths: list[str], 
     from torch._library.triton import set_wrap_triton_enabled
 
     from fdlora.kernels.triton import config as C
-    from fdlora.kernels.triton import lora_linear as L
-    from fdlora.kernels.triton import lora_linear_dispatch as D
-    from fdlora.kernels.triton.lora_merge import launch_merge, new_stamp
-    from fdlora.kernels.triton.lora_shrink import launch_shrink
+    from fdlora.kernels.triton.forward import lora_linear as L
+    from fdlora.kernels.triton.forward import lora_linear_dispatch as D
+    from fdlora.kernels.triton.forward.lora_shrink import launch_shrink
+    from fdlora.kernels.triton.merge.lora_merge import launch_merge, new_stamp
 
     sets = [inputs(M, K, N, lora, seed=i) for i in range(ROTATE)]
     d = sets[0]
@@ -274,7 +274,7 @@ def bench_case(model: str, M: int, K: int, N: int, lora: str, paths: list[str], 
         # the fused kernel as a plain GEMM (every slot at scale 0; autotuned), and the merge alone
         t["triton_gemm"] = graph_us(each(lambda *a: L.launch_lora_linear(*a, pre=True), zero_sets))
         t["merge_only"] = graph_us(each(lambda x, W, b, A, B, sc, gw, rk: launch_merge(W, A, B, sc, gw, rk)))
-        # an eager blend-mode layer with the merged-weight cache (fdlora.layers.merged): once W' is merged
+        # an eager blend-mode layer with the merged-weight cache (fdlora.layers.fastpath.merged): once W' is merged
         # (merge_only, after each switch), every call is one cuBLAS GEMM on W'
         merged = [launch_merge(a[1], *a[3:6], a[6], a[7])[0] for a in arg_sets]
         t["cached"] = graph_us([lambda s=s, w=w: F.linear(s["x"], w, s["bias"]) for s, w in zip(sets, merged)])
@@ -353,7 +353,7 @@ def bench_case(model: str, M: int, K: int, N: int, lora: str, paths: list[str], 
 
 def check_dispatch(results: Path, out: Path | None) -> None:
     """The current model's choice for every recorded row, judged by that row's measured path times."""
-    from fdlora.kernels.triton import lora_linear_dispatch as D
+    from fdlora.kernels.triton.forward import lora_linear_dispatch as D
 
     data = json.loads(results.read_text())
     rows = []
@@ -404,8 +404,8 @@ def main() -> None:
 
     import triton
 
-    from fdlora.kernels.triton import lora_linear as L
-    from fdlora.kernels.triton import lora_linear_dispatch as D
+    from fdlora.kernels.triton.forward import lora_linear as L
+    from fdlora.kernels.triton.forward import lora_linear_dispatch as D
 
     if a.warm:
         warm(a.warm, a.sweep, a.decode)

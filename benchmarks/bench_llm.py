@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fdlora  # noqa: E402
-from fdlora.pipelines.routing import adapter_rows  # noqa: E402
+from fdlora.runtime.routing import adapter_rows  # noqa: E402
 
 REAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
             vocab_size=128256, num_hidden_layers=4, max_position_embeddings=8192, rope_theta=500000.0)
@@ -193,7 +193,7 @@ def run_decode(a, base, peft_model, fd, device, dtype, vocab) -> tuple[dict, dic
         del steps["oracle"]
         times[f"peft_{label}"] = median(steps["peft"].step)
         times[f"fd_{label}"] = median(steps["fd"].step)
-        if names is None:  # the same without the merged-weight cache (fdlora.layers.merged)
+        if names is None:  # the same without the merged-weight cache (fdlora.layers.fastpath.merged)
             fdlora.set_merge_cache(0)
             times[f"fd_percall_{label}"] = median(steps["fd"].step)
             fdlora.set_merge_cache("auto")
@@ -265,7 +265,7 @@ def run_prefill(a, base, peft_model, fd, device, dtype, vocab) -> tuple[dict, di
             times[f"base_{label}"] = median(call(base, ids, None))
             times[f"peft_{label}"] = median(call(peft_model, ids, names))
             times[f"fd_{label}"] = median(call(fd, ids, names))
-            if names is None:  # the same without the merged-weight cache (fdlora.layers.merged)
+            if names is None:  # the same without the merged-weight cache (fdlora.layers.fastpath.merged)
                 fdlora.set_merge_cache(0)
                 times[f"fd_percall_{label}"] = median(call(fd, ids, names))
                 fdlora.set_merge_cache("auto")

@@ -1,7 +1,7 @@
 """Offload benchmark (issue 26, part 2): full-size SDXL UNet and Flux-dev transformer steps under offload,
 fd-lora vs diffusers+PEFT under the same offload.
 
-The denoiser is built on the CPU (fdlora.pipelines.fullsize: real config, random weights, fp16 / bf16), two r16 PEFT
+The denoiser is built on the CPU (fdlora.fixtures.fullsize: real config, random weights, fp16 / bf16), two r16 PEFT
 adapters a0, a1 are added (init_lora_weights=False, B scaled by 0.1) and blended 0.8 / 0.4; the fd-lora copy is a deep
 copy converted with `fdlora.from_peft`. Each (impl, mode) gets a fresh copy with the offload applied:
 
@@ -14,7 +14,7 @@ copy converted with `fdlora.from_peft`. Each (impl, mode) gets a fresh copy with
 Verification first: fd-lora's step output against diffusers+PEFT's under the same offload (max |d| / max |ref| within
 the dtype's tolerance, and the LoRA's effect over the base must be visible); then `--rounds` timed steps (median ms,
 CUDA synchronised, host time included). Each row also says how many fused layers run offloaded (no merged-weight
-cache: fdlora.layers.offload) and how many merged-weight bytes are held after the step.
+cache: fdlora.layers.storage.offload) and how many merged-weight bytes are held after the step.
 
     python3 benchmarks/bench_offload.py --model sdxl --out $OUT/offload.json
     python3 benchmarks/bench_offload.py --model flux --modes model,group --out $OUT/offload.json
@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fdlora  # noqa: E402
-from fdlora.layers.offload import offloaded_layers  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
+from fdlora.layers.storage.offload import offloaded_layers  # noqa: E402
 
 warnings.filterwarnings("ignore")
 TOL = {torch.float16: 2e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4}

@@ -162,7 +162,7 @@ def bench_model(name, build, a, dev, dtype):
     from peft import LoraConfig
 
     import fdlora
-    from fdlora.pipelines.transformers import adapter_from_peft
+    from fdlora.integrations.transformers import adapter_from_peft
 
     base, inputs, targets = build(a.tiny, a.depth, dev, dtype)
     ms = timer(dev, a.repeats)

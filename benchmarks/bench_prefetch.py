@@ -1,6 +1,6 @@
 """Adapters that arrive while serving, and cold starts: step time during a background load, first loads.
 
-Model: the full-size SDXL UNet (fdlora.pipelines.fullsize: real config, random fp16 weights built on the GPU)
+Model: the full-size SDXL UNet (fdlora.fixtures.fullsize: real config, random fp16 weights built on the GPU)
 in a UNet-only SDXL pipeline. Adapter: rank 32 on every attention, feed-forward and proj_in/proj_out linear
 (~225 MB in fp16), a diffusers-layout file on local disk, read once first so it sits in the OS page cache.
 
@@ -13,18 +13,18 @@ Rows (written to benchmarks/results/<gpu>/prefetch.json):
           (target <= 1.05); a step is timed until the serving stream is done (as a server reading its results waits:
           a prefetch's copy on its side stream is not waited for; it was, through torch.cuda.synchronize, until
           session 26). Each step holds the pipeline's lock as
-          a generation does, so every prefetch publishes between two steps. `fdlora.pipelines.warmup.warmup` runs
+          a generation does, so every prefetch publishes between two steps. `fdlora.integrations.warmup.warmup` runs
           first, as in a server: it starts the reader process (fdlora.hub.worker), page-locks the host arena the
           reader writes into and builds the bulk bank writer; `arena` says whether the blocks came from the
           page-locked reserve. `mean_ratio` counts the steps a publication lands on (the adapter objects are built
           and the banks written there), which the median may skip. Since session 27 a publication holds the lock in
-          pieces of ~1.5 ms (fdlora.pipelines.background._publish): `lock_hold_max_ms` is the longest hold over
+          pieces of ~1.5 ms (fdlora.runtime.background._publish): `lock_hold_max_ms` is the longest hold over
           every load, `lock_hold_sum_ms_median` a load's total. `round_ratio_median`: the median over rounds of each
           round's own ratio (its loading steps against the idle steps just before them), which a host whose step
           time drifts between rounds (idle medians of 66 and 100 ms in one process, session 27) moves less.
           FDLORA_PREFETCH_READER=thread measures reads on the prefetch's own thread (what it did before).
   cold    fresh processes (subprocess), file in the page cache: fd-lora's first `load_fd_lora` (target <= 0.5 s)
-          and the first step after it; the same with `fdlora.pipelines.warmup.warmup` before the load (the UNet's
+          and the first step after it; the same with `fdlora.integrations.warmup.warmup` before the load (the UNet's
           layers wrapped as the load would, the bank writer, the kernel backends imported) and between load and
           first step (the layers' kernels);
           diffusers' first `load_lora_weights` and its first step.
@@ -73,7 +73,7 @@ def setup(smoke: bool):
     import torch
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-    from fdlora.pipelines import fullsize
+    from fdlora.fixtures import fullsize
 
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.float16
@@ -91,8 +91,8 @@ def write_adapter(unet, rank: int, folder: str) -> int:
     import torch
     from safetensors.torch import save_file
 
+    from fdlora.fixtures import fullsize
     from fdlora.layers import match_targets
-    from fdlora.pipelines import fullsize
 
     g = torch.Generator().manual_seed(1)
     sd = {}
@@ -155,7 +155,7 @@ def child(a: argparse.Namespace) -> None:
             out["first_load_gc_s"] = clock.take()
         else:
             import fdlora  # noqa: F401  (attaches load_fd_lora; its import is not part of the load)
-            from fdlora.pipelines.warmup import warmup
+            from fdlora.integrations.warmup import warmup
 
             if a.child == "fd-warmup":  # before the first load: its layers, bank writer and kernel imports
                 out["warmup_before_load_s"] = timed(lambda: warmup(pipe), sync)
@@ -233,8 +233,8 @@ def serving(pipe, unet, inputs, folder: str, sync, n: int) -> dict:
 
     from fdlora import env
     from fdlora.hub import worker
-    from fdlora.pipelines.scope import lock_of
-    from fdlora.pipelines.warmup import warmup
+    from fdlora.integrations.warmup import warmup
+    from fdlora.runtime.scope import lock_of
 
     lock = lock_of(pipe)
     if torch.cuda.is_available() and next(unet.parameters()).is_cuda:

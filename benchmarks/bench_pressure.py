@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_fullsize import scale_b  # noqa: E402  (B scaled as a trained B is: the headline bench's adapters)
 
 import fdlora  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
 
 warnings.filterwarnings("ignore")
 GIB = 1 << 30

@@ -9,7 +9,7 @@ adapters load with `load_fd_lora`. Each fd-lora step is verified first against a
 library: forward hooks adding sum_i w_i (x A_i^T) B_i^T in fp32 to each quantized Linear's own output (rel err within
 the dtype's tolerance and below half the LoRA's effect), and the merged-weight cache must hold nothing (no
 dequantized copy). Then timed: medians of CUDA-event-timed steps; x_base is the ratio to the same quantized base.
-Rows say which path the layers' blend calls took, as `merge_path` / `merge_paths` (fdlora.layers.dequant; GGUF rows
+Rows say which path the layers' blend calls took, as `merge_path` / `merge_paths` (fdlora.layers.quant.dequant; GGUF rows
 also as `gguf_path` / `gguf_paths`): "fused-dequant-merge" is the Triton kernel that writes the dequantized weight
 with the LoRA merged in (GGUF Q8_0: gguf_merge; torchao int8 / float8 per row or per tensor: dequant_merge);
 "torch-dequant-merge" the base's own dequantization + addmm_; "base+delta" the per-call delta; "none" a layer whose
@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fdlora  # noqa: E402
 from benchmarks.bench_breadth import BLEND, NAMES, TOL, build, lora_dirs, step, timed  # noqa: E402
-from fdlora.layers import quantized  # noqa: E402
-from fdlora.layers.fused import _FusedLora  # noqa: E402
+from fdlora.layers.modules.fused import _FusedLora  # noqa: E402
+from fdlora.layers.quant import quantized  # noqa: E402
 
 KINDS = ("torchao-int8", "torchao-int4", "torchao-float8", "gguf-Q8_0")
 TARGET = 1.10  # fd-lora 1 adapter vs the same quantized base
@@ -99,13 +99,13 @@ def quantize(model: nn.Module, kind: str, dt: torch.dtype) -> None:
 
 
 def merge_paths(model: nn.Module) -> dict[str, int]:
-    """Path of each quantized LoRA layer's last blend call (fdlora.layers.dequant) -> how many layers took it."""
+    """Path of each quantized LoRA layer's last blend call (fdlora.layers.quant.dequant) -> how many layers took it."""
     return dict(Counter(m.__dict__.get("merge_path") or "none" for m in model.modules() if isinstance(m, _FusedLora)
                         and quantized.kind(m.base) and any(m.bank.used)))
 
 
 def gguf_paths(model: nn.Module) -> dict[str, int]:
-    """Path of each GGUF LoRA layer's last blend call (fdlora.layers.gguf) -> how many layers took it."""
+    """Path of each GGUF LoRA layer's last blend call (fdlora.layers.quant.gguf) -> how many layers took it."""
     return dict(Counter(m.__dict__.get("gguf_path") or "none" for m in model.modules() if isinstance(m, _FusedLora)
                         and (quantized.kind(m.base) or "").startswith("gguf ") and any(m.bank.used)))
 
@@ -138,7 +138,7 @@ def gguf_kernel_row(K: int, N: int, rank: int) -> dict:
     import gguf
     from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
 
-    from fdlora.kernels.triton import gguf_merge
+    from fdlora.kernels.triton.merge import gguf_merge
 
     dev, dt, S = torch.device("cuda"), torch.bfloat16, len(BLEND)
     g = torch.Generator(dev).manual_seed(K + N)
@@ -177,7 +177,7 @@ def torchao_kernel_row(what: str, K: int, N: int, rank: int) -> dict:
     quantize_ (per row, bf16; the module docstring says what each time is), verified first."""
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-    from fdlora.kernels.triton import dequant_merge
+    from fdlora.kernels.triton.merge import dequant_merge
 
     dev, dt, S = torch.device("cuda"), torch.bfloat16, len(BLEND)
     g = torch.Generator(dev).manual_seed(K + N)

@@ -1,4 +1,4 @@
-"""One shrink for layers that read the same input (fdlora.layers.shared) vs one delta per layer.
+"""One shrink for layers that read the same input (fdlora.layers.modules.shared_shrink) vs one delta per layer.
 
     separate: y_i += (x A_i^T * w) B_i^T          lora_delta (or lora_delta_rows) once per member: x read n times
     grouped:  h = x [A_1; ...; A_n]^T once         lora_shrink (Triton: lora_shrink_split, partial sums kept) over
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fdlora.kernels import registry  # noqa: E402
-from fdlora.layers import shared  # noqa: E402
+from fdlora.layers.modules import shared_shrink as shared  # noqa: E402
 
 
 @dataclass(frozen=True)

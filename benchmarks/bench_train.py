@@ -63,9 +63,9 @@ sys.path.insert(0, str(ROOT))
 
 import fdlora  # noqa: E402
 from fdlora import env  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
+from fdlora.integrations.transformers.trainable.adapters import state_of  # noqa: E402
 from fdlora.testing import graphs_ms, median_ms  # noqa: E402
-from fdlora.training.adapters import state_of  # noqa: E402
 
 TARGETS = {"step_x_peft": 0.75, "peak_x_peft": 1.0, "layer_x_torch": 0.6}
 
@@ -498,7 +498,7 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
     GEMM itself (addmm_, reading grad_x once more), PEFT's autograd sums the base's and the LoRA branch's grad_x of
     the shared input (an add over [M, K], reading two and writing one), which the first measure leaves out."""
     from fdlora.kernels import train_ops
-    from fdlora.kernels.reference import lora_train
+    from fdlora.kernels.ops import lora_train
 
     dtype = torch.float32 if smoke else torch.bfloat16
     M = 64 if smoke else 8192
@@ -553,7 +553,7 @@ def layer_microbench(dev, smoke, repeats) -> list[dict]:
                "layer_rel_err_vs_torch": err_layer,
                "fd_backward": env.train_backward() if dev.type == "cuda" else "reference"}
         if dev.type == "cuda" and importlib.util.find_spec("triton") is not None:  # the opt-in fused kernels too
-            from fdlora.kernels.triton.lora_backward import lora_backward
+            from fdlora.kernels.triton.train.lora_backward import lora_backward
 
             t_tri = median_ms(lambda a=(gy, x, h, None, A, B, s): lora_backward(*a), repeats, dev.type)
             row.update(triton_ms=t_tri, triton_x_torch=t_tri / t_torch)

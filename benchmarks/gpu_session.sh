@@ -55,7 +55,7 @@ for stage in "$@"; do
     quantized) GPU_DIR=benchmarks/results/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
         cp "$GPU_DIR/breadth.json" "$OUT/results/breadth.json" 2>/dev/null  # this GPU's committed rows are kept
         step 400 python3 benchmarks/bench_quantized.py --out "$OUT/results/breadth.json" ;;
-    layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/pipelines/transformers ;;
+    layers) TAIL=15 step 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/layers tests/integrations/transformers ;;
     pipeline) step 300 python3 benchmarks/bench_pipeline.py --models sdxl,flux --depth 6 --repeats 10 \
         --out "$OUT/results/pipeline.json" ;;
     profile) TAIL=70 step 150 python3 benchmarks/probes/profile_step.py --model sdxl --depth 6 --out "$OUT/results/profile_sdxl.json" ;;

@@ -1,7 +1,11 @@
 """fd-lora: dynamic LoRA at merged speed. Public API only."""
 
-from ._moved import install as _install_moved
-from ._moved import moved_attribute as _moved_attribute
+from fdlora import quiet as _quiet  # noqa: F401,I001  (first: known third-party warnings off stderr; FDLORA_VERBOSE=1)
+from fdlora.integrations.diffusers.hook import install as _install_diffusers_hook
+from fdlora.layers.fastpath.captured import capture_steps, release_steps
+from fdlora.layers.fastpath.merged import merge_cache_bytes, set_merge_cache
+from fdlora.runtime.scope import adapters
+
 from .api import (
     active_adapters,
     add_adapter,
@@ -20,37 +24,32 @@ from .errors import FdLoraError
 from .hub.adapter import LoraAdapter, ModuleLora, Provenance
 from .kernels import set_backend, use_backend
 from .layers import FdLoraHandle, FusedLoraConv2d, FusedLoraLinear
-from .layers.captured import capture_steps, release_steps
-from .layers.merged import merge_cache_bytes, set_merge_cache
-from .pipelines.diffusers.hook import install as _install_diffusers_hook
-from .pipelines.scope import adapters
 
 _install_diffusers_hook()
-_install_moved()
 
 __version__ = "0.1.0"
 
 _HUB = ("load_adapters", "LoadReport", "AdapterPool", "AdapterCache")
-# integration entry points (fdlora.pipelines), imported on first use: the core install has no diffusers /
+# integration entry points (fdlora.integrations), imported on first use: the core install has no diffusers /
 # transformers / peft, and a call that needs one raises MissingExtraError naming `pip install fd-lora[extra]`
 # name -> (module under fdlora, the extra it needs); load_fd_lora takes diffusers models itself and hands every
 # other model to the Transformers loader; training reads peft.LoraConfig
-_PIPELINES = {"from_diffusers": (".pipelines.diffusers", "diffusers"),
-              "FdLoraModel": (".pipelines.transformers", "transformers"),
-              "from_peft": (".pipelines.transformers", "transformers"),
-              "load_fd_lora": (".pipelines.diffusers.model", "transformers"),
-              "merge_and_unload": (".pipelines.transformers", "transformers"),
-              "save_peft": (".pipelines.transformers", "transformers"),
+_PIPELINES = {"from_diffusers": (".integrations.diffusers", "diffusers"),
+              "FdLoraModel": (".integrations.transformers", "transformers"),
+              "from_peft": (".integrations.transformers", "transformers"),
+              "load_fd_lora": (".integrations.diffusers.model", "transformers"),
+              "merge_and_unload": (".integrations.transformers", "transformers"),
+              "save_peft": (".integrations.transformers", "transformers"),
               "add_trainable_adapter": (".training", "transformers"),
               "lora_parameters": (".training", "transformers"),
               "trainable_parameters": (".training", "transformers"),
-              "prefetch": (".pipelines.prefetch", None),
-              "warmup": (".pipelines.warmup", None)}
+              "prefetch": (".integrations.prefetch", None),
+              "warmup": (".integrations.warmup", None)}
 
 
 def __getattr__(name: str):
     """Hub and integration entry points, imported on first use so `import fdlora` stays cheap (and works with
-    the core install alone); moved modules by their old name."""
+    the core install alone)."""
     if name in _HUB:
         from . import hub
         from .extras import needs_extras
@@ -63,7 +62,7 @@ def __getattr__(name: str):
         from .extras import needs_extras
 
         module, extra = _PIPELINES[name]
-        obj = getattr(importlib.import_module(module, __name__), name)
+        obj = getattr(importlib.import_module(module, __name__), name)  # needs an optional extra
         obj = obj if isinstance(obj, type) else needs_extras(obj, extra)
         globals()[name] = obj
         return obj
@@ -71,7 +70,7 @@ def __getattr__(name: str):
         from .plan import plan
 
         return plan
-    return _moved_attribute(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AdapterCache",

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fdlora.layers.model.handle import SampleSpec
+from fdlora.layers.model.targets import Targets
+from fdlora.runtime.scope import lock_of
+
 from .errors import FdLoraError
 from .hub.adapter import LoraAdapter
 from .layers import FdLoraHandle, match_targets, padded_rank, registry_of_models
-from .layers.handle import SampleSpec
-from .layers.targets import Targets
-from .pipelines.scope import lock_of
 
 
 def inject(
@@ -68,7 +69,7 @@ def add_adapter(model: nn.Module, adapter: LoraAdapter, name: str | None = None,
                 validate: bool = True, max_slots: int = 4, max_rank: int | None = None) -> int:
     """Load `adapter` into `model`, injecting fused layers for its modules if needed; returns its slot.
 
-    Waits for the model's calls in flight (fdlora.pipelines.scope.lock_of); an interrupted first load
+    Waits for the model's calls in flight (fdlora.runtime.scope.lock_of); an interrupted first load
     (Ctrl-C included) takes the fused layers out again."""
     with lock_of(model):
         h = registry_of_models.get(model)

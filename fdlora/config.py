@@ -282,7 +282,7 @@ def _device(cfg: Config) -> str:
 
 
 def _tiny_pipeline(name: str):
-    from .pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
 
     return {"tiny-sd15": tiny.sd15, "tiny-sdxl": tiny.sdxl, "tiny-sd3": tiny.sd3, "tiny-flux": tiny.flux}[name]()
 
@@ -338,7 +338,7 @@ def build(cfg: Config):
         if not cfg.quantization_bits:
             obj = obj.to(device)
         obj.eval()
-    from .pipelines.transformers import load_fd_lora
+    from fdlora.integrations.transformers import load_fd_lora
 
     for a in cfg.adapters:
         load_fd_lora(obj, a.source, adapter_name=a.name, activate=False, **a.hub)

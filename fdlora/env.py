@@ -40,7 +40,7 @@ MERGE_CACHE_VAR = "FDLORA_MERGE_CACHE"
 
 
 def merge_cache_limit() -> str:
-    """`FDLORA_MERGE_CACHE`: byte budget per device of merged-weight copies (fdlora.layers.merged):
+    """`FDLORA_MERGE_CACHE`: byte budget per device of merged-weight copies (fdlora.layers.fastpath.merged):
     "auto" (default), a byte count such as 8e9, a share of device memory such as 25%, or 0 to turn it off."""
     return os.environ.get(MERGE_CACHE_VAR, "auto").strip().lower() or "auto"
 
@@ -49,7 +49,7 @@ DISPATCH_VAR = "FDLORA_DISPATCH"
 
 
 def dispatch_measure() -> bool:
-    """`FDLORA_DISPATCH`: "model" (default: the cost model of fdlora.kernels.triton.lora_linear_dispatch) or
+    """`FDLORA_DISPATCH`: "model" (default: the cost model of fdlora.kernels.triton.forward.lora_linear_dispatch) or
     "measure" (the first eager call of an ambiguous layer shape times the close candidates on the GPU)."""
     return os.environ.get(DISPATCH_VAR, "model").strip().lower() == "measure"
 
@@ -130,8 +130,8 @@ def train_cpp() -> bool:
 
 def train_backward() -> str:
     """`FDLORA_TRAIN_BACKWARD`: how a trainable layer's LoRA backward runs on CUDA: "blas" (default: four cuBLAS
-    GEMMs in the activations' dtype, fdlora.kernels.reference.lora_train.lora_train_linear_backward_blas) or
-    "triton" (the two-pass fused kernels of fdlora.kernels.triton.lora_backward: one read of gy, one of u, split-K
+    GEMMs in the activations' dtype, fdlora.kernels.ops.lora_train.lora_train_linear_backward_blas) or
+    "triton" (the two-pass fused kernels of fdlora.kernels.triton.train.lora_backward: one read of gy, one of u, split-K
     partial sums instead of atomics; still slower than the cuBLAS path at every measured Llama-3-8B layer shape on an
     H100, 0.21-0.41 vs 0.15-0.26 ms: benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward.json)."""
     raw = os.environ.get(TRAIN_BACKWARD_VAR, "blas").strip().lower()

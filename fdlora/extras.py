@@ -55,7 +55,7 @@ def missing(module: str, feature: str, extra: str | None = None) -> MissingExtra
 def require(module: str, feature: str) -> Any:
     """`import module`, or raise MissingExtraError naming the extra that installs it."""
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(module)  # the optional extra the caller named
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in EXTRA_OF:
             raise missing(e.name, feature) from None

@@ -1,7 +1,7 @@
 """Work done in pieces: a generator that yields where its caller may stop and let other work run, and returns its
 result (`drain` runs one to its end without stopping).
 
-A prefetch's publication (fdlora.pipelines.background) is such a generator: it holds the pipeline's lock only while a
+A prefetch's publication (fdlora.runtime.background) is such a generator: it holds the pipeline's lock only while a
 piece runs, so a step waiting for the lock waits for one piece (~1-2 ms), not for the whole publication (~25 ms for
 an SDXL LoRA on an H100 host, which delayed a serving step by a third). Pieces before `COMMIT` only read the model
 (checks, write tables); the piece after it changes the model at once, under the lock, and cannot be cancelled.

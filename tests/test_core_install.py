@@ -172,7 +172,7 @@ def test_core_target_matching_equals_peft(monkeypatch, targets, exclude):
     pytest.importorskip("peft")
     from torch import nn
 
-    from fdlora.layers.targets import match_targets
+    from fdlora.layers.model.targets import match_targets
 
     def net():
         blocks = nn.ModuleList(nn.ModuleDict({"q_proj": nn.Linear(4, 4), "v_proj": nn.Linear(4, 4),

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fused import ROTATE, SHAPES, args_of, capture_calls, inputs, oracle_rows  # noqa: E402
 
-from fdlora.kernels.triton.lora_merge import launch_merge, new_stamp  # noqa: E402
+from fdlora.kernels.triton.merge.lora_merge import launch_merge, new_stamp  # noqa: E402
 
 
 def timed(g, n) -> float:
@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     version = torch.zeros(1, dtype=torch.int32, device="cuda")
     rows = []
-    from fdlora.kernels.triton import lora_linear as L
+    from fdlora.kernels.triton.forward import lora_linear as L
 
     cases = [(m, M, K, N, lo) for m, M, K, N in SHAPES for lo in args.loras.split(",")
              if not args.only or m in args.only.split(",")]

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_fullsize as bf  # noqa: E402
 
 import fdlora  # noqa: E402
-from fdlora.layers import hot  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
+from fdlora.layers.fastpath import hot  # noqa: E402
 
 
 def rounds(named: dict, n: int) -> dict:

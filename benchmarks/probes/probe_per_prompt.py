@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import fdlora  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
 from fdlora.testing import step_ms  # noqa: E402
 
 

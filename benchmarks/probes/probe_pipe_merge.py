@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fused import ROTATE, SHAPES, graph_us, inputs, oracle_rows  # noqa: E402
 
-from fdlora.kernels.triton.lora_merge import launch_merge  # noqa: E402
+from fdlora.kernels.triton.merge.lora_merge import launch_merge  # noqa: E402
 
 _CUBLAS = None
 

@@ -1,7 +1,7 @@
 """Where a cold first `load_fd_lora` spends its host time beyond a later load (issue 26: 1.41 s on an H100 host,
 0.75 s after the shipped warmup, later loads 0.34 s; target <= 0.5 s), profiled on CPU.
 
-Model: the full-size SDXL UNet (fdlora.pipelines.fullsize: real config, random fp16 weights on the CPU) in a
+Model: the full-size SDXL UNet (fdlora.fixtures.fullsize: real config, random fp16 weights on the CPU) in a
 UNet-only SDXL pipeline. Adapter: rank 32 on every attention, feed-forward and proj_in/proj_out linear, written
 in the diffusers layout (bench_prefetch's file) or kohya's (`lora_unet_..._lora_down.weight` with alphas). In a
 fresh process: the first load under cProfile, then a later load of the same file under a new name (RAM cache off,
@@ -35,8 +35,8 @@ WEIGHTS = "pytorch_lora_weights.safetensors"
 def write_kohya(unet, rank: int, folder: str) -> None:
     from safetensors.torch import save_file
 
+    from fdlora.fixtures import fullsize
     from fdlora.layers import match_targets
-    from fdlora.pipelines import fullsize
 
     g = torch.Generator().manual_seed(1)
     dtype = next(unet.parameters()).dtype
@@ -63,7 +63,7 @@ def top(prof: cProfile.Profile) -> dict[str, tuple[int, float, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", choices=["diffusers", "kohya"], default="diffusers")
-    ap.add_argument("--warmup", action="store_true", help="fdlora.pipelines.warmup.warmup(pipe) before the load")
+    ap.add_argument("--warmup", action="store_true", help="fdlora.integrations.warmup.warmup(pipe) before the load")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--no-profile", action="store_true", help="wall times only (cProfile inflates Python time)")
     ap.add_argument("--cpu-clock", action="store_true", help="time by this process's CPU clock, one torch thread "
@@ -89,7 +89,7 @@ def main() -> None:
     Path(folder, WEIGHTS).read_bytes()
     print(f"model + file: {time.perf_counter() - t0:.1f} s", flush=True)
     import fdlora  # noqa: F401
-    from fdlora.pipelines.warmup import warmup
+    from fdlora.integrations.warmup import warmup
 
     res: dict = {"format": a.format, "warmup": a.warmup, "clock": "cpu" if a.cpu_clock else "wall"}
     phases = _phase_clock(clock)
@@ -134,8 +134,8 @@ def _phase_clock(clock) -> dict[str, float]:
     """Seconds spent in the load's phases (reading, attaching, and inside attaching: wrapping, the pool's check and
     commit), summed per phase while a load runs: the methods are wrapped in place, for this probe only."""
     from fdlora.hub.pool import AdapterPool
-    from fdlora.layers.handle import FdLoraHandle
-    from fdlora.pipelines.diffusers.pipeline import FdLoraPipelineMixin
+    from fdlora.integrations.diffusers.pipeline import FdLoraPipelineMixin
+    from fdlora.layers.model.handle import FdLoraHandle
 
     spent: dict[str, float] = {}
     for cls, name in ((FdLoraPipelineMixin, "_fd_read"), (FdLoraPipelineMixin, "_fd_attach"),
@@ -160,7 +160,7 @@ def _cpu_setup(narrow: bool = False):
     (722 LoRA layers) at 1/10 widths (NARROW)."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
-    from fdlora.pipelines import fullsize
+    from fdlora.fixtures import fullsize
 
     if narrow:
         with fullsize.built_on("cpu", torch.float16):

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 def write_adapter(path: str, rank: int = 32) -> None:
     from safetensors.torch import save_file
 
+    from fdlora.fixtures import fullsize
     from fdlora.layers import match_targets
-    from fdlora.pipelines import fullsize
 
     unet = fullsize.sdxl_unet("meta", torch.float16)
     g = torch.Generator().manual_seed(1)

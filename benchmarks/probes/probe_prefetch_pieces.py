@@ -44,9 +44,9 @@ def main() -> None:
     import bench_prefetch as bp
     import torch
 
-    from fdlora.pipelines import background
-    from fdlora.pipelines.scope import lock_of
-    from fdlora.pipelines.warmup import warmup
+    from fdlora.integrations.warmup import warmup
+    from fdlora.runtime import background
+    from fdlora.runtime.scope import lock_of
 
     pipe, unet, inputs, device, sync = bp.setup(a.smoke)
     folder = tempfile.mkdtemp(prefix="fdlora-pieces-")

@@ -50,7 +50,7 @@ def main() -> None:
     from probe_prefetch_cold import _cpu_setup
 
     import fdlora  # noqa: F401
-    from fdlora.pipelines import background
+    from fdlora.runtime import background
 
     pipe, unet = _cpu_setup(narrow=a.narrow)
     if a.as_cuda:
@@ -117,8 +117,8 @@ def _as_cuda() -> None:
 
     from fdlora.hub.cache import Staged
     from fdlora.hub.pool import mark_bulk_ready
-    from fdlora.layers import bulk
-    from fdlora.pipelines import background
+    from fdlora.layers.storage import bulk
+    from fdlora.runtime import background
 
     def stage_block(packed, devices, check_finite):  # the block as its own device copy, checked in one pass
         host = packed.tensor

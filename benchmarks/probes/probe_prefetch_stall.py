@@ -10,7 +10,7 @@ repeats one piece of what a prefetch does in the serving process, each piece alo
     read_pinned    the same into one page-locked buffer allocated once
     h2d            page-locked buffer -> GPU on a side stream, waited for with an event (bench's staging copy)
     stage          a reader-process result (its block of the host arena) copied to the GPU on a side stream and
-                   NaN-checked there in one pass (fdlora.pipelines.background._stage_block, the end of a prefetch's
+                   NaN-checked there in one pass (fdlora.runtime.background._stage_block, the end of a prefetch's
                    reading stage), waited for
     reader         load_adapters(in_process=False, deferred=True): the file read and converted in the reader process
                    into a block of the host arena, nothing unpacked here (what a prefetch's reading stage does
@@ -51,7 +51,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_prefetch as bp  # noqa: E402
 
 from fdlora.hub import safefile, worker  # noqa: E402
-
 
 CHUNK = 8 << 20
 SPIN = "while True: pass"
@@ -122,7 +121,7 @@ def pieces(path: str, nbytes: int, cuda: bool) -> dict:
 
     def stage():  # a prefetch's side-stream copy of a reader-process result: one H2D, one NaN pass on the device
         from fdlora.hub import load_adapters
-        from fdlora.pipelines.background import _stage_block
+        from fdlora.runtime.background import _stage_block
 
         if not staged_from:
             staged_from.append(load_adapters(path, cache=None, in_process=False, deferred=True))

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import fdlora  # noqa: E402
-from fdlora.layers import hot, remerge  # noqa: E402
-from fdlora.pipelines import fullsize  # noqa: E402
+from fdlora.fixtures import fullsize  # noqa: E402
+from fdlora.layers.fastpath import hot, remerge  # noqa: E402
 
 
 class Clock:
@@ -108,7 +108,7 @@ def main() -> int:
         fn = real_get(layer, x)
         clock.misses += fn is None
         return fn
-    hot.get = counted  # fdlora.layers.fused calls it through the module
+    hot.get = counted  # fdlora.layers.modules.fused calls it through the module
     weights = itertools.cycle([i / 10 for i in range(1, 11)])
     rows = {}
     with torch.inference_mode():

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_delta import gpu_us  # noqa: E402
 from bench_train import layer_inputs  # noqa: E402
 
-from fdlora.kernels.reference import lora_train  # noqa: E402
-from fdlora.kernels.triton import lora_backward_parts as P  # noqa: E402
+from fdlora.kernels.ops import lora_train  # noqa: E402
+from fdlora.kernels.triton.train import lora_backward_parts as P  # noqa: E402
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fdlora  # noqa: E402
-from fdlora.pipelines.transformers import adapter_from_peft  # noqa: E402
+from fdlora.integrations.transformers import adapter_from_peft  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run (torch backend)
 

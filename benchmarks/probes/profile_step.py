@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_pipeline as bp  # noqa: E402
 
 import fdlora  # noqa: E402
-from fdlora.kernels.triton import lora_linear_dispatch as D  # noqa: E402
+from fdlora.kernels.triton.forward import lora_linear_dispatch as D  # noqa: E402
 
 
 def host_and_gpu_ms(fn, n=15):
@@ -48,7 +48,7 @@ def main() -> None:
     fdlora.set_merge_cache(a.merge_cache)
     from peft import LoraConfig
 
-    from fdlora.pipelines.transformers import adapter_from_peft
+    from fdlora.integrations.transformers import adapter_from_peft
 
     build, dtype = {"sdxl": (bp.sdxl, torch.float16), "flux": (bp.flux, torch.bfloat16)}[a.model]
     base, inputs, targets = build(False, a.depth, torch.device("cuda"), dtype)

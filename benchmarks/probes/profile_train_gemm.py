@@ -1,5 +1,5 @@
 """GPU time of each GEMM of a trainable layer's eager LoRA forward + backward (the half-precision pair of
-fdlora.kernels.reference.lora_train), one by one and in the alternative forms, at bench_train's shapes: which one
+fdlora.kernels.ops.lora_train), one by one and in the alternative forms, at bench_train's shapes: which one
 misses the memory roofline, and whether a weight gradient written in fp32 by the GEMM itself (out_dtype, the current
 form) costs more than a GEMM in the activations' dtype plus a cast (what autograd runs for PEFT).
 

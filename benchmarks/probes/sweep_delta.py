@@ -80,7 +80,7 @@ def check(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool
 
 
 def sweep_case(family, M, K, N, dtype, case, configs, copy_gbps, gen) -> dict:
-    from fdlora.kernels.triton import lora_delta, lora_delta_rows
+    from fdlora.kernels.triton.forward import lora_delta, lora_delta_rows
 
     x, W, A, B, scale, gw, ranks, row_slot = build(M, K, N, dtype, case, gen)
     y = F.linear(x, W)
@@ -134,7 +134,7 @@ def sweep_case(family, M, K, N, dtype, case, configs, copy_gbps, gen) -> dict:
 def components(family, M, K, N, dtype, case, copy_gbps, gen) -> dict:
     """Where the fused kernel's time goes: the split path (shrink, then expand-add) and each half alone,
     next to torch's own streaming kernels on the same bytes (read x; read + write y)."""
-    from fdlora.kernels.triton import lora_delta, lora_expand_add, lora_shrink
+    from fdlora.kernels.triton.forward import lora_delta, lora_expand_add, lora_shrink
 
     x, W, A, B, scale, gw, ranks, row_slot = build(M, K, N, dtype, case, gen)
     y = F.linear(x, W)

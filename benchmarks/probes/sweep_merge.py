@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_delta import gpu_us  # noqa: E402
 
-from fdlora.kernels.triton.lora_merge import BLOCKS, launch_merge  # noqa: E402
+from fdlora.kernels.triton.merge.lora_merge import BLOCKS, launch_merge  # noqa: E402
 
 WEIGHTS = {"flux_3072": (3072, 3072), "flux_3072_12288": (12288, 3072), "flux_12288_3072": (3072, 12288),
            "sdxl_1280": (1280, 1280), "sdxl_640": (640, 640), "sdxl_1280_5120": (5120, 1280),

@@ -2,7 +2,7 @@
 # per-program layer table, the W add after the dot, or cuBLAS per layer get closer? Run 1 (session 21): strips and
 # the table lookup lose; shipped 1.29x copy (1 slot active), 1.56x (4). Run 2: best bit-equal BN64 BK256 1.25x / 1.64x,
 # add-after 1.18x / 1.83x (one rounding apart), cuBLAS addmm per layer 2.9x: no candidate is near the copy.
-"""Sweep of the whole-model re-merge (fdlora.kernels.triton.lora_merge_many) on Flux-dev's 418 targeted weights.
+"""Sweep of the whole-model re-merge (fdlora.kernels.triton.merge.lora_merge_many) on Flux-dev's 418 targeted weights.
 
 Every W of the table is a view into one flat buffer, every W' into another, so `copy_ms` (one flat copy of the
 same bytes) is the floor for any kernel that reads W and writes W'. The shipped kernel runs against candidates of
@@ -29,7 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fdlora.kernels.triton import config as C  # noqa: E402
-from fdlora.kernels.triton.lora_merge_many import MergeTable  # noqa: E402
+from fdlora.kernels.triton.merge.lora_merge_many import MergeTable  # noqa: E402
 from fdlora.kernels.triton.tiles import mma  # noqa: E402
 
 D, F, P = 3072, 12288, 15360  # Flux-dev: hidden, MLP, single-block proj_out input

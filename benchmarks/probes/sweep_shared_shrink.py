@@ -33,9 +33,9 @@ from bench_delta import gpu_us  # noqa: E402
 from bench_shared_shrink import MODES, SHAPES, build, grouped_fn  # noqa: E402
 
 from fdlora.kernels import registry  # noqa: E402
-from fdlora.kernels.triton.lora_expand_add import launch_expand_add  # noqa: E402
-from fdlora.kernels.triton.lora_shrink import launch_shrink  # noqa: E402
-from fdlora.layers import shared  # noqa: E402
+from fdlora.kernels.triton.forward.lora_expand_add import launch_expand_add  # noqa: E402
+from fdlora.kernels.triton.forward.lora_shrink import launch_shrink  # noqa: E402
+from fdlora.layers.modules import shared_shrink as shared  # noqa: E402
 
 
 def run_case(s, ops, dev, dt) -> dict:

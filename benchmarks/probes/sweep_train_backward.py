@@ -1,6 +1,6 @@
 """The LoRA part of a layer's backward at bench_train's layer shapes (M = 8192, r 16, bf16): the PEFT-style torch path,
 the shipped cuBLAS half path (lora_train_linear_backward_half), and the two-pass Triton kernels
-(fdlora.kernels.triton.lora_backward.backward_half) over a few launch shapes, each checked against the half path
+(fdlora.kernels.triton.train.lora_backward.backward_half) over a few launch shapes, each checked against the half path
 first; also each cuBLAS GEMM of the half path alone, to show which one is slow.
 
     python benchmarks/probes/sweep_train_backward.py --out $OUT/sweep_train_backward.json     # GPU
@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_train  # noqa: E402
 
-from fdlora.kernels.reference import lora_train  # noqa: E402
-from fdlora.kernels.triton import lora_backward as LB  # noqa: E402
+from fdlora.kernels.ops import lora_train  # noqa: E402
+from fdlora.kernels.triton.train import lora_backward as LB  # noqa: E402
 from fdlora.testing import median_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]

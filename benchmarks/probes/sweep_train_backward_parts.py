@@ -5,7 +5,7 @@ fastest combination per shape end to end against the PEFT-style torch path (benc
     gy: g = gy Bs and grad_B = s gy^T h   cuBLAS orientations (lora_backward_parts.HALF_PIECES) or the Triton gy kernel
     gA: grad_A = g^T u                    cuBLAS orientations, split-M batched GEMMs, or the Triton split-M kernel
     gu: grad_u = g As                     cuBLAS, or the Triton store-bound tile kernel
-(Triton kernels: fdlora.kernels.triton.lora_backward_parts, launch shapes "BMxBL-wW-sS-fF[-t]".) Pieces are timed on
+(Triton kernels: fdlora.kernels.triton.train.lora_backward_parts, launch shapes "BMxBL-wW-sS-fF[-t]".) Pieces are timed on
 device (CUDA events around 10 back-to-back calls, best of 3; --graph: CUDA graph replays); end to end with bench_train's
 median_ms (synchronised per call), as the target is measured, and as GPU time (graph replays: what the backward adds
 to a GPU-bound step). Printed last: the shapes where a plan beat the half path.
@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_train  # noqa: E402
 
-from fdlora.kernels.reference import lora_train  # noqa: E402
-from fdlora.kernels.triton import lora_backward as LB  # noqa: E402
-from fdlora.kernels.triton import lora_backward_parts as parts  # noqa: E402
+from fdlora.kernels.ops import lora_train  # noqa: E402
+from fdlora.kernels.triton.train import lora_backward as LB  # noqa: E402
+from fdlora.kernels.triton.train import lora_backward_parts as parts  # noqa: E402
 from fdlora.testing import median_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         try:
-            importlib.import_module(module).add_arguments(p)
+            importlib.import_module(module).add_arguments(p)  # subcommands load on use
         except ModuleNotFoundError:
             pass
     args = parser.parse_args(argv)

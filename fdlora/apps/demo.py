@@ -48,9 +48,8 @@ def _gradio():
 def tiny_pipe(steps: int = 4):
     """The embedded default: tiny SD1.5 + two random LoRAs, loaded by repo id from a local Hub cache."""
     import fdlora  # noqa: F401  (attaches pipe.load_fd_lora)
-
-    from ..hub.localcache import populate
-    from ..pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
+    from fdlora.fixtures.localcache import populate
 
     pipe = tiny.sd15()
     pipe.set_progress_bar_config(disable=True)
@@ -144,7 +143,7 @@ class Demo:
     def generate(self, prompt: str, active, *weights):
         """One image with this request's own adapters (no bleed between concurrent users)."""
         spec = self.spec(active, weights)
-        with self.fd.pipelines.scope.pipe_lock(self.pipe):  # time set_adapters alone, not the wait for the lock
+        with self.fd.runtime.scope.pipe_lock(self.pipe):  # time set_adapters alone, not the wait for the lock
             t = time.perf_counter()
             with self.fd.adapters(self.pipe, spec) if self.names else contextlib.nullcontext():
                 set_ms = (time.perf_counter() - t) * 1e3

@@ -32,7 +32,7 @@ def build(device: str):
     from peft import LoraConfig, get_peft_model
 
     import fdlora
-    from fdlora.pipelines.transformers import adapter_from_peft
+    from fdlora.integrations.transformers import adapter_from_peft
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)

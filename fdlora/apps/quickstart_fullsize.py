@@ -23,8 +23,8 @@ def run(rounds: int = 6, device: str = "cuda", tiny: bool = False) -> bool:
     from peft import LoraConfig
 
     import fdlora
-    from fdlora.pipelines import fullsize
-    from fdlora.pipelines.transformers import adapter_from_peft
+    from fdlora.fixtures import fullsize
+    from fdlora.integrations.transformers import adapter_from_peft
 
     base = fullsize.sdxl_unet(device, torch.float16 if device == "cuda" else torch.float32, tiny=tiny)
     inputs = fullsize.sdxl_inputs(base, batch=2, tokens=fullsize.SDXL_TOKENS_TINY if tiny else fullsize.SDXL_TOKENS)

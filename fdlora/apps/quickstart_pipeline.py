@@ -21,25 +21,13 @@ PALETTES = {"warm": (0.9, 0.3, 0.2), "cool": (0.2, 0.4, 0.9)}
 WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
-def _grid(images: torch.Tensor, cols: int):
-    """[n, 3, H, W] in [0, 1] -> a PIL image grid, upscaled 2x so the tiny images are visible."""
-    from PIL import Image
-
-    n, _, H, W = images.shape
-    rows = -(-n // cols)
-    canvas = torch.ones(3, rows * (H + 2), cols * (W + 2))
-    for i, im in enumerate(images):
-        r, c = divmod(i, cols)
-        canvas[:, r * (H + 2): r * (H + 2) + H, c * (W + 2): c * (W + 2) + W] = im
-    arr = (canvas.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
-    return Image.fromarray(arr).resize((arr.shape[1] * 2, arr.shape[0] * 2), Image.NEAREST)
-
-
 def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
     import fdlora  # noqa: F401  (attaches pipe.load_fd_lora)
-    from fdlora.hub.localcache import populate
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
+    from fdlora.fixtures.localcache import populate
     from fdlora.training import palette
+
+    from .quickstart_captions import blend_sweep_grid, captioned_grid, describe
 
     out_dir.mkdir(parents=True, exist_ok=True)
     base = tiny.sd15().to(device)
@@ -80,7 +68,8 @@ def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
         colours.append(sweep[-1].mean(dim=(1, 2)))
         diffs.append(float((lat - want).abs().max() / want.abs().max()))  # latents: relative
     grid = out_dir / "blend_grid.png"
-    _grid(torch.stack(sweep), cols=5).save(grid)
+    blend_sweep_grid(sweep, [{"warm": 1 - w, "cool": w} for w in (0.0, 0.25, 0.5, 0.75, 1.0)],
+                     title="pipe.set_adapters(['warm', 'cool'], [1 - w, w]): latent previews, tiny SD1.5")[0].save(grid)
     red, blue = [float(c[0]) for c in colours], [float(c[2]) for c in colours]
     monotonic = all(a > b for a, b in zip(red, red[1:])) and all(a < b for a, b in zip(blue, blue[1:]))
     print(f"  blend sweep warm->cool (5 weights) saved to {grid}; mean red {' > '.join(f'{r:.2f}' for r in red)}, "
@@ -95,7 +84,9 @@ def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
         with fdlora.adapters(pipe, s):
             alone.append(gen(pipe, prompt=p, latents=lat[i: i + 1])[0])
     per_prompt = float((batch - torch.stack(alone)).abs().max() / batch.abs().max())
-    _grid(palette.latent_preview(batch.float().cpu()), cols=3).save(out_dir / "per_prompt.png")
+    captioned_grid(palette.latent_preview(batch.float().cpu()),
+                   [[describe(sp), f'"{p}"'] for p, sp in zip(prompts, specs)],
+                   title="one call: pipe(prompts, fd_lora_adapters=[...])").save(out_dir / "per_prompt.png")
     print(f"  per-prompt batch {specs} saved to {out_dir / 'per_prompt.png'}; vs one call each (relative): "
           f"{per_prompt:.2e}")
 

@@ -12,6 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="YAML config (pipeline/model, dtype, device, backend, adapters, prompt)")
     p.add_argument("--check", action="store_true", help="validate the config and exit, building nothing")
     p.add_argument("--output", type=Path, default=None, help="image path; overrides the config's 'output'")
+    p.add_argument("--no-caption", action="store_true",
+                   help="save the image alone, without the caption row naming its adapters and weights")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +54,13 @@ def run(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         image = obj(**kw).images[0]
     out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(out)
-    print(f"image ({image.size[0]}x{image.size[1]}, {cfg.steps} steps) saved to {out}")
+    if args.no_caption:
+        image.save(out)
+    else:  # a caption row under the image: its adapters and weights, the prompt, the steps and seed
+        from .quickstart_captions import captioned_image
+
+        used = {a.name: a.weight for a in cfg.adapters}
+        captioned_image(image, used, prompt=cfg.prompt, extra=f"{cfg.steps} steps, seed {cfg.seed}").save(out)
+    print(f"image ({image.size[0]}x{image.size[1]}, {cfg.steps} steps) saved to {out}"
+          + ("" if args.no_caption else " under a caption row (adapters, weights, prompt; --no-caption: image alone)"))
     return 0

@@ -30,6 +30,6 @@ def __getattr__(name: str):
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'fdlora.hub' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)  # huggingface_hub on use
     globals()[name] = value
     return value

@@ -7,14 +7,14 @@ weights in the layout of ``nn.Linear`` / ``nn.Conv2d``:
     linear:  A [r, K], B [N, r]             delta = (x A^T) B^T * scale
     conv2d:  A [r, C_in, kh, kw], B [N, r, 1, 1]   (kohya LoCon: A has the base kernel/stride/padding)
     experts: A [E, r, K], B [E, N, r]       expert e: delta_e = (x A_e^T) B_e^T * scale, on the tokens routed
-             to e (a fused expert parameter such as Mixtral's gate_up_proj [E, N, K]; fdlora.layers.experts)
+             to e (a fused expert parameter such as Mixtral's gate_up_proj [E, N, K]; fdlora.layers.modules.moe_experts)
 
 with ``scale = alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA) times the user's weight.
 
 LyCORIS LoHa / LoKr / full ``diff`` modules arrive here as *exact* A/B factors of their ΔW
 (fdlora.hub.formats.lycoris; `origin` says which), a non-Tucker conv one with a flat A [r, C*kh*kw]
 that `fit_to` shapes once the target layer is known. A DoRA module carries its `magnitude` [N]
-(fdlora.layers.dora applies it).
+(fdlora.layers.modules.dora applies it).
 """
 
 from __future__ import annotations

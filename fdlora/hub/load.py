@@ -79,7 +79,7 @@ def load_adapters(
     entries) go with an in-memory state dict. `cache` is the RAM cache to use (None: no caching).
     LyCORIS LoHa / LoKr / full-diff modules load exactly; `lora_conversion="svd:RANK"` turns them into plain
     LoRA of that rank instead (smaller banks) and the report's notes give the approximation error.
-    `family` (fdlora.pipelines.diffusers.family.Family, given by pipeline loads) is asked first for the
+    `family` (fdlora.integrations.diffusers.family.Family, given by pipeline loads) is asked first for the
     format, with diffusers' converters of that pipeline family. `in_process=False` runs a cache miss's read and
     conversion in fd-lora's reader process (fdlora.hub.worker: background loads, which would otherwise take the
     GIL from the serving thread); the result is the same. With it, `deferred=True` returns that read before any

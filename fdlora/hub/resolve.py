@@ -49,6 +49,7 @@ WEIGHT_RULE = (
 )
 COMMIT = re.compile(r"[0-9a-f]{40}")
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+WEIGHT_EXTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")  # a source ending so names a file
 
 _CACHE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
 _LISTINGS: dict[tuple[str, str, str], tuple[str, ...]] = {}  # (endpoint, repo, sha) -> files; commits never change
@@ -96,6 +97,10 @@ def resolve(
         return _local_file(src, "the source is a file")
     if os.path.isdir(src):
         return _local_dir(src, weight_name, subfolder, allow_pickle)
+    if src.lower().endswith(WEIGHT_EXTS):
+        raise ResolveError(f"{src!r} does not exist (no file at {os.path.abspath(os.path.expanduser(src))}); check "
+                           "the path. A Hub repo id names a repo ('user/name'), not a weight file: pass the file as "
+                           "weight_name= (fdlora inspect: --weight-name).")
     if src.startswith((".", "/", "~")) or not REPO_ID.fullmatch(src):
         raise ResolveError(f"{src!r} is neither an existing file or directory nor a Hub repo id ('user/name').")
     return _hub(src, weight_name, subfolder, revision, token, cache_dir, local_files_only, allow_pickle)

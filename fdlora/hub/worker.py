@@ -18,7 +18,7 @@ per-tensor work, and its caller chooses when (a prefetch does it at publication,
     packed = read(build_adapters, resolved, page_locked=True, **options)   # O(1) Python here
     adapters, report = packed.tree()                                       # as build_adapters(...) here
 
-The process is started on first use (`start()` does it ahead of time: fdlora.pipelines.warmup calls it), is reused
+The process is started on first use (`start()` does it ahead of time: fdlora.integrations.warmup calls it), is reused
 by later loads (at most `MAX_WORKERS` at once), sees no GPU (`CUDA_VISIBLE_DEVICES` empty: it never makes a CUDA
 context) and exits when this process closes its pipe. Its errors are raised here as they would be in-process;
 if it dies, the load raises FdLoraError saying so and the next load starts a fresh one. `FDLORA_PREFETCH_READER
@@ -87,7 +87,7 @@ def run(fn: Callable[..., Any], *args: Any, page_locked: bool, **kwargs: Any) ->
 def start() -> None:
     """Start one reader process now, if none is running, and return once it is ready: its imports take a few seconds
     (off this thread's GIL, but on a core: a load right after a `start` that returned at once ran beside them, and
-    a cold first load after fdlora.pipelines.warmup took 0.55 s on an H100 host where it took 0.48 s without)."""
+    a cold first load after fdlora.integrations.warmup took 0.55 s on an H100 host where it took 0.48 s without)."""
     with _lock:
         if _idle or _started:
             return
@@ -106,7 +106,7 @@ def _ready() -> None:
 
 def reserve(nbytes: int) -> int:
     """Add `nbytes` (rounded up to a page) to the arena's reserve, page-locked for CUDA where CUDA is: done once,
-    before serving (fdlora.pipelines.warmup), so background loads never page-lock memory while steps run.
+    before serving (fdlora.integrations.warmup), so background loads never page-lock memory while steps run.
     Returns the bytes now page-locked in all (0 without CUDA)."""
     return ARENA.reserve(nbytes)
 
@@ -449,7 +449,7 @@ def serve(rfd: int, wfd: int, preload: list[str] = ()) -> None:
 
     for name in preload:
         with contextlib.suppress(Exception):
-            importlib.import_module(name)
+            importlib.import_module(name)  # warm the converters this worker will run
     recv, send = Connection(rfd, writable=False), Connection(wfd, readable=False)
     torch.set_num_threads(1)  # small conversions: one core is plenty, and the serving process keeps the others
     with contextlib.suppress(OSError):

@@ -50,7 +50,7 @@ register(
         "torch",
         Capability(devices=frozenset({"cpu", "cuda", "mps", "xpu"}), dtypes=FLOATS,
                    kinds=frozenset({"linear", "conv2d"})),
-        module="fdlora.kernels.reference",
+        module="fdlora.kernels.ops",
     )
 )
 register(

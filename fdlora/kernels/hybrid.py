@@ -7,7 +7,7 @@ Measured on an H100 (benchmarks/results/nvidia-h100-80gb-hbm3/cuda_backend.json,
   cache at 1.66x (SDXL) and 1.16x (Flux) the base step where Triton's kernels give 3.52x and 1.41x;
 - the merges stay Triton's (lora_merge 0.094 vs 0.20 ms on SDXL feed-forward weights, 0.068 vs 0.11 ms at Flux
   sizes; lora_merge_many walks a kept table of layers: what a slider move re-merges), and so do the per-row decode
-  launches kept ready by eager decode layers (fdlora.layers.decode) where the extension cannot bind the layer's
+  launches kept ready by eager decode layers (fdlora.layers.fastpath.decode) where the extension cannot bind the layer's
   whole call; where it can (prepare_linear_rows: base GEMM + per-row kernel in one C++ call, no Triton launcher
   in Python), decode layers take that (Llama-3-8B decode steps, benchmarks/results/.../fullsize.json).
 The registry picks this backend under `auto` only when the extension is already built (ahead of time with
@@ -40,3 +40,5 @@ from .triton.ops import (
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
            "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups", "prepare_linear",
            "prepare_linear_rows", "prepare_merge", "prepare_merge_many"]
+
+NOT_IMPLEMENTED = {"lora_conv_delta": "conv LoRA runs on the torch or cuda backend (the registry routes conv layers there)"}

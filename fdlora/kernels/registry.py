@@ -63,7 +63,7 @@ class Backend:
             try:
                 self._unavailable = self.probe()
                 if self._unavailable is None:
-                    self._ops = importlib.import_module(self.module)
+                    self._ops = importlib.import_module(self.module)  # an optional backend, on first use
             except Exception as e:  # a backend that cannot import is recorded, never raised here
                 self._unavailable = f"import failed: {type(e).__name__}: {e}"
         return self._unavailable

@@ -5,11 +5,11 @@
     fdlora::lora_train_conv2d(u, y0, A, B, scale, stride, padding) -> (y, h)
     fdlora::lora_train_conv2d_backward(gy, u, h, A, B, scale, stride, padding) -> (grad_u, grad_A, grad_B)
 
-The math is fdlora.kernels.reference.lora_train (u = the LoRA input, x or dropout(x); u=None means x). The forward
+The math is fdlora.kernels.ops.lora_train (u = the LoRA input, x or dropout(x); u=None means x). The forward
 saves only u and h = u A^T (fp32) for the backward, never the delta or the base output. Every op has a fake kernel, so
 torch.compile traces a whole training step through them (no graph break). On CUDA the linear backward of half-precision
 activations runs as four cuBLAS GEMMs in their dtype (lora_train_linear_backward_blas), or with
-FDLORA_TRAIN_BACKWARD=triton the two-pass kernels of fdlora.kernels.triton.lora_backward (one pass over gy for g and
+FDLORA_TRAIN_BACKWARD=triton the two-pass kernels of fdlora.kernels.triton.train.lora_backward (one pass over gy for g and
 grad_B, one over u for grad_u and grad_A; 1.8-3.4x slower than the GEMMs on an H200 at Llama-3-8B shapes, so not the
 default); everywhere else the torch reference runs. The backend is a device property of the op, not chosen per call:
 the layers never branch on it.
@@ -32,13 +32,13 @@ base under bf16 autocast (SDXL's case) and q, k, v reading one fp32 norm output,
 on CPU (about 15 on CUDA, where the fp32 weight gradients need no cast) against PEFT's 23 and 7 without LoRA (21 before
 session 23: the in-place delta and grad_x, s B in one op, one shared cast of q/k/v's input); callgrind, bf16 base:
 504k instructions against PEFT's 907k (543k before). With a frozen nf4 base (bench_train's ViT case, `--base nf4`; it
-runs inside the Function through fdlora.layers.frozen_4bit, not bitsandbytes' Python layers), under bf16 autocast
+runs inside the Function through fdlora.layers.trainable.frozen_4bit, not bitsandbytes' Python layers), under bf16 autocast
 through the CUDA half pair: 350 us against PEFT's 450 and the frozen 4-bit layer's own 275 (408 before
 frozen_4bit), in 18 device ops on CPU against PEFT's 31 and the frozen layer's 14 (21 before; a bitsandbytes
 dequantization counted as one op, one launch on CUDA).
 
 Session 28: the half pair reads A, s A, B and s B made ahead for the whole model once per forward pass
-(fdlora.layers.half_casts; `casts`), the scale folded into the saved h, so a layer runs 3 launches forward and 5
+(fdlora.layers.trainable.half_casts; `casts`), the scale folded into the saved h, so a layer runs 3 launches forward and 5
 backward; over a plain base with casts, `train_linear` calls the same pair as one C++ autograd Function
 (fdlora.kernels.host, where it builds), whose Python-free forward and backward took a CPU host's layer from 78-85 us
 to 58-65 us (PEFT 156) and the SDXL step on an H100 from 0.85x PEFT's to 0.69x (bench_train's `fd_own_casts` row).
@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from .. import env
-from .reference import lora_train as ref
+from .ops import lora_train as ref
 
 # FDLORA_TRAIN_BACKWARD, read once (a process setting): the eager forward asks at every call, and reading the
 # environment there cost a few us per layer on host-bound steps.
@@ -80,7 +80,7 @@ def lora_train_linear_backward(gy: Tensor, u: Tensor, h: Tensor, W: Tensor | Non
 def _cuda_linear_backward(gy, u, h, W, A, B, scale):
     if _TRITON_BACKWARD:
         try:
-            from .triton.lora_backward import lora_backward
+            from fdlora.kernels.triton.train.lora_backward import lora_backward
         except ImportError:  # CUDA without triton: cuBLAS below
             pass
         else:
@@ -185,7 +185,7 @@ _unsafe_view = torch.ops.aten._unsafe_view.default
 class _Linear(torch.autograd.Function):
     """The eager form of fdlora::lora_train_linear for x [..., K] (u like x, y0 [..., N]), returning y [..., N] only
     (h stays on ctx). The leading dimensions are folded inside, so the step's graph holds one node per call, not
-    one per reshape as well. One of three forward/backward pairs of fdlora.kernels.reference.lora_train, chosen per
+    one per reshape as well. One of three forward/backward pairs of fdlora.kernels.ops.lora_train, chosen per
     call from the dtypes (no casts, nothing read from the environment on that path):
       uniform  every tensor fp32 (or fp64): lora_train_linear_uniform, 4 ops forward, 6 backward, s folded into the
                saved h;
@@ -298,7 +298,7 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
                  B: Tensor, scale: Tensor, casts: tuple[Tensor, ...] | None = None) -> Tensor:
     """y [..., N] of fdlora::lora_train_linear for x [..., K] (u like x, y0 like y): the registered op (on the
     leading dimensions folded) while torch.compile traces, its eager Function otherwise. `casts`: A, s A, B, s B
-    made ahead in the activations' dtype (fdlora.layers.half_casts; the eager half-precision pair reads them)."""
+    made ahead in the activations' dtype (fdlora.layers.trainable.half_casts; the eager half-precision pair reads them)."""
     if torch.compiler.is_compiling():
         K = x.shape[-1]
         y = torch.ops.fdlora.lora_train_linear(x.reshape(-1, K), None if u is None else u.reshape(-1, K),
@@ -325,7 +325,7 @@ def _fused():
     global _FUSED
     if _FUSED is None:
         try:
-            from .triton.lora_backward_parts import half_backward_fused
+            from fdlora.kernels.triton.train.lora_backward_parts import half_backward_fused
         except ImportError:
             half_backward_fused = False
         _FUSED = half_backward_fused
@@ -364,7 +364,7 @@ def train_linear_over(base, run, x: Tensor, u: Tensor | None, A: Tensor, B: Tens
                       casts: tuple[Tensor, ...] | None = None) -> Tensor:
     """base(x) + the LoRA part, for a frozen `base` module whose input gradient is gy W, and `run` computing both as
     the module does: run.forward(x) -> (base(x), saved), run.weight(saved, dtype) -> W [N, K] (a bitsandbytes 4-bit
-    layer: fdlora.layers.frozen_4bit). In eager the base runs inside the Function (see _Linear): no graph node and no
+    layer: fdlora.layers.trainable.frozen_4bit). In eager the base runs inside the Function (see _Linear): no graph node and no
     backward of its own, the delta added into its output in place, grad_x in one tensor. Under torch.compile:
     base(x) through its own autograd and the registered op, as for any outside base."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():

@@ -110,7 +110,7 @@ class ScaleTable:
         self._device: dict[torch.device, torch.Tensor] = {}
         self._lock = CopyableLock()
         self.version = 0  # bumped on every device write
-        self.token = object()  # replaced on every change of this table or of its model's state (fdlora.layers.hot)
+        self.token = object()  # replaced on every change of this table or of its model's state (fdlora.layers.fastpath.hot)
         # the blend row's own version and the slots it weighs: what a blend's merged copies key on (layers.merged).
         # A load or delete in a slot the blend gives weight 0 changes neither, so publishing a prefetched adapter
         # does not re-merge every layer of a serving model.
@@ -197,7 +197,7 @@ class ModelState:
         self._row_onehot: dict[torch.device, tuple] = {}  # device -> (row slots, their version, S, [M, S] weights)
         self.groups: dict[int, SampleGroups] = {}  # batch size -> how its samples group by blend (per-sample mode)
         self.members: dict = {}  # path -> fused layer: the handle's own dict (the cache re-merges them all)
-        self.merge_tables: dict = {}  # (device, dtype, S, R) -> kept table of fdlora.layers.remerge
+        self.merge_tables: dict = {}  # (device, dtype, S, R) -> kept table of fdlora.layers.fastpath.remerge
         self.epoch = 0  # bumped by the handle whenever layers or banks change (wrap, load, delete, resize)
         self.fast_pass = None  # the last full refresh, replayed while only blend weights change (remerge)
 
@@ -207,7 +207,7 @@ class ModelState:
             self._retoken()
 
     def _retoken(self) -> None:
-        """The token layers' hot paths (fdlora.layers.hot) key on, after an attribute write: the token this exact
+        """The token layers' hot paths (fdlora.layers.fastpath.hot) key on, after an attribute write: the token this exact
         state had before when it is one of the last few (the same values and the same objects: a per-call
         `adapter_names` spec entered and left every step, identical specs reusing their objects, set_sample_weights),
         else a new one. The entries hold the objects they name, so no id is reused while it is remembered."""
@@ -250,7 +250,7 @@ class ModelState:
         A layer whose input has batch size B uses the entry for B; several entries let one call serve
         the differently sized batches of one pipeline run (prompts, images per prompt, CFG halves).
         Same-shaped entries are rewritten in place, so compiled graphs stay valid. The same weights as the current
-        ones change nothing (a per-call spec repeated every step keeps the layers' hot paths: fdlora.layers.hot).
+        ones change nothing (a per-call spec repeated every step keeps the layers' hot paths: fdlora.layers.fastpath.hot).
         """
         host = {b: gw.detach().to("cpu", torch.float32, copy=True) for b, gw in by_batch.items()}
         last = self.__dict__.get("_sample_host")
@@ -260,7 +260,7 @@ class ModelState:
         self.__dict__["_sample_host"] = host
         # every device the layers run on (the scale table's copies), created now rather than at a layer's first call:
         # a captured step keys on these tensors, and one made during the first capture would make the second call of
-        # the same layout capture again (fdlora.layers.captured)
+        # the same layout capture again (fdlora.layers.fastpath.captured)
         devices = ({d for (_, d) in self._group_weight} | set(self.table._device)
                    or {next(iter(by_batch.values())).device})
         fresh = {}
@@ -301,7 +301,7 @@ class ModelState:
 
     def blend_rows(self, rows: int, device: torch.device) -> torch.Tensor | None:
         """[rows] int32, every row on the one active adapter's slot, when blend mode has exactly one adapter
-        active (eager decode without the merged-weight cache runs it as per-row: fdlora.layers.decode); else None."""
+        active (eager decode without the merged-weight cache runs it as per-row: fdlora.layers.fastpath.decode); else None."""
         if len(self.active) != 1 or not self.enabled:
             return None
         slot = self.slots.by_name[next(iter(self.active))]
@@ -329,7 +329,7 @@ class ModelState:
 
     def row_onehot(self, device: torch.device, slots: int) -> torch.Tensor:
         """[M, slots] fp32, 1 where row m's adapter is slot s: the per-row weights every member of a ShrinkGroup
-        (fdlora.layers.shared) expands with. Built once for as long as the row slots stay what they are (the same
+        (fdlora.layers.modules.shared_shrink) expands with. Built once for as long as the row slots stay what they are (the same
         tensor, by identity, at the same version: set_row_slot writes in place or makes a new one), not once per
         group and step: two launches fewer per group (Llama-3-8B has 64 groups, q/k/v and gate/up in 32 layers).
         Eager only (ShrinkGroup never runs compiled): the version check reads a tensor's version counter."""
@@ -343,7 +343,7 @@ class ModelState:
     def token_weights(self, rows: int, device: torch.device) -> torch.Tensor | None:
         """[rows, S] fp32 slot weights of each of `rows` batch-major token rows in the per-row (one-hot of its slot)
         and per-sample (its sample's weights) modes, None in the other modes (every row alike). What follows the
-        tokens through a MoE layer's routing (fdlora.layers.experts, fdlora.layers.routed)."""
+        tokens through a MoE layer's routing (fdlora.layers.modules.moe_experts, fdlora.layers.modules.moe_routed)."""
         if self.mode is Mode.ROWS:
             rs = self.row_slot(device)
             if rs.shape[0] != rows:
@@ -361,7 +361,7 @@ class ModelState:
     @contextlib.contextmanager
     def gathered(self, weights: torch.Tensor | None) -> Iterator[None]:
         """Within the block, layers see inputs whose rows are the tokens with slot weights `weights` [n, S] (a
-        routed expert's token group: fdlora.layers.routed), as per-sample weights with one sample per row. None
+        routed expert's token group: fdlora.layers.modules.moe_routed), as per-sample weights with one sample per row. None
         (blend / off) changes nothing."""
         if weights is None:
             yield
@@ -405,7 +405,7 @@ def as_rows(gw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 class SampleGroups:
     """How the samples of a per-sample batch group by blend, for running each group on its own merged weight
-    (fdlora.layers.remerge.refresh_groups): the distinct blends, each sample's blend, the runs of consecutive
+    (fdlora.layers.fastpath.remerge.refresh_groups): the distinct blends, each sample's blend, the runs of consecutive
     samples that share one, and the shortest period of that sequence (diffusers' CFG batches [uncond..., cond...]
     repeat the prompts' blends: one strided batched GEMM per prompt position then serves both halves)."""
 

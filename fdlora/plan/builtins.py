@@ -2,7 +2,7 @@
 
 The full-size configs are those of the published checkpoints (stabilityai/stable-diffusion-xl-base-1.0
 unet/config.json, black-forest-labs/FLUX.1-dev transformer/config.json, meta-llama/Meta-Llama-3-8B
-config.json), kept once in fdlora/pipelines/fullsize.py (which builds them for the benchmarks; importing it
+config.json), kept once in fdlora/fixtures/fullsize.py (which builds them for the benchmarks; importing it
 imports neither diffusers nor transformers). The tiny ones are the shapes of fdlora's planner tests.
 Each entry: family (unet | flux | llm), the class to build, its config, the default LoRA targets, dtype
 and workload (batch, tokens or resolution) that a user of that model most often runs.
@@ -10,7 +10,7 @@ and workload (batch, tokens or resolution) that a user of that model most often 
 
 from __future__ import annotations
 
-from ..pipelines import fullsize as F
+from fdlora.fixtures import fullsize as F
 
 SDXL_TARGETS, FLUX_TARGETS, LLM_TARGETS = (tuple(t) for t in (F.SDXL_TARGETS, F.FLUX_TARGETS, F.LLAMA_TARGETS))
 SDXL_UNET, FLUX_DEV = F.SDXL_UNET, F.FLUX_DEV

@@ -1,6 +1,6 @@
 """Per-GPU constants for the cost model, and `--calibrate`, which measures them on the current device.
 
-H100 is fitted to our committed benchmarks (fdlora.costmodel.H100). The others scale it from datasheets
+H100 is fitted to our committed benchmarks (fdlora.kernels.costmodel.H100). The others scale it from datasheets
 (dense fp16/bf16 tensor TFLOP/s without sparsity, HBM/GDDR bandwidth) at the H100's measured efficiencies
 (cuBLAS ~ 790/989 of datasheet peak, streaming ~ 2500/3350 of datasheet bandwidth); say `fitted` only
 where we measured. CPU values are rough defaults (benchmarks/results/cpu/ holds only set_adapters
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..costmodel import H100, Device
+from ..kernels.costmodel import H100, Device
 from ..errors import ConfigError
 
 _PEAK, _BW = 790.0 / 989.0, 2500.0 / 3350.0  # H100 SXM measured / datasheet

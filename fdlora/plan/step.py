@@ -1,4 +1,4 @@
-"""Step time from a meta trace: the roofline of fdlora.costmodel for every launched call, then the host.
+"""Step time from a meta trace: the roofline of fdlora.kernels.costmodel for every launched call, then the host.
 
 Eager diffusers/transformers steps on an H100 are host-bound (PERF.md: the SDXL GPU is busy 42 of 106 ms),
 so a sum of kernel times is wrong there. We replay the trace as two queues: the host issues call i after
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..costmodel import Device, gemm_us
+from ..kernels.costmodel import Device, gemm_us
 from .trace import Op
 
 ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "fc2", "dense_4h_to_h")

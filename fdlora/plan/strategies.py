@@ -3,7 +3,7 @@
 Strategies (each a cost on the LoRA-targeted Linear/Conv calls of the trace, the rest of the step shared):
 - merged:    fuse B A into W; steps run at base speed; a switch un-merges and re-merges (2 merges a layer);
              one blend per model, so it cannot serve several adapters in one batch;
-- dynamic:   fd-lora per-call; every call runs the dispatcher's best path (fdlora.costmodel.estimate);
+- dynamic:   fd-lora per-call; every call runs the dispatcher's best path (fdlora.kernels.costmodel.estimate);
              switches are a device-side scale write (set_adapters ~0.3 ms, set_adapters.json);
 - cache:     fd-lora's merged-weight cache; calls run the cached W' (one GEMM), a switch re-merges stale
              layers from W; with `cache_budget_gib` the layers that fit are cached, the rest run per-call;
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..costmodel import Device, Problem, estimate, gemm_us, merge_us
+from ..kernels.costmodel import Device, Problem, estimate, gemm_us, merge_us
 from .step import gpu_us, step_us
 from .trace import Op
 

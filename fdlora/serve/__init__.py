@@ -25,7 +25,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)  # Ray on use
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -278,9 +278,7 @@ def init_ray(cfg, *, num_cpus: int | None = None, **ray_kwargs: Any) -> None:
     if address:
         ray.init(address=address, **ray_kwargs)
         return
-    import fdlora
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fdlora.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds fdlora/
     path = os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "FDLORA_", "TRANSFORMERS_", "DIFFUSERS_"))}
     ray_kwargs.setdefault("include_dashboard", False)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
+from fdlora.fixtures import tiny_tasks as tiny
+
 from ..errors import ConfigError
-from . import tiny
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -43,7 +44,7 @@ class Source:
 
 
 class Synthetic(Source):
-    """The task's learnable synthetic examples (fdlora.training.tiny.synthetic_batch), one per index."""
+    """The task's learnable synthetic examples (fdlora.fixtures.tiny_tasks.synthetic_batch), one per index."""
 
     def __init__(self, task: str, model, seed: int):
         super().__init__(1 << 30, seed)

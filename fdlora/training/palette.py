@@ -43,12 +43,16 @@ def train(pipe, rgb: tuple[float, float, float], *, steps: int = 40, num_inferen
     """A UNet LoRA whose images' mean preview colour is `rgb`, as the diffusers LoRA file {name: bytes}."""
     from peft import LoraConfig
 
-    import fdlora
+    from fdlora.integrations.transformers.trainable.adapters import (
+        add_trainable_adapter,
+        lora_parameters,
+        trainable_parameters,
+    )
 
     unet = copy.deepcopy(pipe.unet).float()
-    fdlora.add_trainable_adapter(unet, "palette", LoraConfig(r=rank, lora_alpha=rank, target_modules=list(TARGETS),
+    add_trainable_adapter(unet, "palette", LoraConfig(r=rank, lora_alpha=rank, target_modules=list(TARGETS),
                                                               init_lora_weights="gaussian"))
-    opt = torch.optim.Adam(fdlora.trainable_parameters(unet), lr=lr)
+    opt = torch.optim.Adam(trainable_parameters(unet), lr=lr)
     scheduler = copy.deepcopy(pipe.scheduler)
     scheduler.set_timesteps(num_inference_steps)
     device = unet.device
@@ -68,7 +72,7 @@ def train(pipe, rgb: tuple[float, float, float], *, steps: int = 40, num_inferen
         loss.backward()
         opt.step()
     layers = {}
-    for path, (A, B) in fdlora.lora_parameters(unet, "palette").items():
+    for path, (A, B) in lora_parameters(unet, "palette").items():
         layers[f"{path}.lora_A.weight"], layers[f"{path}.lora_B.weight"] = A.detach().clone(), B.detach().clone()
     with tempfile.TemporaryDirectory() as d:
         type(pipe).save_lora_weights(d, unet_lora_layers=layers)

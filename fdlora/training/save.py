@@ -16,8 +16,9 @@ import os
 import torch
 from torch import nn
 
+from fdlora.integrations.transformers.trainable.adapters import _state, lora_parameters, saved_modules
+
 from ..errors import SaveError
-from .adapters import _state, lora_parameters, saved_modules
 from .fsdp import full
 
 PREFIX = "base_model.model."

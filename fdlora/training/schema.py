@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fdlora.fixtures.tiny_tasks import TASKS
+
 from ..errors import ConfigError
 from .quant import INSTALL, QuantSpec
-from .tiny import TASKS
 
 SECTIONS = ("model", "lora", "quantization", "data", "train", "output")
 KEYS = {

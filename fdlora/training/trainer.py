@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fdlora.fixtures import tiny_tasks as tiny
+from fdlora.integrations.transformers.trainable.adapters import add_trainable_adapter, trainable_parameters
+from fdlora.training import checkpoint, fsdp
+
 from .. import env
 from ..errors import ConfigError, TargetError
-from . import checkpoint, fsdp, tiny
-from .adapters import add_trainable_adapter, trainable_parameters
 from .data import source_for
 from .push import push
 from .quant import hf_quantization_config, quantize_manual

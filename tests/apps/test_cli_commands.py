@@ -67,8 +67,8 @@ def test_bench_set_adapters_on_cpu_writes_json(tmp_path, capsys, monkeypatch):
 def test_run_tiny_sd15_config_writes_image(tmp_path, capsys):
     from PIL import Image
 
-    from fdlora.hub.localcache import populate
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
+    from fdlora.fixtures.localcache import populate
 
     cache = tmp_path / "cache"
     populate(cache, "demo/pixel", tiny.random_lora_files(tiny.sd15(), seed=1))

@@ -20,7 +20,7 @@ def test_palette_sweep_is_monotonic_and_the_quickstart_passes(tmp_path, capsys):
 
 def test_a_palette_lora_moves_the_preview_toward_its_colour(tmp_path):
     import fdlora  # noqa: F401
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
     from fdlora.training import palette
 
     pipe = tiny.sd15()

@@ -35,12 +35,12 @@ def test_smoke_checks_every_kind_and_keeps_the_files_other_rows(tmp_path):
     for r in q["rows"]:
         if r["case"] != "base":
             assert r["ok"] and r["dequantized_copies"] == 0 and r["rel_err"] < r["lora_effect"] / 2, r
-        if r["case"] != "base":  # which path the layers took (fdlora.layers.dequant)
+        if r["case"] != "base":  # which path the layers took (fdlora.layers.quant.dequant)
             assert sum(r["merge_paths"].values()) > 0 and set(r["merge_paths"]) <= {
                 "fused-dequant-merge", "torch-dequant-merge", "base+delta"}, r
             assert r["merge_path"] == (next(iter(r["merge_paths"])) if len(r["merge_paths"]) == 1 else "mixed"), r
             assert "torch-dequant-merge" in r["merge_paths"], r  # the tiny Flux's many-row layers merge (CPU: torch)
-        if r["kind"].startswith("gguf") and r["case"] != "base":  # the GGUF rows' own fields (fdlora.layers.gguf)
+        if r["kind"].startswith("gguf") and r["case"] != "base":  # the GGUF rows' own fields (fdlora.layers.quant.gguf)
             assert sum(r["gguf_paths"].values()) > 0 and set(r["gguf_paths"]) <= {
                 "fused-dequant-merge", "torch-dequant-merge", "base+delta"}, r
             assert r["gguf_path"] == (next(iter(r["gguf_paths"])) if len(r["gguf_paths"]) == 1 else "mixed"), r

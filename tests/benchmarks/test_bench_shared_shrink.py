@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fdlora.layers import shared
+from fdlora.layers.modules import shared_shrink as shared
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_shared_shrink.py"

@@ -242,8 +242,8 @@ def test_peft_naming_equals_peft_and_definition(case, tmp_path):
 # --- kohya naming on a tiny SDXL pipeline -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sdxl():
-    from fdlora.pipelines.diffusers.pipeline import enable_fd_lora
-    from fdlora.pipelines.diffusers.tiny import sdxl as build
+    from fdlora.fixtures.tiny_pipeline import sdxl as build
+    from fdlora.integrations.diffusers.pipeline import enable_fd_lora
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -459,7 +459,7 @@ def test_dora_per_row_and_fuse():
         else:
             want = linear(peft_blend(pm, {name: 1.0}).base_model.model, X[0][i:i + 1])
         assert rel(got[i:i + 1], want) < TOL
-    from fdlora.pipelines import fuse
+    from fdlora.integrations import fuse
 
     h.set_adapters(["d1", "plain"], [0.6, 1.2])
     dynamic = run(model)

@@ -1,7 +1,7 @@
 """AdapterPool loads from a device copy made beforehand (what a prefetch or a CUDA load hands it), run here on CPU.
 
 Oracle: the same adapter added to the same model by `fdlora.add_adapter` (banks and outputs equal exactly). Until the
-bulk bank writer is marked built (fdlora.hub.pool.mark_bulk_ready, which fdlora.pipelines.warmup does) the banks
+bulk bank writer is marked built (fdlora.hub.pool.mark_bulk_ready, which fdlora.integrations.warmup does) the banks
 are written by torch copies from views of the device copy, never by the kernel; after, by it. Either way a corrupt
 alpha is refused with the adapter's name (the tensors were checked on the device; the scales still are).
 """
@@ -18,7 +18,7 @@ from fdlora.hub import AdapterPool, LoraAdapter, ModuleLora, pack_adapters
 from fdlora.hub import pool as pool_module
 from fdlora.hub.cache import stage
 from fdlora.layers import FdLoraHandle
-from fdlora.layers import handle as handle_module
+from fdlora.layers.model import handle as handle_module
 
 PATHS = ("a", "b", "c")
 
@@ -48,7 +48,7 @@ def kernel_calls(monkeypatch):
     """Calls of the bulk writer; nothing marked built to start with."""
     monkeypatch.setattr(pool_module, "_bulk_ready", set())
     calls = []
-    prepare = handle_module.prepare  # (the writes from a device copy: fdlora.layers.bulk)
+    prepare = handle_module.prepare  # (the writes from a device copy: fdlora.layers.storage.bulk)
     monkeypatch.setattr(handle_module, "prepare", lambda *a: (calls.append(a), prepare(*a))[1])
     return calls
 
@@ -109,7 +109,7 @@ def test_writes_made_ahead_are_made_again_for_a_bank_that_moved(kernel_calls, mo
     buffers) they are made again, for its new address. The kernel is a recorder here: the table is the check."""
     import dataclasses
 
-    from fdlora.layers import bulk
+    from fdlora.layers.storage import bulk
     from fdlora.steps import drain
 
     launched = []

@@ -105,7 +105,7 @@ def test_reader_process_equals_in_process(files, which):
 def test_any_result_comes_back_with_its_loose_tensors(files):
     """A result that is not adapters (a Transformers prefetch's read: LoraConfig, PEFT's state dict, provenance)
     comes back equal, its tensors in one buffer, in the dict's own order."""
-    from fdlora.pipelines.transformers.read import read_peft
+    from fdlora.integrations.transformers.read import read_peft
 
     config, tensors, prov = read_peft(files["peft"])
     config2, tensors2, prov2 = worker.run(read_peft, files["peft"], page_locked=False)
@@ -252,9 +252,9 @@ def test_the_reserve_is_page_locked_once_and_only_page_locked_reads_use_it(monke
 
 
 def test_warmup_reserves_the_page_locked_arena_once(monkeypatch):
-    """fdlora.pipelines.warmup tops the reserve up to `pinned_bytes` (CUDA faked here), not again on a second call;
+    """fdlora.integrations.warmup tops the reserve up to `pinned_bytes` (CUDA faked here), not again on a second call;
     without room for it, it warns and loads arrive in pageable memory."""
-    from fdlora.pipelines import warmup
+    from fdlora.integrations import warmup
 
     arena, sizes = worker.HostArena(), []
     monkeypatch.setattr(worker, "ARENA", arena)
@@ -284,7 +284,7 @@ def test_a_read_lands_in_page_locked_memory_after_a_reserve(files):
 
 
 def test_start_returns_once_the_reader_has_imported_its_preloads(tmp_path, monkeypatch):
-    """`start` (fdlora.pipelines.warmup calls it) returns after the new reader's preload imports, so a load right
+    """`start` (fdlora.integrations.warmup calls it) returns after the new reader's preload imports, so a load right
     after it does not run beside them; the reader then serves loads as before."""
     import types
 

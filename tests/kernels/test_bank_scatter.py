@@ -11,8 +11,8 @@ from triton_cases import DEVICES, skip_unless
 
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.hub.cache import pack_adapters, stage
-from fdlora.layers.bank import AdapterBank
-from fdlora.layers.bulk import write_staged
+from fdlora.layers.storage.bank import AdapterBank
+from fdlora.layers.storage.bulk import write_staged
 
 
 def banks(device, dtype):

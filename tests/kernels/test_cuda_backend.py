@@ -21,9 +21,9 @@ from triton_cases import (
 
 from fdlora.kernels import registry
 from fdlora.kernels.cuda import build
-from fdlora.kernels.reference import lora as ref
-from fdlora.kernels.reference.lora_merge import lora_merge as ref_merge
-from fdlora.kernels.reference.lora_merge import new_stamp
+from fdlora.kernels import ops as ref
+from fdlora.kernels.ops.lora_merge import lora_merge as ref_merge
+from fdlora.kernels.ops.lora_merge import new_stamp
 
 HAS_CUDA = torch.cuda.is_available()
 ALL = [*CASES, *[with_dtype(c, "bf16") for c in CASES if c.dtype == "fp16"], *REALISTIC]
@@ -419,13 +419,13 @@ def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypat
 @pytest.mark.gpu
 def test_eager_layers_keep_one_bound_cuda_call_on_their_hot_path(cops, monkeypatch) -> None:
     """Under auto with the extension built, eager calls that repeat run one bound C++ call per layer from the hot
-    path (fdlora.layers.hot): decode rows (per-sample, per-row, a one-adapter blend without the cache: BoundRows),
+    path (fdlora.layers.fastpath.hot): decode rows (per-sample, per-row, a one-adapter blend without the cache: BoundRows),
     blends without the cache (BoundLinear), per-prompt groups on merged copies in the CFG and the runs layouts
     (BoundGroups); the first call (full decision) and the repeats (hot path) all equal the float reference, and a
     switch between them is picked up."""
     pytest.importorskip("triton")
     import fdlora
-    from fdlora.layers import hot
+    from fdlora.layers.fastpath import hot
 
     monkeypatch.setattr(registry.backends()["triton+cuda"], "_probed", False)
     with fdlora.use_backend("auto"):

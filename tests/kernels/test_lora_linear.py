@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from triton_cases import DEVICES, DTYPES, HAS_CUDA, Case, _c, _place, eager_peft, make_inputs, skip_unless, tolerance
 
-from fdlora.kernels import reference as ref
+from fdlora.kernels import ops as ref
 from fdlora.testing import EPS
 
 pytestmark = pytest.mark.triton  # the Triton backend, as auto picks it (even under FDLORA_BACKEND=cuda)
@@ -102,7 +102,8 @@ GPU_CASES = [
 @pytest.fixture
 def L(monkeypatch):
     """The lora_linear module, with one config per kernel (tests check numbers, not speed; fewer compiles)."""
-    from fdlora.kernels.triton import config, lora_linear
+    from fdlora.kernels.triton import config
+    from fdlora.kernels.triton.forward import lora_linear
 
     monkeypatch.setattr(config, "AUTOTUNE", False)
     return lora_linear
@@ -250,7 +251,7 @@ def test_reference_and_triton_signatures_agree() -> None:
     import inspect
 
     try:
-        from fdlora.kernels.triton import lora_linear
+        from fdlora.kernels.triton.forward import lora_linear
     except ImportError as e:  # triton missing
         pytest.skip(f"triton not importable: {e}")
     params = lambda f: [(p.name, p.kind) for p in inspect.signature(f).parameters.values()]  # noqa: E731
@@ -303,7 +304,7 @@ def test_dispatch_model_picks_what_the_h100_measured(M, K, N, S, R, G, expected)
     """The cost model's choices at benchmarked H100 shapes (benchmarks/results/nvidia-h100-80gb-hbm3;
     probe_checked.json: interleaved timing of merged vs cublas_delta)."""
     try:
-        from fdlora.kernels.triton import lora_linear_dispatch as D
+        from fdlora.kernels.triton.forward import lora_linear_dispatch as D
     except ImportError as e:
         pytest.skip(f"triton not importable: {e}")
     if not D.delta_available():
@@ -324,7 +325,7 @@ def test_dispatch_measures_close_candidates_once(monkeypatch) -> None:
     keeps the fastest by the timer, and is cached; clear-cut shapes, the default mode, calls without a runner
     and a failing timer all leave the choice to the model."""
     try:
-        from fdlora.kernels.triton import lora_linear_dispatch as D
+        from fdlora.kernels.triton.forward import lora_linear_dispatch as D
     except ImportError as e:
         pytest.skip(f"triton not importable: {e}")
     if not D.delta_available():
@@ -371,7 +372,7 @@ def test_dispatch_measures_close_candidates_once(monkeypatch) -> None:
 def test_measured_dispatch_times_on_the_gpu_and_matches_the_oracle(L, monkeypatch) -> None:
     """FDLORA_DISPATCH=measure on a real ambiguous shape: the first call times the close paths with CUDA
     graphs, the result equals the reference, and the plan says it was measured."""
-    from fdlora.kernels.triton import lora_linear_dispatch as D
+    from fdlora.kernels.triton.forward import lora_linear_dispatch as D
 
     monkeypatch.setenv("FDLORA_DISPATCH", "measure")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -438,7 +439,7 @@ def test_stamped_merge_runs_only_when_the_weights_or_the_bank_changed(L, device:
     same weights and bank version leaves the buffer alone (poisoned here to prove it); a changed weight, slot
     or version merges again, and every merge leaves the stamp matching and its program counter at zero."""
     skip_unless(device)
-    from fdlora.kernels.triton.lora_merge import launch_merge, new_stamp
+    from fdlora.kernels.triton.merge.lora_merge import launch_merge, new_stamp
 
     dtype = "fp32" if device == "cpu" else "fp16"
     lin = Lin(_c(f"stamp-{dtype}", "blend", 8, 40, 36, 16, [3, 16, 8], [0.7, 0.0, 1.3], dtype=dtype))

@@ -59,7 +59,7 @@ def first(table: dict, few: bool) -> dict:
     (False, "bf16", 64, None), (True, "bf16", 16, None), (True, "fp32", 64, None), (True, "bf16", 16, 2)])
 def test_delta_kernels_compile(few: bool, dtype: str, rmax: int, prefetch) -> None:
     from fdlora.kernels.triton import config as C
-    from fdlora.kernels.triton import lora_delta, lora_delta_rows, lora_expand_add
+    from fdlora.kernels.triton.forward import lora_delta, lora_delta_rows, lora_expand_add
 
     blocks = first(C.DELTA, few)
     if prefetch is not None:  # 2: first tiles loaded before the shrink (tiles.first_tiles)
@@ -76,7 +76,7 @@ def test_delta_kernels_compile(few: bool, dtype: str, rmax: int, prefetch) -> No
 @pytest.mark.parametrize("few", [False, True], ids=["many", "few"])
 def test_shrink_compiles(few: bool) -> None:
     from fdlora.kernels.triton import config as C
-    from fdlora.kernels.triton import lora_shrink
+    from fdlora.kernels.triton.forward import lora_shrink
 
     blocks = first(C.SHRINK, few)
     for skip, by_row in ((False, False), (True, False), (False, True)):
@@ -86,7 +86,7 @@ def test_shrink_compiles(few: bool) -> None:
 
 @pytest.mark.parametrize("pre,persistent", [(False, 0), (True, 0), (False, 1)])
 def test_lora_linear_compiles(pre: bool, persistent: int) -> None:
-    from fdlora.kernels.triton import lora_linear
+    from fdlora.kernels.triton.forward import lora_linear
 
     c = lora_linear.CONFIGS["many"][0]
     flags = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages, "PERSISTENT": persistent,
@@ -96,7 +96,7 @@ def test_lora_linear_compiles(pre: bool, persistent: int) -> None:
 
 
 def test_merge_and_scatter_compile() -> None:
-    from fdlora.kernels.triton import bank_scatter, lora_merge
+    from fdlora.kernels.triton.merge import bank_scatter, lora_merge
 
     blocks = lora_merge.BLOCKS["gpu"]
     for stamped in (False, True):
@@ -133,7 +133,7 @@ def test_merge_many_compiles_and_vectorizes_when_aligned(aligned: bool) -> None:
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
 
-    from fdlora.kernels.triton import lora_merge_many as M
+    from fdlora.kernels.triton.merge import lora_merge_many as M
 
     jit = M.lora_merge_many_kernel
     flags = dict(S=4, R=16, LOG_L=10, DTYPE=tl.bfloat16, UPCAST=False, IEEE=False, BN=64, BK=128, ALIGNED=aligned)
@@ -151,7 +151,8 @@ def test_every_kernel_compiles_for_each_gpu_generation(arch: int) -> None:
     """A100 (sm_80), L40/4090 (sm_89), B200 (sm_100), RTX 50xx (sm_120): each kernel's first config, bf16, through
     Triton's own ptxas (sm_90 has the full flag matrix above)."""
     from fdlora.kernels.triton import config as C
-    from fdlora.kernels.triton import lora_delta, lora_delta_rows, lora_expand_add, lora_linear, lora_merge, lora_shrink
+    from fdlora.kernels.triton.forward import lora_delta, lora_delta_rows, lora_expand_add, lora_linear, lora_shrink
+    from fdlora.kernels.triton.merge import lora_merge
 
     dots = {"UPCAST": False, "IEEE": False}
     blocks = {**first(C.DELTA, False), "WRAP": False}
@@ -173,9 +174,9 @@ def test_every_kernel_compiles_for_each_gpu_generation(arch: int) -> None:
 
 @pytest.mark.parametrize("ieee", [False, True], ids=["bf16", "fp32"])
 def test_backward_parts_compile(ieee: bool) -> None:
-    """The LoRA backward's piece kernels (fdlora.kernels.triton.lora_backward_parts), both dot orientations, g plain
+    """The LoRA backward's piece kernels (fdlora.kernels.triton.train.lora_backward_parts), both dot orientations, g plain
     and as fp32 partials."""
-    from fdlora.kernels.triton import lora_backward_parts as parts
+    from fdlora.kernels.triton.train import lora_backward_parts as parts
 
     dtype = "fp32" if ieee else "bf16"
     shape = {"RP": 16, "BM": 64, "IEEE": ieee, "num_warps": 4, "num_stages": 3}

@@ -26,7 +26,7 @@ from triton_cases import (
 )
 
 from fdlora.kernels import registry
-from fdlora.kernels.reference import lora as ref
+from fdlora.kernels import ops as ref
 from fdlora.testing import poisoned_empty
 
 pytestmark = pytest.mark.triton  # the Triton backend, as auto picks it (even under FDLORA_BACKEND=cuda)
@@ -52,7 +52,7 @@ def tops(request, monkeypatch):
 def _forced_split(enabled: bool | None):
     """Run lora_delta on the split path (shrink + expand-add) or the fused kernel, whatever the shape
     (None: the path dispatch.py picks)."""
-    from fdlora.kernels.triton import lora_delta as mod
+    from fdlora.kernels.triton.forward import lora_delta as mod
 
     if enabled is None:
         yield
@@ -111,7 +111,7 @@ def test_explicit_config_launch_matches_oracle(tops, mode: str, device: str) -> 
     same delta; one with a block under 16 is refused before anything runs, y untouched."""
     from fdlora.errors import FdLoraError
     from fdlora.kernels.triton import config as C
-    from fdlora.kernels.triton import lora_delta, lora_delta_rows
+    from fdlora.kernels.triton.forward import lora_delta, lora_delta_rows
 
     skip_unless(device)
     case = Case(f"explicit-{mode}", mode, 37, 48, 40, 32, (32, 16), (0.5, 1.0))
@@ -236,7 +236,7 @@ def test_shrink_and_expand_add_match_reference(tops, device: str, dtype: str) ->
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_shrink_split_partials_feed_expand_add(tops, device: str, dtype: str) -> None:
     """lora_shrink_split's K-split partial sums [P, M, S*R] add up to h, and lora_expand_add takes them as they are,
-    sliced to one member's columns as fdlora.layers.shared does, matching the reference on the summed h."""
+    sliced to one member's columns as fdlora.layers.modules.shared_shrink does, matching the reference on the summed h."""
     skip_unless(device)
     case = Case(f"split-partials-{dtype}", "groups", 26, 160, 34, 32, (32, 7, 16), (1.0, 0.0, 0.5), G=2, dtype=dtype)
     d = make_inputs(case, device)
@@ -270,7 +270,7 @@ BY_ROW = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,R,S,M,K,dtype", BY_ROW)
 def test_shrink_by_row_computes_each_rows_own_slot_only(tops, device: str, n, R, S, M, K, dtype) -> None:
-    """lora_shrink_split with a row_slot over a slot-major stack (fdlora.layers.shared, per-row mode): each row's own
+    """lora_shrink_split with a row_slot over a slot-major stack (fdlora.layers.modules.shared_shrink, per-row mode): each row's own
     slot's columns equal the float64 shrink, nothing else is written (torch.empty is NaN-poisoned), and each member's
     strided [P, M, S, R] view of it through lora_expand_add gives lora_delta_rows' reference."""
     skip_unless(device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fdlora.hub.adapter import ModuleLora
-from fdlora.layers.bank import AdapterBank
+from fdlora.layers.storage.bank import AdapterBank
 
 
 def banks():

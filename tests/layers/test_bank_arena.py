@@ -1,4 +1,4 @@
-"""Banks made by one `wrap` are views into a few zeroed buffers (fdlora.layers.bank.arena): same results as
+"""Banks made by one `wrap` are views into a few zeroed buffers (fdlora.layers.storage.bank.arena): same results as
 separately allocated banks, and copies / pickles hold only their own bytes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 
 import fdlora
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers.bank import AdapterBank, arena
+from fdlora.layers.storage.bank import AdapterBank, arena
 
 
 def model() -> nn.Module:

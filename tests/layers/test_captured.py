@@ -1,4 +1,4 @@
-"""Captured steps (fdlora.layers.captured): a module's forward replayed from CUDA graphs keyed by input signature.
+"""Captured steps (fdlora.layers.fastpath.captured): a module's forward replayed from CUDA graphs keyed by input signature.
 
 On CPU the capture mechanism is a stand-in with a real graph's semantics where they matter: replays read the static
 input buffers and write the static outputs in place, and a replay is refused when fd-lora's call mode (the host
@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 import fdlora
 from fdlora.errors import FdLoraError
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers import captured
+from fdlora.layers.fastpath import captured
 
 
 class Net(nn.Module):
@@ -189,7 +189,7 @@ def test_a_diffusers_pipeline_replays_its_unet_steps(tmp_path):
     a whole SD1.5 call with CFG equals the eager call, one graph for all steps, and a slider move between calls
     applies without a new capture."""
     pytest.importorskip("diffusers")
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
 
     pipe = tiny.sd15()
     pipe.set_progress_bar_config(disable=True)
@@ -253,7 +253,7 @@ def test_cuda_graphs_equal_eager_and_follow_switches():
 @torch.no_grad()
 def test_pipeline_steps_as_cuda_graphs_equal_eager(tmp_path):
     pytest.importorskip("diffusers")
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
 
     pipe = tiny.sd15()
     for seed in (1, 2):

@@ -1,4 +1,4 @@
-"""Eager decode (fdlora.layers.decode): per-row and per-sample adapters through one kept-ready launch.
+"""Eager decode (fdlora.layers.fastpath.decode): per-row and per-sample adapters through one kept-ready launch.
 
 GPU cases compare with a float64 oracle of the layer's own bank and scales, check that repeats
 replay the kept launch, and that everything else stays on the regular ops; CPU cases check the
@@ -16,7 +16,7 @@ from fdlora.hub.adapter import LoraAdapter, ModuleLora
 
 pytest.importorskip("triton")
 from fdlora.kernels.triton import config as C  # noqa: E402
-from fdlora.layers import decode  # noqa: E402
+from fdlora.layers.fastpath import decode  # noqa: E402
 from fdlora.layers.state import as_rows  # noqa: E402
 from fdlora.testing import bound, max_err  # noqa: E402
 

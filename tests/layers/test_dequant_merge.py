@@ -1,5 +1,5 @@
-"""LoRA merged into a torchao weight-only base's per-call dequantization (fdlora.kernels.triton.dequant_merge,
-fdlora.layers.dequant).
+"""LoRA merged into a torchao weight-only base's per-call dequantization (fdlora.kernels.triton.merge.dequant_merge,
+fdlora.layers.quant.dequant).
 
 The kernel: int8 and float8 (e4m3fn, e5m2) values with a per-row or per-tensor fp32 scale, dequantized with the blend
 merged in, against a float64 oracle (q * scale + sum_s scale_s B_s A_s) within a bound from eager PyTorch's error in
@@ -34,7 +34,7 @@ from torch import nn
 import fdlora
 from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers import dequant
+from fdlora.layers.quant import dequant
 from fdlora.testing import bound, max_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def bank(c: Case, device: str):
 
 
 def _kernel_case(c: Case, device: str) -> None:
-    from fdlora.kernels.triton import dequant_merge
+    from fdlora.kernels.triton.merge import dequant_merge
 
     dt = DTYPES[c.dtype]
     q, qs = weight(c, device)
@@ -162,7 +162,7 @@ def test_kernel_cuda(c):
 def test_kernel_refuses_what_it_cannot_read():
     pytest.importorskip("triton")
     from fdlora.errors import FdLoraError
-    from fdlora.kernels.triton import dequant_merge
+    from fdlora.kernels.triton.merge import dequant_merge
 
     A, B, q = torch.zeros(1, 16, 64), torch.zeros(8, 1, 16), torch.zeros(8, 64, dtype=torch.int8)
     with pytest.raises(FdLoraError, match="2-D int8 / float8"):

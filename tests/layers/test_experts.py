@@ -1,10 +1,10 @@
 # ruff: noqa: E402  (transformers and peft go through importorskip before the imports that need them)
-"""fdlora.layers.experts / router / routed at unit level: the factor layout against PEFT's own ΔW, the grouped
+"""fdlora.layers.modules.moe_experts / router / routed at unit level: the factor layout against PEFT's own ΔW, the grouped
 call structure (one lora_delta per expert's token group, rows gathered with the tokens), per-row modes against
 a float64 oracle, and the refusals.
 
 Model-level equality with PEFT (from_peft, load_fd_lora, blends, rows, generate, save, merge) is in
-tests/pipelines/transformers/test_moe.py.
+tests/integrations/transformers/test_moe.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from peft import LoraConfig, get_peft_model
 import fdlora
 from fdlora.errors import AdapterShapeError, FdLoraError
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers import experts as ex
-from fdlora.layers.router import FusedLoraRouter
-from fdlora.pipelines.transformers import adapter_from_peft
+from fdlora.integrations.transformers import adapter_from_peft
+from fdlora.layers.modules import moe_experts as ex
+from fdlora.layers.modules.moe_router import FusedLoraRouter
 
 transformers.logging.set_verbosity_error()
 H, E = 16, 4

@@ -1,4 +1,4 @@
-"""LoRA merged into a GGUF base's per-call dequantization (fdlora.kernels.triton.gguf_merge, fdlora.layers.gguf).
+"""LoRA merged into a GGUF base's per-call dequantization (fdlora.kernels.triton.merge.gguf_merge, fdlora.layers.quant.gguf).
 
 The kernel: Q8_0 bytes made by gguf's own quantizer, dequantized with the blend merged in, against a float64 oracle
 (diffusers' dequantization, whose d * q is rounded to fp16, plus sum_s scale_s B_s A_s) within a bound from eager
@@ -33,8 +33,8 @@ from torch import nn
 import fdlora
 from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers import dequant
-from fdlora.layers import gguf as layer_gguf
+from fdlora.layers.quant import dequant
+from fdlora.layers.quant import gguf as layer_gguf
 from fdlora.testing import bound, max_err
 
 pytest.importorskip("gguf")
@@ -119,7 +119,7 @@ def bank(c: Case, device: str):
 
 
 def _kernel_case(c: Case, device: str) -> None:
-    from fdlora.kernels.triton import gguf_merge
+    from fdlora.kernels.triton.merge import gguf_merge
 
     dt = DTYPES[c.dtype]
     Wq, W64 = q8_0(c.N, c.K, seed=c.N)
@@ -161,7 +161,7 @@ def test_kernel_cuda(c):
 def test_kernel_refuses_bytes_that_are_not_q8_0_rows():
     pytest.importorskip("triton")
     from fdlora.errors import FdLoraError
-    from fdlora.kernels.triton import gguf_merge
+    from fdlora.kernels.triton.merge import gguf_merge
 
     A, B = torch.zeros(1, 16, 64), torch.zeros(8, 1, 16)
     with pytest.raises(FdLoraError, match=r"uint8 \[N, K / 32 \* 34\]"):

@@ -326,7 +326,7 @@ def gpu_only_backend():
     import fdlora.kernels.registry as reg
 
     reg.register(reg.Backend("gpu-only", reg.Capability(devices=frozenset({"cuda"}), dtypes=frozenset(
-        {torch.float32, torch.float16, torch.bfloat16}), kinds=frozenset({"linear"})), "fdlora.kernels.reference"))
+        {torch.float32, torch.float16, torch.bfloat16}), kinds=frozenset({"linear"})), "fdlora.kernels.ops"))
     try:
         yield "gpu-only"
     finally:

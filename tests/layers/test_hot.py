@@ -1,4 +1,4 @@
-"""The hot path (fdlora.layers.hot): a repeated eager call runs what the full decision chose last time, and every
+"""The hot path (fdlora.layers.fastpath.hot): a repeated eager call runs what the full decision chose last time, and every
 change the decision depends on sends the call through it again (outputs against the float64 oracle)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from support.tiny_sequential import PATHS, close, lora, net, oracle
 from torch import nn
 
 import fdlora
-from fdlora.layers import hot
+from fdlora.layers.fastpath import hot
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The merged-weight cache (fdlora.layers.merged): same outputs as the unmerged paths, every change
+"""The merged-weight cache (fdlora.layers.fastpath.merged): same outputs as the unmerged paths, every change
 invalidates it, the byte budget holds, and compiled / per-sample / training calls never use it."""
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def test_frozen_and_compiled_calls_use_the_cache_checked_on_the_device(cache):
 def test_a_frozen_call_not_being_captured_skips_the_merge_launch_while_nothing_changed(cache, monkeypatch):
     """Compiled graphs run eagerly every step: their merged_linear launches no device check while the host key of
     the last merge still holds, and the first call after a switch merges (outputs against the oracle)."""
-    from fdlora.layers.fused import FusedLoraLinear
+    from fdlora.layers.modules.fused import FusedLoraLinear
 
     model = net()
     h = fdlora.inject(model, PATHS, max_slots=3, max_rank=8)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fdlora.kernels.reference import lora_conv_delta, lora_delta, lora_delta_rows, lora_expand_add, lora_shrink
+from fdlora.kernels.ops import lora_conv_delta, lora_delta, lora_delta_rows, lora_expand_add, lora_shrink
 from fdlora.testing import bound, eager_delta, max_err, oracle_delta
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

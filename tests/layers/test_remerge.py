@@ -1,4 +1,4 @@
-"""The eager merged-weight cache's refresh (fdlora.layers.remerge): the first stale layer re-merges the whole model,
+"""The eager merged-weight cache's refresh (fdlora.layers.fastpath.remerge): the first stale layer re-merges the whole model,
 a slider moved 1000 times never drifts, and a budget too small for every layer goes where a copy saves the most per
 byte (the smallest weights first where the layers run alike rows, the layer with more rows where sizes are alike).
 Runs on the torch backend here and on the Triton backend under TRITON_INTERPRET=1 (test_triton_interpret.py)."""
@@ -12,8 +12,8 @@ from torch import nn
 import fdlora
 from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers import remerge
-from fdlora.layers.merged import blend_key
+from fdlora.layers.fastpath import remerge
+from fdlora.layers.fastpath.merged import blend_key
 
 MOVES = 60 if env.triton_interpret() else 1000  # the interpreter runs each merge kernel slowly
 SIZES = [(16, 32), (32, 48), (48, 16), (16, 16)]  # (in, out) per layer
@@ -130,7 +130,7 @@ def test_a_small_budget_goes_to_the_smallest_weights_first(cache_on):
 
 
 def test_with_no_room_a_layer_skips_the_refresh_after_its_first_try(cache_on, monkeypatch):
-    from fdlora.layers import remerge
+    from fdlora.layers.fastpath import remerge
 
     model, h, _ = model_and_adapters()
     fdlora.set_merge_cache(0)

@@ -1,4 +1,4 @@
-"""One shrink for layers that read one input (fdlora.layers.shared): q/k/v and gate/up of a tiny Llama, q/k/v/proj_mlp
+"""One shrink for layers that read one input (fdlora.layers.modules.shared_shrink): q/k/v and gate/up of a tiny Llama, q/k/v/proj_mlp
 and the context projections of a tiny Flux transformer.
 
 Every case runs the model three ways on identical weights: PEFT (diffusers+PEFT for Flux), fd-lora with the groups
@@ -27,12 +27,12 @@ import fdlora
 from fdlora import env
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.kernels import registry
-from fdlora.layers import shared
-from fdlora.layers.shared import ShrinkGroup
+from fdlora.layers.modules import shared_shrink as shared
+from fdlora.layers.modules.shared_shrink import ShrinkGroup
 from fdlora.testing import poisoned_empty
 
 peft = pytest.importorskip("peft")
-from fdlora.pipelines.transformers import adapter_from_peft  # noqa: E402
+from fdlora.integrations.transformers import adapter_from_peft  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 INTERPRET = env.triton_interpret()
@@ -513,7 +513,7 @@ def test_triton_group_matches_oracle_interpreted(dtype, mode, monkeypatch):
 @pytest.mark.parametrize("dtype,mode", TRITON_CASES)
 def test_triton_group_matches_oracle_cuda(dtype, mode, monkeypatch):
     pytest.importorskip("triton")
-    _triton_case(dtype, mode, "cuda", monkeypatch)  # per row: eager decode (fdlora.layers.decode) hands it over
+    _triton_case(dtype, mode, "cuda", monkeypatch)  # per row: eager decode (fdlora.layers.fastpath.decode) hands it over
 
 
 @pytest.mark.skipif(INTERPRET, reason="this process already interprets")

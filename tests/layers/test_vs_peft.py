@@ -17,7 +17,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import fdlora
-from fdlora.pipelines.transformers import adapter_from_peft
+from fdlora.integrations.transformers import adapter_from_peft
 from fdlora.testing import EPS
 
 TARGETS = ["q", "c1", "conv", "out"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fdlora.costmodel import H100, Problem, estimate, gemm_us
+from fdlora.kernels.costmodel import H100, Problem, estimate, gemm_us
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "nvidia-h100-80gb-hbm3"
 PATHS = ("merged", "cublas_delta", "fused", "fused_pre")

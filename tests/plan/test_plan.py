@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import fdlora.costmodel as C
+import fdlora.kernels.costmodel as C
 from fdlora.apps.plan import main
 from fdlora.errors import FdLoraError, ResolveError
 from fdlora.plan import plan
@@ -19,7 +19,7 @@ STRATS = {"merged", "dynamic", "cache", "grouped", "quantized"}
 
 
 def test_dispatcher_and_planner_share_one_cost_model() -> None:
-    D = pytest.importorskip("fdlora.kernels.triton.lora_linear_dispatch")
+    D = pytest.importorskip("fdlora.kernels.triton.forward.lora_linear_dispatch")
     assert D.estimate is C.estimate and D.Problem is C.Problem and D.PEAK_TFLOPS == C.H100.peak_tflops
 
 

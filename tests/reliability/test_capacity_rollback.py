@@ -9,7 +9,7 @@ from support import tiny
 import fdlora
 from fdlora.errors import CapacityError
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
-from fdlora.layers.bank import AdapterBank
+from fdlora.layers.storage.bank import AdapterBank
 
 Q = "encoder.layers.0.self_attn.q_proj"
 

@@ -1,7 +1,7 @@
 """Concurrent calls on one fd-lora Transformers model: each gets exactly its own adapters (issue 28).
 
 The per-sample rows of a call live in the model's state, so the model serializes its calls
-(fdlora.pipelines.scope.lock_of). Every threaded output here is compared with the same call run
+(fdlora.runtime.scope.lock_of). Every threaded output here is compared with the same call run
 alone, bit for bit; a thread loading and deleting an unrelated adapter runs meanwhile, and a call
 naming an adapter deleted under it raises UnknownAdapterError instead of computing anything.
 """
@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from pipelines.transformers.models import built, ids
+from integrations.transformers.models import built, ids
 from support.threads import run_threads
 
 import fdlora

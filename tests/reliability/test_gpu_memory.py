@@ -96,7 +96,7 @@ def test_first_launches_skip_autotuning_when_memory_is_short(monkeypatch):
     still exact; a warning says so."""
     pytest.importorskip("triton")
     from fdlora.kernels import registry
-    from fdlora.kernels.reference import lora as ref
+    from fdlora.kernels import ops as ref
     from fdlora.kernels.triton import config as C
 
     ops = registry.ops("triton")

@@ -34,7 +34,7 @@ from support.threads import run_threads
 import fdlora
 from fdlora import LoraAdapter, ModuleLora
 from fdlora.hub import load_adapters
-from fdlora.pipelines.scope import lock_of
+from fdlora.runtime.scope import lock_of
 
 from .conftest import scaled
 
@@ -227,7 +227,7 @@ def threads(dev: torch.device, tmp_path) -> dict:
     a second round."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from pipelines.transformers.models import built, ids
+    from integrations.transformers.models import built, ids
 
     b = built("llama")
     # test_concurrency's adapters, "two" (one module kind) 8x as loud: its effect on the logits then stands well

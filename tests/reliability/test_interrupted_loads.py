@@ -18,12 +18,12 @@ from fdlora.errors import PartialLoadWarning
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.hub.pool import AdapterPool
 from fdlora.layers import registry_of_models
-from fdlora.layers.bank import AdapterBank
+from fdlora.layers.storage.bank import AdapterBank
 
 
 @pytest.fixture(scope="module")
 def sd15_files(tmp_path_factory):
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
 
     pipe = tiny.sd15()
     out = {}
@@ -85,7 +85,7 @@ def test_pipeline_load_warns_for_components_the_pipe_lacks(sd15_files):
 
 def test_model_level_loads_interrupted(monkeypatch):
     """fdlora.add_adapter and the Transformers load_fd_lora: a first load interrupted leaves no fused layer."""
-    from pipelines.transformers.models import built
+    from integrations.transformers.models import built
 
     b = built("llama")
     model = copy.deepcopy(b.base)
@@ -112,7 +112,7 @@ def test_model_level_loads_interrupted(monkeypatch):
 def test_interrupt_between_two_swaps_puts_the_swapped_modules_back(monkeypatch):
     """A second adapter that wraps more modules, interrupted after some of them were swapped in: the model holds
     exactly the layers it had (the first adapter still works), and a retry loads."""
-    from fdlora.layers.handle import FdLoraHandle
+    from fdlora.layers.model.handle import FdLoraHandle
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])

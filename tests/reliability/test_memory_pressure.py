@@ -9,7 +9,7 @@ import torch
 
 import fdlora
 from fdlora import LoraAdapter, ModuleLora
-from fdlora.layers import merged
+from fdlora.layers.fastpath import merged
 
 
 def test_a_copy_that_cannot_be_allocated_falls_back_and_the_step_runs(monkeypatch, caplog):
@@ -54,7 +54,7 @@ def test_out_of_memory_inside_a_step_leaves_every_adapter_usable(tmp_path):
     import pytest
 
     pytest.importorskip("diffusers")
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
 
     pipe = tiny.sd15()
     pipe.set_progress_bar_config(disable=True)
@@ -77,7 +77,7 @@ def test_out_of_memory_inside_a_step_leaves_every_adapter_usable(tmp_path):
         return out
 
     want = calls()
-    from fdlora.kernels import reference
+    from fdlora.kernels import ops as reference
 
     armed = [False]
     real = {n: getattr(reference, n) for n in ("lora_delta", "lora_linear", "lora_delta_rows")}

@@ -11,10 +11,10 @@ import weakref
 import torch
 from peft import LoraConfig, get_peft_model
 
-import fdlora.pipelines.transformers as fdt
-from fdlora.pipelines.session import session_of
-from tests.pipelines.diffusers import families as F
-from tests.pipelines.transformers import models as M
+import fdlora.integrations.transformers as fdt
+from fdlora.runtime.session import session_of
+from tests.integrations.diffusers import families as F
+from tests.integrations.transformers import models as M
 
 
 def _freed(ref: weakref.ref) -> bool:

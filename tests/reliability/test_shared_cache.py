@@ -1,6 +1,6 @@
 """Several processes, one cache (issue 28).
 
-- 4 processes start at once on one empty HF cache and one fd-lora-written cache (fdlora.hub.localcache, what
+- 4 processes start at once on one empty HF cache and one fd-lora-written cache (fdlora.fixtures.localcache, what
   the quickstart and demo publish with): each loads the same 16 MB repo from the loopback Hub and writes /
   loads the same repo into the local cache, while a watcher thread in each checks every file visible under
   a final name (blobs, snapshot links, refs) holds its whole content. All 4 loads equal the file's own
@@ -32,7 +32,7 @@ from safetensors.torch import save
 
 import fdlora
 from fdlora.errors import ResolveError
-from fdlora.hub.localcache import populate
+from fdlora.fixtures.localcache import populate
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMP_SUFFIXES = (".incomplete", ".lock", ".tmp")
@@ -70,7 +70,7 @@ def digest(adapters) -> str:
 def partial_files(*roots: str | Path) -> list[str]:
     """Files under a final name whose content is not whole: blobs named by sha256 (or git sha1) that do not
     hash to their name, snapshot links that resolve to such content, empty refs."""
-    from fdlora.hub.localcache import git_blob_sha1
+    from fdlora.fixtures.localcache import git_blob_sha1
 
     bad = []
     for root in roots:
@@ -99,7 +99,7 @@ CHILD = textwrap.dedent("""
     seen, bad, done = {}, [], threading.Event()
 
     def watch():  # every file under a final name must hold its whole content whenever it is visible
-        from fdlora.hub.localcache import git_blob_sha1
+        from fdlora.fixtures.localcache import git_blob_sha1
         while not done.is_set():
             for root in (hf_cache, local):
                 for p in Path(root).rglob("*"):
@@ -124,7 +124,7 @@ CHILD = textwrap.dedent("""
 
     threading.Thread(target=watch, daemon=True).start()
     import fdlora
-    from fdlora.hub.localcache import populate
+    from fdlora.fixtures.localcache import populate
     data = Path(src).read_bytes()
     while not os.path.exists(go):
         time.sleep(0.002)

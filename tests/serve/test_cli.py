@@ -59,8 +59,8 @@ def test_fdlora_serve_starts_a_local_cluster_and_stops_on_ctrl_c(pytestconfig, t
     pytest.importorskip("ray.serve")
     from support import serving
 
-    from fdlora.hub.localcache import populate
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
+    from fdlora.fixtures.localcache import populate
 
     populate(pytestconfig.fakehub.root, "serve-cli/lora", tiny.random_lora_files(tiny.sd15(), seed=7))
     port = serving.free_port()

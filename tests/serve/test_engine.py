@@ -7,8 +7,8 @@ import pytest
 from support import serving
 
 from fdlora.config import validate
-from fdlora.hub.localcache import populate
-from fdlora.pipelines.diffusers import tiny
+from fdlora.fixtures import tiny_pipeline as tiny
+from fdlora.fixtures.localcache import populate
 from fdlora.serve import ImageRequest, RequestError
 from fdlora.serve.engine import Engine
 

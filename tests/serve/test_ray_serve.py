@@ -177,7 +177,7 @@ def test_a_transformers_model_served_beside_it(live, pytestconfig):
     import torch
 
     from fdlora.config import build, validate
-    from fdlora.pipelines.transformers import load_fd_lora
+    from fdlora.integrations.transformers import load_fd_lora
     from fdlora.serve import deploy
 
     repos = serving.publish_text_adapters(pytestconfig.fakehub.root)

@@ -42,7 +42,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from fdlora.hub.localcache import LFS_EXT, git_blob_sha1
+from fdlora.fixtures.localcache import LFS_EXT, git_blob_sha1
 
 API = re.compile(r"/api/(models|datasets)/([^/]+/[^/]+)"
                  r"(?:/(revision|tree|paths-info|refs|preupload|commit)(?:/([^/]+)(/.*)?)?)?")

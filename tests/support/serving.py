@@ -45,8 +45,8 @@ def free_port() -> int:
 
 def _publish(root: str) -> dict[str, str]:
     """8 diffusers-format LoRAs for the tiny SD1.5 pipeline on the loopback Hub."""
-    from fdlora.hub.localcache import populate
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
+    from fdlora.fixtures.localcache import populate
 
     pipe = tiny.sd15()
     repos = {}
@@ -65,7 +65,7 @@ def peft_files(model, seed: int) -> dict[str, bytes]:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from fdlora.hub.localcache import files_from_dir
+    from fdlora.fixtures.localcache import files_from_dir
 
     torch.manual_seed(seed)
     pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
@@ -81,7 +81,7 @@ def peft_files(model, seed: int) -> dict[str, bytes]:
 def publish_text_adapters(root, n: int = 3) -> dict[str, str]:
     """n PEFT adapters for the tiny Llama (fdlora.config's tiny-llama) on the loopback Hub."""
     from fdlora.config import _tiny_llama
-    from fdlora.hub.localcache import populate
+    from fdlora.fixtures.localcache import populate
 
     base = _tiny_llama()
     repos = {}

@@ -35,7 +35,7 @@ def sdxl_unet(seed: int = 0):
 
 
 def clip_te(with_proj: bool = False, hidden: int = 32, seed: int = 0):
-    from fdlora.pipelines.diffusers.tiny import clip_te as build
+    from fdlora.fixtures.tiny_pipeline import clip_te as build
 
     return build(with_proj, hidden, seed)
 

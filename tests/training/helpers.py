@@ -8,7 +8,7 @@ import torch
 from peft import get_peft_model
 
 import fdlora
-from fdlora.training import tiny
+from fdlora.fixtures import tiny_tasks as tiny
 
 PREFIX = "base_model.model."
 

@@ -138,7 +138,7 @@ class _Base(torch.nn.Module):
 
 
 class _Run:
-    """How train_linear_over runs _Base inside the op (fdlora.layers.frozen_4bit's protocol); `rebuilt` records the
+    """How train_linear_over runs _Base inside the op (fdlora.layers.trainable.frozen_4bit's protocol); `rebuilt` records the
     dtypes W is rebuilt in."""
 
     def __init__(self, base):

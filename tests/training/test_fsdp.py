@@ -18,7 +18,8 @@ import torch
 import yaml
 
 import fdlora
-from fdlora.training import schema, tiny, trainer
+from fdlora.fixtures import tiny_tasks as tiny
+from fdlora.training import schema, trainer
 
 from .helpers import rel
 

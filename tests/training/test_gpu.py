@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import fdlora
-from fdlora.training import tiny
+from fdlora.fixtures import tiny_tasks as tiny
 
 from .helpers import pair, peft_lora_modules, rel
 

@@ -1,4 +1,4 @@
-"""fdlora.layers.half_casts: the half-precision copies of A and B made once per forward pass for the whole model give
+"""fdlora.layers.trainable.half_casts: the half-precision copies of A and B made once per forward pass for the whole model give
 the same steps, bit for bit, as each layer making its own, and are never served stale (a change through `.data`,
 gradient checkpointing's recompute outside the pass, a deep copy, replaced parameters). On CPU, the eager
 half-precision pair that CUDA runs is switched on (its BLAS products are the CPU's)."""
@@ -13,9 +13,9 @@ from peft import LoraConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fdlora
+from fdlora.fixtures import tiny_tasks as tiny
+from fdlora.integrations.transformers.trainable.adapters import state_of
 from fdlora.kernels import train_ops
-from fdlora.training import tiny
-from fdlora.training.adapters import state_of
 
 HALF = (torch.float16, torch.bfloat16)
 

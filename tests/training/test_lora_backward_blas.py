@@ -1,4 +1,4 @@
-"""The cuBLAS LoRA backward (fdlora.kernels.reference.lora_train.lora_train_linear_backward_blas: what CUDA runs for
+"""The cuBLAS LoRA backward (fdlora.kernels.ops.lora_train.lora_train_linear_backward_blas: what CUDA runs for
 half-precision activations) against the float64 oracle, on the half-precision cases of the Triton kernel's table, on
 CPU and (marked gpu) through the registered op on CUDA."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fdlora.kernels.reference import lora_train as ref
+from fdlora.kernels.ops import lora_train as ref
 
 from .test_lora_backward_kernel import CASES, _check
 

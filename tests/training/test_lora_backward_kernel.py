@@ -1,4 +1,4 @@
-"""The Triton LoRA backward (fdlora.kernels.triton.lora_backward) against the float64 torch oracle.
+"""The Triton LoRA backward (fdlora.kernels.triton.train.lora_backward) against the float64 torch oracle.
 
 On CPU the kernels run under TRITON_INTERPRET=1 in a child process (the variable must be set before triton
 imports and must not leak into the rest of the suite); on a GPU the same cases run directly (marked gpu).
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fdlora import env
-from fdlora.kernels.reference import lora_train as ref
+from fdlora.kernels.ops import lora_train as ref
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.triton
@@ -54,7 +54,7 @@ def _check(case, device, fn=None):
     """`fn` (default: the Triton kernels) on the case's inputs against the float64 oracle."""
     _, M, K, N, r, dtype, with_W, strided, h_dtype = case
     if fn is None:
-        from fdlora.kernels.triton.lora_backward import lora_backward as fn
+        from fdlora.kernels.triton.train.lora_backward import lora_backward as fn
 
     args = _inputs(M, K, N, r, dtype, with_W, strided, h_dtype, device)
     got = fn(*args)
@@ -114,7 +114,7 @@ def test_kernels_under_the_interpreter():
     assert passed and int(passed.group(1)) >= len(CASES), out[-3000:]
 
 
-# The pieces of fdlora.kernels.triton.lora_backward_parts, each kernel alone against float64 products: ragged M and
+# The pieces of fdlora.kernels.triton.train.lora_backward_parts, each kernel alone against float64 products: ragged M and
 # K / N, ranks 1..32, launch shapes with a row loop (f1), a ragged last row group (f2) or no loop (f0), both dot
 # orientations (-t), g plain or as fp32 partials, grad_u written or added to in place. Inputs are bf16 values held
 # in fp32 (the interpreter mis-computes bf16), so fp32's IEEE dots give 1e-5.
@@ -145,7 +145,7 @@ def _close(name, got, want, tol=1e-5):
 @pytest.mark.skipif(not (HAS_TRITON and env.triton_interpret()), reason="runs under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("case,tile", PART_PARAMS)
 def test_parts_interpreted(case, tile):
-    from fdlora.kernels.triton import lora_backward_parts as P
+    from fdlora.kernels.triton.train import lora_backward_parts as P
 
     _, M, K, N, r = case
     t = P.Tile.parse(tile)
@@ -173,7 +173,7 @@ def test_parts_interpreted(case, tile):
 def test_x_pass_interpreted(case, tile):
     """grad_A and grad_u from one pass over u: every element of grad_u written (NaN-poisoned empty), grad_A summed
     over ragged row groups; then the fused backward against the oracle, with and without the base W."""
-    from fdlora.kernels.triton import lora_backward_parts as P
+    from fdlora.kernels.triton.train import lora_backward_parts as P
     from fdlora.testing import poisoned_empty
 
     _, M, K, N, r = case
@@ -221,7 +221,7 @@ def test_fused_backward_cuda_bf16(K, N):
 @pytest.mark.parametrize("case", PART_CASES, ids=[c[0] for c in PART_CASES])
 def test_parts_cuda_bf16(case, tile):
     """The same pieces compiled, in bf16 (g rounded to bf16 once, as the half path's GEMM writes it)."""
-    from fdlora.kernels.triton import lora_backward_parts as P
+    from fdlora.kernels.triton.train import lora_backward_parts as P
 
     _, M, K, N, r = case
     t = P.Tile.parse(tile)
@@ -240,7 +240,7 @@ def test_parts_cuda_bf16(case, tile):
 
 def test_tile_names_round_trip():
     pytest.importorskip("triton")
-    from fdlora.kernels.triton.lora_backward_parts import Tile
+    from fdlora.kernels.triton.train.lora_backward_parts import Tile
 
     for name in PART_TILES + ["128x128-w4-s3-f2", "64x256-w8-s4-f0-t"]:
         assert Tile.parse(name).name == name
@@ -274,7 +274,7 @@ def test_half_backward_plans(case, plan):
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(2)) / K ** 0.5 if with_W else None
     scale = torch.tensor(0.75)
     h = x @ A.t()
-    from fdlora.kernels.triton.lora_backward_parts import half_backward_plan
+    from fdlora.kernels.triton.train.lora_backward_parts import half_backward_plan
 
     fn = half_backward_plan(plan)
     got = fn(gy, x, h, W, A, B * scale, scale)
@@ -288,7 +288,7 @@ def test_half_backward_plans(case, plan):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_half_backward_plan_checks():
-    from fdlora.kernels.triton.lora_backward_parts import half_backward_plan
+    from fdlora.kernels.triton.train.lora_backward_parts import half_backward_plan
 
     with pytest.raises(ValueError, match="neither"):
         half_backward_plan({"gA": "nope"})

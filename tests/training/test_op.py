@@ -12,7 +12,8 @@ from peft import LoraConfig
 
 import fdlora
 import fdlora.kernels.train_ops  # noqa: F401
-from fdlora.training import per_sample, set_active, tiny
+from fdlora.fixtures import tiny_tasks as tiny
+from fdlora.training import per_sample, set_active
 
 from .helpers import rel
 

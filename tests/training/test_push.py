@@ -13,7 +13,7 @@ import yaml
 
 import fdlora
 from fdlora.apps import cli
-from fdlora.training import tiny
+from fdlora.fixtures import tiny_tasks as tiny
 
 CFG = {"model": {"name": "tiny-vit"},
        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["classifier"]},

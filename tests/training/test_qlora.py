@@ -9,7 +9,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import fdlora
-from fdlora.training import schema, tiny, trainer
+from fdlora.fixtures import tiny_tasks as tiny
+from fdlora.training import schema, trainer
 from fdlora.training.quant import QuantSpec, hf_quantization_config, quantize_manual, quantized_modules
 
 from .helpers import count_nodes, peft_lora_modules, rel
@@ -91,10 +92,10 @@ FROZEN_CASES = [("nf4-dq-bf16", "nf4", True, torch.bfloat16, torch.bfloat16),
 
 @pytest.mark.parametrize("case", FROZEN_CASES, ids=[c[0] for c in FROZEN_CASES])
 def test_frozen_4bit_equals_the_module(case):
-    """fdlora.layers.frozen_4bit runs a frozen Linear4bit without its Python layers: the module's own output, bit for
+    """fdlora.layers.trainable.frozen_4bit runs a frozen Linear4bit without its Python layers: the module's own output, bit for
     bit, and W as its MatMul4Bit backward rebuilds it (dequantized, then cast to gy's dtype), bit for bit; with a
     forward hook on the module it runs the module itself."""
-    from fdlora.layers.frozen_4bit import frozen_4bit
+    from fdlora.layers.trainable.frozen_4bit import frozen_4bit
 
     _, qtype, dq, compute, dtype = case
 
@@ -126,7 +127,7 @@ def test_frozen_4bit_equals_the_module(case):
 def test_frozen_4bit_keeps_its_block_scales_while_the_quant_state_holds():
     """The double-quantized block scales are dequantized once and kept (the base is frozen), and made again once the
     quant state's scales change in place: the output then follows the module's own."""
-    from fdlora.layers.frozen_4bit import frozen_4bit
+    from fdlora.layers.trainable.frozen_4bit import frozen_4bit
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 96)

@@ -14,7 +14,8 @@ import yaml
 
 import fdlora
 from fdlora.apps import cli
-from fdlora.training import schema, tiny, trainer
+from fdlora.fixtures import tiny_tasks as tiny
+from fdlora.training import schema, trainer
 
 GOOD = {
     "model": {"name": "tiny-vit", "task": "image-classification"},

@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig
 
 import fdlora
-from fdlora.training import tiny
+from fdlora.fixtures import tiny_tasks as tiny
 
 from .helpers import pair, peft_lora_modules, rel
 
@@ -172,7 +172,7 @@ def test_bf16_autocast_computes_in_bf16_like_peft(model_name, monkeypatch):
     output of an autocast norm layer used to reach the backward as fp32 (fp32 GEMMs on CUDA). Every layer's output
     has PEFT's dtype, its backward gets bf16 activations, and the gradients are no further from the fp32 step's
     than PEFT's bf16-autocast ones."""
-    from fdlora.kernels.reference import lora_train
+    from fdlora.kernels.ops import lora_train
 
     seen = set()
 

@@ -35,7 +35,7 @@ FORMATS: tuple[Format, ...] = (
 def detect(raw: Raw, family=None) -> tuple[Format, str, list[str]]:
     """(the format, why, names of the other formats that also matched).
 
-    `family` (a pipeline's LoRA family, fdlora.pipelines.diffusers.family) is asked first, and it
+    `family` (a pipeline's LoRA family, fdlora.integrations.diffusers.family) is asked first, and it
     says which table formats apply to it (Flux / SD detectors only for those families)."""
     table = FORMATS if family is None else (family.format, *(f for f in FORMATS if family.allows(f.name)))
     hits = [(f, why) for f in table if (why := f.detect(raw))]

@@ -38,7 +38,7 @@ def peft_key(key: str) -> tuple[str, str] | None:
 AlphaRule = Callable[[str, int], float]  # (module path, rank) -> alpha
 
 # LoraConfig fields that change what a loaded adapter computes and that fd-lora does not implement
-UNSUPPORTED_FIELDS = {  # (use_dora is served: fdlora.layers.dora)
+UNSUPPORTED_FIELDS = {  # (use_dora is served: fdlora.layers.modules.dora)
     "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
     "alora_invocation_tokens": "aLoRA (activated LoRA)", "arrow_config": "Arrow routing",
     "kasa_config": "KaSA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",

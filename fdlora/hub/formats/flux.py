@@ -19,7 +19,7 @@ land on the bare block name there, and one would silently overwrite the other); 
 DoRA (LyCORIS ``dora_wd`` through sd-scripts: ``<module>.dora_scale`` [N, 1] next to lora_down / lora_up / alpha):
 diffusers' FluxLoraLoaderMixin drops the magnitudes with a warning and loads the plain LoRA, which is not the
 adapter that was trained. fd-lora keeps them (`_magnitudes`): the output is PEFT's DoRA on W + ΔW plus LyCORIS's
-eps in the norm (fdlora.layers.dora), split row-exactly onto to_q / to_k / to_v where the file fuses them. The
+eps in the norm (fdlora.layers.modules.dora), split row-exactly onto to_q / to_k / to_v where the file fuses them. The
 per-input-channel DoRA of old LyCORIS versions (dora_scale [1, K]) cannot be split and is refused.
 """
 

@@ -6,7 +6,7 @@ checked against the tensors, lora_alpha / alpha_pattern give each module's alpha
 layers_to_transform decide (with PEFT's `check_target_module_exists`) which keys PEFT itself would
 load, and lora_bias admits lora_B biases. fan_in_fan_out only changes how PEFT *merges* a
 transformers Conv1D weight; the unmerged math (A [r, in], B [out, r]) is the same, so it is
-recorded, not converted. use_dora adapters carry their ``lora_magnitude_vector`` (fdlora.layers.dora);
+recorded, not converted. use_dora adapters carry their ``lora_magnitude_vector`` (fdlora.layers.modules.dora);
 the other LoRA variants raise UnsupportedFeatureError. LoHa and LoKr adapters (peft_type LOHA / LOKR)
 load as exact factors through fdlora.hub.formats.lycoris with PEFT's scale alpha / r.
 

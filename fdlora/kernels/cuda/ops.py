@@ -1,4 +1,4 @@
-"""The CUDA C++ backend's ops: same functions and signatures as fdlora.kernels.reference, each one call into the
+"""The CUDA C++ backend's ops: same functions and signatures as fdlora.kernels.ops, each one call into the
 compiled library (csrc/ops.cpp) through the dispatcher, which does its host work in C++ (shape checks, the path
 choice, cuBLAS and kernel launches). Fake kernels make torch.compile(fullgraph=True) trace them; nothing in a call
 depends on which adapters are active (that is read from device tensors), so CUDA graphs capture them.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..eager import direct, ones
+from ..ops import OPS
 from . import build
 
 _C = build.load()
@@ -67,7 +68,7 @@ def lora_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: 
 def prepare_delta_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,
                        row_slot: torch.Tensor, ranks: torch.Tensor):
     """lora_delta_rows now, and for plain eager calls the call kept with the bank bound: `ready(y, x, scale,
-    row_slot)` runs it on new tensors (True), as fdlora.layers.decode replays one launch per layer."""
+    row_slot)` runs it on new tensors (True), as fdlora.layers.fastpath.decode replays one launch per layer."""
     lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     if not direct(y, x, A, B, scale, row_slot, ranks):
         return None
@@ -85,7 +86,7 @@ def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, 
     """lora_linear (blend) with every argument but x bound in C++ for x's row count, for eager layers to keep and call:
     `run(x)` (the path and a cuBLASLt plan of its GEMM chosen once; `run.merged`, `run.planned` say which). None for
     calls that must go through the dispatcher (traced, autograd). The layer remakes it when an address, the stream or
-    the row count changes (fdlora.layers.fused.FusedLoraLinear._kept_linear)."""
+    the row count changes (fdlora.layers.modules.fused.FusedLoraLinear._kept_linear)."""
     if not (direct(x, W, A, B, scale, ranks) and (bias is None or direct(bias))):
         return None
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -95,8 +96,8 @@ def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, 
 def prepare_linear_rows(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor,
                         B: torch.Tensor, scale: torch.Tensor, row_slot: torch.Tensor, ranks: torch.Tensor):
     """The base GEMM and lora_delta_rows with every argument but x bound in C++: `run(x)` -> y ([..., N] for x
-    [..., K] holding row_slot's rows), for eager decode layers to keep (fdlora.layers.decode) and replay on their hot
-    path (fdlora.layers.hot). None where a call must go through the dispatcher (traced, autograd) or W is not a plain
+    [..., K] holding row_slot's rows), for eager decode layers to keep (fdlora.layers.fastpath.decode) and replay on their hot
+    path (fdlora.layers.fastpath.hot). None where a call must go through the dispatcher (traced, autograd) or W is not a plain
     row-major weight in the bank's dtype."""
     if (not (direct(x, W, A, B, scale, row_slot, ranks) and (bias is None or direct(bias)))
             or W.dtype != A.dtype or W.dim() != 2 or W.stride(1) != 1 or row_slot.dtype != torch.int32):
@@ -120,7 +121,7 @@ def lora_merge(out: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Ten
                ranks: torch.Tensor, stamp: torch.Tensor | None = None,
                version: torch.Tensor | None = None) -> torch.Tensor:
     """out = W + sum_s scale[s] B_s A_s (fp32 sum, one rounding); with a stamp, skipped on the device when nothing
-    changed since the last stamped merge (fdlora.kernels.reference.lora_merge.new_stamp has the layout)."""
+    changed since the last stamped merge (fdlora.kernels.ops.lora_merge.new_stamp has the layout)."""
     _merge(out, W, A, B, scale, ranks, stamp, version)
     return out
 
@@ -153,17 +154,9 @@ def lora_bias_add(y: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor, grou
     _bias(y, bias, scale, group_weight, row_slot)
 
 
-# --- fake kernels: shapes only, for torch.compile and FakeTensor tracing -----------------------------------------
-@torch.library.register_fake("fdlora_cuda::lora_shrink")
-def _(x, A):
-    return x.new_empty((x.shape[0], A.shape[0] * A.shape[1]), dtype=torch.float32)
-
-
-@torch.library.register_fake("fdlora_cuda::lora_linear")
-def _(x, W, bias, A, B, scale, group_weight, ranks):
-    return x.new_empty((x.shape[0], W.shape[0]))
-
-
+# fake kernels (shapes only, for torch.compile and FakeTensor tracing): the contract's, for the ops that return a tensor
+for _name in ("lora_shrink", "lora_linear"):
+    torch.library.register_fake(f"fdlora_cuda::{_name}")(OPS[_name].fake)
 for _name in ("lora_expand_add", "lora_delta", "lora_delta_rows", "lora_merge", "lora_merge_many", "lora_conv_delta",
               "lora_bias_add"):
     torch.library.register_fake(f"fdlora_cuda::{_name}")(lambda *args, **kwargs: None)

@@ -1,5 +1,5 @@
 // fd-lora's eager training layer in C++: the forward and backward of fdlora.kernels.train_ops._Linear's
-// half-precision pair with casts made ahead (fdlora.kernels.reference.lora_train.lora_train_linear_half_cast and
+// half-precision pair with casts made ahead (fdlora.kernels.ops.lora_train.lora_train_linear_half_cast and
 // lora_train_linear_backward_half with the scale folded into the saved hs), for a plain frozen base W, as one
 // torch::autograd::Function. The same ATen calls in the same order as the Python pair, so the same results bit for
 // bit; what goes is the Python around them (the Function's forward and backward, each op's argument parsing), which

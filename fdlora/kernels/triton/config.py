@@ -8,10 +8,12 @@ autotune (it has no driver to time on), so it gets one small config; it also mis
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
 from torch._library.triton import is_wrap_triton_enabled, wrap_triton
+from torch.library import triton_op
 
 from ... import env
 from ...errors import FdLoraError
@@ -132,7 +134,7 @@ def launch(table: dict, M: int, grid, key: tuple, *args, keep: tuple[int, ...] |
     as fine as Triton's own) the compiled kernel is launched directly. Both shortcuts skip per-call work
     (the autotuner's key building, the binder, the cache lookup) that costs more host time than a
     decode-sized kernel runs (benchmarks/probes/profile_layer.py). A kept launch skips the rest: its caller replays
-    it instead of calling here (fdlora.layers.decode). An explicit `config` runs that config, untuned (sweeps).
+    it instead of calling here (fdlora.layers.fastpath.decode). An explicit `config` runs that config, untuned (sweeps).
     """
     tuner = pick(table, M)
     if config is not None:
@@ -395,3 +397,12 @@ def check_operands(op: str, y: torch.Tensor | None, x: torch.Tensor | None, A: t
     devices = {t.device for t in (*mats.values(), *small.values())}
     if len(devices) > 1:
         fail(f"tensors on several devices {sorted(map(str, devices))}; move them to one.")
+
+
+def register(spec, fn):
+    """`fn` registered as the op `spec` names (torch.library triton_op: torch.compile traces into its kernels), after
+    checking that it takes the contract's parameters (fdlora.kernels.ops)."""
+    params = tuple(inspect.signature(fn).parameters)
+    if params != spec.params:
+        raise TypeError(f"Triton {spec.name}{params} does not take the contract's parameters {spec.params}")
+    return triton_op(spec.qualname, fn, mutates_args=set(spec.mutates))

@@ -1,18 +1,20 @@
-"""The Triton backend's ops: same functions and signatures as fdlora.kernels.reference (linear ops).
+"""The Triton backend's ops: the contract's linear ops (fdlora.kernels.ops), plus the launches kept ready for the
+fast paths (prepare_*), the split shrink and the many-layer merge.
 
-Each op is registered with torch.library (`triton_op` + `wrap_triton`, namespace "fdlora"), so
+Each op is registered with torch.library from its spec (`triton_op` + `wrap_triton`, namespace "fdlora"), so
 torch.compile(fullgraph=True) traces into the kernels and CUDA graphs capture them. Nothing about
 a launch depends on which adapters are active: slot activity, ranks and weights are read from
 device tensors inside the kernels.
 
 Which kernel runs:
-- lora_delta: fused (one launch, lora_delta.py) or split (lora_shrink + lora_expand_add) by the
-  static rule in dispatch.py: split up to 256 rows (decode, small batches), where the fused
+- lora_delta: fused (one launch, forward/lora_delta.py) or split (lora_shrink + lora_expand_add) by the
+  static rule in forward/delta_dispatch.py: split up to 256 rows (decode, small batches), where the fused
   kernel's per-program re-reads of A dominate; fused above (diffusion sizes).
-- lora_delta_rows: always one launch (lora_delta_rows.py); `prepare_delta_rows` also returns that launch
-  kept ready, which eager decode layers replay (fdlora.layers.decode).
+- lora_delta_rows: always one launch (forward/lora_delta_rows.py); `prepare_delta_rows` also returns that launch
+  kept ready, which eager decode layers replay (fdlora.layers.fastpath.decode).
 - lora_shrink / lora_expand_add: the two halves, also usable on their own; lora_shrink_split (eager only) keeps
-  the shrink's K-split partial sums for lora_expand_add to add (fdlora.layers.shared's one shrink per input).
+  the shrink's K-split partial sums for lora_expand_add to add (the one shrink per input of
+  fdlora.layers.modules.shared_shrink).
   With a row_slot it computes each row for its own slot only (per-row mode's shared shrink), and lora_expand_add
   takes a member's strided [P, M, S, R] columns of that slot-major h.
 Conv LoRA stays on the torch backend (the registry says so: kinds={"linear"}).
@@ -32,30 +34,47 @@ import torch
 import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
+from fdlora.kernels.triton.forward import lora_delta as _delta  # registers fdlora::lora_delta
+from fdlora.kernels.triton.forward import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
+from fdlora.kernels.triton.forward import lora_expand_add as _expand  # registers fdlora::lora_expand_add
+from fdlora.kernels.triton.forward import lora_linear as _linear  # registers fdlora::lora_linear
+from fdlora.kernels.triton.forward import lora_linear_dispatch as D
+from fdlora.kernels.triton.forward import lora_shrink as _shrink  # registers fdlora::lora_shrink
+from fdlora.kernels.triton.merge import lora_merge as _merge
+from fdlora.kernels.triton.merge import lora_merge_many as _many
+
+from fdlora.kernels.ops import OPS
+
 from ..eager import direct
 from ..eager import ones as _ones
 from . import config as C
-from . import lora_delta as _delta  # registers fdlora::lora_delta
-from . import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
-from . import lora_expand_add as _expand  # registers fdlora::lora_expand_add
-from . import lora_linear as _linear  # registers fdlora::lora_linear
-from . import lora_linear_dispatch as D
-from . import lora_merge as _merge
-from . import lora_merge_many as _many
-from . import lora_shrink as _shrink  # registers fdlora::lora_shrink
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
            "lora_shrink", "lora_shrink_split", "merge_table", "prepare_linear", "prepare_merge", "prepare_merge_many"]
 
 
-def lora_shrink(
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-) -> torch.Tensor:  # [M, S*R] fp32
-    if direct(x, A):
-        with set_wrap_triton_enabled(False):
-            return _shrink.lora_shrink(x, A)
-    return torch.ops.fdlora.lora_shrink(x, A)
+def _bound(name: str, launch: Callable) -> Callable:
+    """The op `name` of the contract: a plain eager call launches its kernel directly, anything else (compile,
+    tracing modes, autograd) goes through torch.ops.fdlora.<name>."""
+    op = getattr(torch.ops.fdlora, name)
+
+    @functools.wraps(OPS[name].reference)
+    def call(*args):
+        if direct(*(a for a in args if a is not None)):
+            with set_wrap_triton_enabled(False):
+                return launch(*args)
+        return op(*args)
+
+    return call
+
+
+lora_shrink = _bound("lora_shrink", _shrink.lora_shrink)
+lora_expand_add = _bound("lora_expand_add", _expand.lora_expand_add)
+lora_delta = _bound("lora_delta", _delta.lora_delta)
+lora_delta_rows = _bound("lora_delta_rows", _rows.lora_delta_rows)
+lora_linear = _bound("lora_linear", _linear.lora_linear)
+
+NOT_IMPLEMENTED = {"lora_conv_delta": "conv LoRA runs on the torch backend (the registry routes conv layers there)"}
 
 
 def lora_shrink_split(
@@ -65,51 +84,6 @@ def lora_shrink_split(
 ) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums over K (by row: only row m's slot's columns written)
     with set_wrap_triton_enabled(False):
         return _shrink.lora_shrink_split(x, A, row_slot)
-
-
-def lora_expand_add(
-    y: torch.Tensor,  # [M, N], updated in place
-    h: torch.Tensor,  # [M, S*R] fp32 (or [P, M, S*R] partial sums, eager; or [M, S, R] / [P, M, S, R], any strides)
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32
-) -> None:
-    if direct(y, h, B, scale, group_weight):
-        with set_wrap_triton_enabled(False):
-            return _expand.lora_expand_add(y, h, B, scale, group_weight)
-    torch.ops.fdlora.lora_expand_add(y, h, B, scale, group_weight)
-
-
-def lora_delta(
-    y: torch.Tensor,  # [M, N], updated in place
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32, G divides M
-    ranks: torch.Tensor,  # [S] int32
-) -> None:
-    """Blend / per-sample-segment mode: y += ((x A^T) * w) B^T over all slots as one rank-S*R adapter."""
-    if direct(y, x, A, B, scale, group_weight, ranks):
-        with set_wrap_triton_enabled(False):
-            return _delta.lora_delta(y, x, A, B, scale, group_weight, ranks)
-    torch.ops.fdlora.lora_delta(y, x, A, B, scale, group_weight, ranks)
-
-
-def lora_delta_rows(
-    y: torch.Tensor,  # [M, N], updated in place
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    row_slot: torch.Tensor,  # [M] int32, -1 = none
-    ranks: torch.Tensor,  # [S] int32
-) -> None:
-    """Per-row mode (SGMV): row m gets slot row_slot[m] at scale[row_slot[m]], or nothing for -1."""
-    if direct(y, x, A, B, scale, row_slot, ranks):
-        with set_wrap_triton_enabled(False):
-            return _rows.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
-    torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
 
 
 def prepare_delta_rows(
@@ -124,29 +98,12 @@ def prepare_delta_rows(
     """lora_delta_rows now, and for plain eager calls the same launch kept ready, else None: `ready(y, x, scale,
     row_slot)` replays it on new tensors of the same shapes, strides and dtypes (False, launching nothing, if
     their alignment changed). An eager decode step replays one launch per layer without re-deriving it
-    (fdlora.kernels.triton.config.Prepared, fdlora.layers.decode)."""
+    (fdlora.kernels.triton.config.Prepared, fdlora.layers.fastpath.decode)."""
     if direct(y, x, A, B, scale, row_slot, ranks):
         with set_wrap_triton_enabled(False):
             return _rows.launch_rows(y, x, A, B, scale, row_slot, ranks, keep=True)
     torch.ops.fdlora.lora_delta_rows(y, x, A, B, scale, row_slot, ranks)
     return None
-
-
-def lora_linear(
-    x: torch.Tensor,  # [M, K]
-    W: torch.Tensor,  # [N, K] the base nn.Linear weight, untouched
-    bias: torch.Tensor | None,  # [N]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32
-    ranks: torch.Tensor,  # [S] int32
-) -> torch.Tensor:  # [M, N]
-    """Base GEMM + LoRA as one op; the path (fused, merged + cuBLAS, cuBLAS + delta) is chosen per shape."""
-    if direct(x, W, A, B, scale, group_weight, ranks) and (bias is None or direct(bias)):
-        with set_wrap_triton_enabled(False):
-            return _linear.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
-    return torch.ops.fdlora.lora_linear(x, W, bias, A, B, scale, group_weight, ranks)
 
 
 def lora_merge(
@@ -159,7 +116,7 @@ def lora_merge(
     stamp: torch.Tensor | None = None,  # [S + 2] int32: merge only if scale / version differ from it, then stamp
     version: torch.Tensor | None = None,  # [1] int32, with stamp: the bank's device-side version
 ) -> torch.Tensor:
-    """W' = W + sum_s scale[s] B_s A_s into `out`: the merged-weight cache's refresh (fdlora.layers.merged), called
+    """W' = W + sum_s scale[s] B_s A_s into `out`: the merged-weight cache's refresh (fdlora.layers.fastpath.merged), called
     eagerly or from inside the opaque fdlora::merged_linear op, so it needs no torch.library registration of its
     own. With a stamp it checks on the device whether anything changed since the last merge and skips if not."""
     ones = _ones(A.shape[0], A.device)
@@ -195,13 +152,13 @@ def merge_table() -> _many.MergeTable:
 def lora_merge_many(entries: list[tuple[torch.Tensor, ...]], table: _many.MergeTable) -> None:
     """lora_merge for many layers in one launch: entries (W' [N, K], W [N, K], A [S, R, K], B [N, S, R], scale [S]
     fp32, ranks [S]) of one device, dtype and bank shape; the eager merged-weight cache's refresh
-    (fdlora.layers.remerge)."""
+    (fdlora.layers.fastpath.remerge)."""
     table.launch([e[:5] for e in entries])
 
 
 def prepare_merge_many(entries: list[tuple[torch.Tensor, ...]], table: _many.MergeTable) -> Callable[[], None]:
     """lora_merge_many kept for relaunches while no bank, copy or scale row is replaced or resized (the slider
-    replay of fdlora.layers.remerge): each relaunch checks only the weights' addresses."""
+    replay of fdlora.layers.fastpath.remerge): each relaunch checks only the weights' addresses."""
     kept = [e[:5] for e in entries]
     return functools.partial(table.launch, kept, kept=True)
 

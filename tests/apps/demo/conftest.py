@@ -13,7 +13,7 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 @pytest.fixture(scope="session")
 def allowed_lora(tmp_path_factory):
     """A LoRA file the operator allows with --allow (the demo's `allow`)."""
-    from fdlora.pipelines.diffusers import tiny
+    from fdlora.fixtures import tiny_pipeline as tiny
 
     root = tmp_path_factory.mktemp("allowed")
     for name, data in tiny.random_lora_files(tiny.sd15(), seed=7).items():

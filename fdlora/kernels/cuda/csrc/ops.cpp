@@ -1,5 +1,5 @@
 // fd-lora CUDA backend: the ops (TORCH_LIBRARY namespace fdlora_cuda), same set and semantics as the Triton
-// backend (fdlora/kernels/triton/ops.py) and the torch reference (fdlora/kernels/reference/lora.py).
+// backend (fdlora/kernels/triton/ops.py) and the torch reference (fdlora/kernels/ops/lora.py).
 //
 // Bank layout: A [S, R, K] contiguous, B [N, S, R] (S*R contiguous, any row stride), scale [S] fp32,
 // group_weight [G, S] fp32 (G divides M), row_slot [M] int32 (-1 = none), ranks [S] int32 (live rank; the kernels

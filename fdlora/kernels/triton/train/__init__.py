@@ -1,0 +1,1 @@
+"""Triton kernels of the trainable layers' backward."""
