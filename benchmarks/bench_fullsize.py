@@ -34,6 +34,7 @@ import os
 import signal
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 import warnings
@@ -99,6 +100,7 @@ class Run:
         self.rounds = a.rounds or (2 if a.smoke else 10)
         self.selected = set(a.cases.split(",")) if a.cases else None
         self.layers = 0  # fused LoRA layers of the converted model
+        self.converted = None  # the converted model: each row records the path its layers took (dispatch_counts)
         self.rows: list[dict] = []
         from fdlora.kernels import registry  # the backend auto (or FDLORA_BACKEND) gives the models' linear layers
 
@@ -167,6 +169,7 @@ class Run:
         if self.dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         got = verify()
+        self.dispatch = fdlora.dispatch_counts(self.converted) if self.converted is not None else {}
         rel, note = self.verdict(case, got) if isinstance(got, dict) else self.check(case, *got)
         if self.profile == case:
             profile(self, step, base)
@@ -185,7 +188,7 @@ class Run:
         self.rows.append({"model": self.model, "case": case, "ms": ms, "base_ms": base_ms, "x_base": x,
                           "target": TARGETS[self.model].get(case), "peak_gib": peak,
                           "cache_gib": fdlora.merge_cache_bytes() / 2**30, "checked": checked, "notes": notes,
-                          "backend": self.backend})
+                          "backend": self.backend, "dispatch": getattr(self, "dispatch", {})})
         print(f"  row {self.model} {case}: {ms} ms, base {base_ms} ms, x {x} (target {TARGETS[self.model].get(case)})",
               flush=True)
 
@@ -317,7 +320,7 @@ def denoiser(r: Run) -> None:
         model.set_adapters(NAMES, BLEND)
         r.reference("peft_cache_blend4", functools.partial(model, **x), functools.partial(base, **x))
 
-    fd = fdlora.from_peft(model)  # in place: PEFT's layers out, fused layers over the same nn.Linear objects in
+    fd = r.converted = fdlora.from_peft(model)  # in place: PEFT's layers out, fused layers over the same nn.Linear objects in
     r.layers = len(fdlora.handle(fd).layers)
     print(f"  {r.layers} fused LoRA layers", flush=True)
 
@@ -589,7 +592,7 @@ def llm(r: Run) -> None:
     oracle = (copy.deepcopy(peft).to(torch.float64 if r.dtype == torch.float32 else torch.float32)
               if r.wants("generate16_mixed4") else None)
 
-    fd = fdlora.from_peft(peft)
+    fd = r.converted = fdlora.from_peft(peft)
     r.layers = len(fdlora.handle(fd).layers)
     print(f"  {r.layers} fused LoRA layers", flush=True)
 
@@ -664,6 +667,39 @@ def table(rows: list[dict]) -> None:
               f"{f(c['peak_gib'], '8.1f')} {f(c['cache_gib'], '9.2f')}{'  over target' if over else ''}")
 
 
+def fresh(args: argparse.Namespace) -> int:
+    """Each case alone in a fresh process, `args.runs` times: state an earlier case leaves (caches, autotuning,
+    dispatch decisions, allocator pools) cannot decide a number. A case's row is its median run's, with every run's
+    x_base and their min and max; the exit code is 1 if any run failed its verification."""
+    cases = args.cases.split(",") if args.cases else [c for c in TARGETS[args.model] if c != "compile_time_x"]
+    rows, failed, env = [], False, {}
+    for case in cases:
+        runs = []
+        for i in range(args.runs):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "row.json"
+                cmd = [sys.executable, __file__, "--model", args.model, "--cases", case, "--one-process", "--out",
+                       str(out)] + (["--rounds", str(args.rounds)] if args.rounds else [])
+                print(f"== {args.model} {case}: fresh process {i + 1}/{args.runs}", flush=True)
+                failed |= subprocess.run(cmd).returncode != 0
+                if out.exists():
+                    data = json.loads(out.read_text())
+                    env = {k: v for k, v in data.items() if k != "cases"}
+                    runs += [c for c in data["cases"] if c["case"] == case]
+        xs = sorted(c["x_base"] for c in runs if c["x_base"] is not None)
+        if not runs:
+            continue
+        row = sorted(runs, key=lambda c: (c["x_base"] is None, c["x_base"] or 0))[len(runs) // 2] if xs else runs[0]
+        row.update(runs_x_base=[c["x_base"] for c in runs], x_base_min=xs[0] if xs else None,
+                   x_base_max=xs[-1] if xs else None, fresh_runs=len(runs))
+        rows.append(row)
+    if args.out:
+        write(args.out, {**env, "method": f"each case alone in a fresh process, {args.runs} runs, the median run's row"},
+              rows)
+    table(rows)
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(TARGETS), required=True)
@@ -672,10 +708,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, help="interleaved timing rounds (default 10; smoke 2)")
     ap.add_argument("--smoke", action="store_true", help="toy widths on CPU: every code path, meaningless timings")
     ap.add_argument("--profile", metavar="CASE", help="torch.profiler over 3 steps of CASE: host ops, host us/layer")
+    ap.add_argument("--one-process", action="store_true",
+                    help="run the cases one after another in this process (profiling); by default each case runs "
+                         "alone in a fresh process, --runs times, and its row is the median run's")
+    ap.add_argument("--runs", type=int, default=3, help="fresh-process runs per case (default 3)")
     ap.add_argument("--swap-check", action="store_true",
                     help="llama: run only generate16_mixed4's check, on a generation with each row's adapter moved to "
                          "the next row; exit 0 when the check fails as it must, 1 when it passes")
-    r = Run(ap.parse_args())
+    args = ap.parse_args()
+    if not (args.one_process or args.smoke or args.profile or args.swap_check):
+        return fresh(args)
+    r = Run(args)
     if r.swap_check and (r.model != "llama" or r.out_path):
         ap.error("--swap-check runs llama's generate16_mixed4 check only and writes no JSON: --model llama, no --out")
     if r.smoke:

@@ -125,3 +125,17 @@ def per_row(model: nn.Module, adapters: Sequence[str | None]) -> Iterator[None]:
     """Context: row m of each flattened [M, K] input uses adapters[m] (None = base); holds the model's lock."""
     with lock_of(model), handle(model).per_row(adapters):
         yield
+
+
+def dispatch_counts(model: nn.Module) -> dict[str, int]:
+    """How many fused layers of `model` (any module tree: a pipeline's UNet, a Transformers model) took each path on
+    their last full call, with their backend: what a benchmark records beside its timings. FDLORA_DEBUG_DISPATCH=1
+    logs each decision as it is made."""
+    from .layers.modules.fused import _FusedLora
+
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, _FusedLora):
+            path = m.dispatch_path()
+            counts[path] = counts.get(path, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -49,9 +49,29 @@ DISPATCH_VAR = "FDLORA_DISPATCH"
 
 
 def dispatch_measure() -> bool:
-    """`FDLORA_DISPATCH`: "model" (default: the cost model of fdlora.kernels.triton.forward.lora_linear_dispatch) or
-    "measure" (the first eager call of an ambiguous layer shape times the close candidates on the GPU)."""
-    return os.environ.get(DISPATCH_VAR, "model").strip().lower() == "measure"
+    """`FDLORA_DISPATCH`: "auto" (default: the cost model of fdlora.kernels.triton.forward.lora_linear_dispatch, kept
+    to the cuBLAS-based paths on a GPU it was not calibrated on), "model" (every path the model knows, on any GPU)
+    or "measure" (as "model", and the first eager call of an ambiguous layer shape times the close candidates)."""
+    return os.environ.get(DISPATCH_VAR, "auto").strip().lower() == "measure"
+
+
+def dispatch_mode() -> str:
+    """`FDLORA_DISPATCH` as set: auto | model | measure."""
+    return os.environ.get(DISPATCH_VAR, "auto").strip().lower() or "auto"
+
+
+def dispatch_all_paths() -> bool:
+    """FDLORA_DISPATCH=model or measure: every path the cost model knows, on calibrated and uncalibrated GPUs."""
+    return os.environ.get(DISPATCH_VAR, "auto").strip().lower() in ("model", "measure")
+
+
+DEBUG_DISPATCH_VAR = "FDLORA_DEBUG_DISPATCH"
+
+
+def debug_dispatch() -> bool:
+    """`FDLORA_DEBUG_DISPATCH=1`: log every dispatch decision (backend, per-shape plan, the path each layer takes)
+    on the "fdlora.dispatch" logger."""
+    return os.environ.get(DEBUG_DISPATCH_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 CUDA_CACHE_VAR = "FDLORA_CUDA_CACHE"

@@ -23,6 +23,7 @@ def _version(dist: str) -> str:
 def lines() -> list[str]:
     import torch
 
+    from .. import env
     from ..kernels import registry
     from ..kernels.cuda import build
 
@@ -39,10 +40,14 @@ def lines() -> list[str]:
     out.append(f"cuda ext    {build.status()} [cache {build.build_dir()}]")
     out.append(f"backend     {registry.preference()} (FDLORA_BACKEND / fdlora.set_backend)")
     for name, b in registry.backends().items():
-        reason = b.unavailable()
+        reason = b.auto() or b.unavailable()  # never builds the extension just to say whether it runs
         out.append(f"  {name:<9} {'available' if reason is None else reason}")
-    from .. import env
+    from ..kernels.costmodel import profile
 
+    gpu, calibrated = profile()
+    out.append(f"dispatch    {env.dispatch_mode()}: cost model fitted on the H100; on {gpu} "
+               + ("its constants are in force" if calibrated else "not calibrated: cuBLAS-based paths only")
+               + f" ({env.DISPATCH_VAR}, {env.DEBUG_DISPATCH_VAR}=1 logs each decision)")
     where = {"process": "fd-lora's reader process", "thread": "the prefetch's own thread"}[env.prefetch_reader()]
     out.append(f"prefetch    files read in {where} ({env.PREFETCH_READER_VAR})")
     return out

@@ -33,6 +33,16 @@ def _probe_cuda() -> str | None:
     return None
 
 
+def _auto_extension() -> str | None:
+    """`auto` takes the CUDA extension only where it is already built (installed with FDLORA_BUILD_CUDA=1, or built
+    by `fdlora env --build-cuda`): choosing a backend never builds it, so no earlier call decides a layer's backend."""
+    from .cuda import build
+
+    if build.status().library is None:
+        return "auto takes the CUDA extension only once it is built (`fdlora env --build-cuda`)"
+    return None
+
+
 def _probe_hybrid() -> str | None:
     """Triton usable and the CUDA extension already built (picking a backend never starts a build)."""
     from .cuda import build
@@ -68,6 +78,7 @@ register(
         Capability(devices=frozenset({"cuda"}), dtypes=FLOATS, kinds=frozenset({"linear", "conv2d"}), max_slots=64),
         module="fdlora.kernels.cuda.ops",
         probe=_probe_cuda,
+        auto=_auto_extension,
     )
 )
 register(
@@ -77,5 +88,6 @@ register(
                    max_slots=64),
         module="fdlora.kernels.hybrid",
         probe=_probe_hybrid,
+        auto=_auto_extension,
     )
 )

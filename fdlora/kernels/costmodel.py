@@ -9,6 +9,7 @@ for other GPUs (fdlora.plan.devices) and `estimate(p, dev)` evaluates the model 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -125,3 +126,20 @@ def estimate(p: Problem, dev: Device | None = None, delta: bool = True) -> dict[
         flops = 2.0 * p.M * (p.K + p.N) * over16 / (d.delta_tflops * 1e6)
         out["cublas_delta"] = base + (x_bytes + 2 * y_bytes) / bw + flops + 2 * d.launch_us
     return out
+
+
+CALIBRATED = ("h100",)  # GPUs the constants above were fitted on
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def profile(name: str | None = None) -> tuple[str, bool]:
+    """(GPU name, calibrated): whether these constants were fitted on this GPU (default: the current CUDA device).
+    The dispatcher keeps an uncalibrated GPU to the cuBLAS-based paths unless FDLORA_DISPATCH=model."""
+    if name is None:
+        name = _gpu_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    key = name.lower().replace(" ", "")
+    return name, any(k in key for k in CALIBRATED)

@@ -50,6 +50,7 @@ class Backend:
     capability: Capability
     module: str  # import path of the module holding the ops; imported on first use
     probe: Callable[[], str | None] = lambda: None  # a reason it cannot run on this machine, or None
+    auto: Callable[[], str | None] = lambda: None  # a reason `auto` passes it over (it may still be requested)
     _ops: ModuleType | None = field(default=None, repr=False)
     _unavailable: str | None = field(default=None, repr=False)
     _probed: bool = field(default=False, repr=False)
@@ -193,12 +194,12 @@ def _trace(verdicts: dict[str, str | None]) -> list[str]:
 def _verdicts(problem: Problem, order: tuple[str, ...] = ()) -> dict[str, str | None]:
     """Each backend's refusal of `problem`: those in `order` until one can run it (the rest are not probed), else
     every backend (an error lists them all). Probing imports a backend, and importing the cuda backend builds its
-    extension when it is not built (a minute): a first load on a machine with nvcc and Triton must not pay that for
-    a backend auto does not pick."""
+    extension when it is not built (a minute): `auto` passes over a backend whose `auto()` gives a reason before
+    probing it, so which backend a layer gets never depends on what an earlier call in the process built."""
     verdicts: dict[str, str | None] = {}
     for name in order:
         if name in _BACKENDS:
-            verdicts[name] = _BACKENDS[name].refuses(problem)
+            verdicts[name] = _BACKENDS[name].auto() or _BACKENDS[name].refuses(problem)
             if verdicts[name] is None:
                 return verdicts
     return {**verdicts, **{n: b.refuses(problem) for n, b in _BACKENDS.items() if n not in verdicts}}

@@ -100,8 +100,8 @@ def test_grouped_calls_carry_each_tokens_adapter(monkeypatch):
     bank = h.layers["model.layers.0.mlp.experts.gate_up_proj"].bank
     assert tuple(bank.A.shape[:3]) == (E, 2, 3)  # only what is loaded: 2 slots, the largest rank 3 (no padding)
     calls = []
-    real = ex.ref.lora_delta
-    monkeypatch.setattr(ex.ref, "lora_delta", lambda *a: (calls.append(a), real(*a))[1])
+    real = ex.expert_delta
+    monkeypatch.setattr(ex, "expert_delta", lambda *a: (calls.append(a), real(*a))[1])
     rows, T, k = ["default", "b", "__base__"], 5, 2
     with torch.no_grad():
         model(input_ids=torch.randint(0, 64, (3, T)), adapter_names=rows)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
+from fdlora.kernels.ops import OPS
 from fdlora.kernels.triton.forward import lora_delta as _delta  # registers fdlora::lora_delta
 from fdlora.kernels.triton.forward import lora_delta_rows as _rows  # registers fdlora::lora_delta_rows
 from fdlora.kernels.triton.forward import lora_expand_add as _expand  # registers fdlora::lora_expand_add
@@ -42,8 +43,6 @@ from fdlora.kernels.triton.forward import lora_linear_dispatch as D
 from fdlora.kernels.triton.forward import lora_shrink as _shrink  # registers fdlora::lora_shrink
 from fdlora.kernels.triton.merge import lora_merge as _merge
 from fdlora.kernels.triton.merge import lora_merge_many as _many
-
-from fdlora.kernels.ops import OPS
 
 from ..eager import direct
 from ..eager import ones as _ones
@@ -209,3 +208,12 @@ def prepare_linear(
         return F.linear(x, out, bias)
 
     return run
+
+
+def plan_of(W: torch.Tensor, A: torch.Tensor, rows: int, groups: int) -> str | None:
+    """The path the dispatcher planned for lora_linear over `rows` rows of W's layer with bank A in `groups` groups
+    (None where it has made no plan for that shape): what fdlora.dispatch_counts reports."""
+    N, K = C.dims(W)
+    S, R, _ = C.dims(A)
+    got = D.decided(D.Problem(rows, K, N, S, R, A.dtype, W.device.type, C.device_sms(W), groups))
+    return None if got is None else got.path

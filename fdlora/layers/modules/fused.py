@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fdlora import env
 from fdlora.errors import AdapterShapeError, FdLoraError
 from fdlora.hub.adapter import ModuleLora
 from fdlora.kernels import registry
@@ -30,6 +31,7 @@ from fdlora.layers.storage import offload
 from fdlora.layers.storage.bank import AdapterBank
 
 logger = logging.getLogger("fdlora")
+dispatch_log = logging.getLogger("fdlora.dispatch")
 _UNSEEN = (object(), None)
 GROUP_MIN_ROWS = 64  # rows per sample from which per-sample calls run on per-blend merged copies (diffusion sizes)
 
@@ -253,12 +255,37 @@ class _FusedLora(nn.Module):
             offload.follow(self, x.device)  # tensors (fdlora.layers.storage.offload); traced graphs must not guard on it
         self.plain_now()  # a weight quantized / recast under the layer (fdlora.layers.quant.quantized)
         if self._needs_autograd(x):
+            self._took("reference (autograd)", x)
             return self._reference_forward(x, args, kwargs)
         if self.bank._buffers["magnitude"] is not None:  # a DoRA slot: fdlora.layers.modules.dora serves every mode
+            self._took("dora", x)
             return dora.forward(self, x, args, kwargs)
         if self._cached():
-            return self._merged_forward(x)
+            y = self._merged_forward(x)
+            if y is not None:
+                self._took("merged cache", x)
+            return y
         return None
+
+    def dispatch_path(self) -> str:
+        """The path this layer's last full call took and its backend; for lora_linear the dispatcher's plan for that
+        shape, where the backend plans in Python."""
+        path = self.__dict__.get("dispatch", "not called")
+        rows = self.__dict__.get("dispatch_rows")
+        plan_of = getattr(self._ops, "plan_of", None) if path == "lora_linear" else None
+        if plan_of is not None and rows is not None:
+            A, _, _, _ = self._bank()
+            path = f"lora_linear: {plan_of(self.base.weight, A, *rows)}"
+        return f"{path} [{self.selection.name}]"
+
+    def _took(self, path: str, x: torch.Tensor) -> None:
+        """Record the path this call took (fdlora.dispatch_counts), logged on "fdlora.dispatch" under
+        FDLORA_DEBUG_DISPATCH=1 when it changes. The hot path replays the recorded call and records nothing."""
+        if self.__dict__.get("dispatch") != path:
+            self.__dict__["dispatch"] = path
+            if env.debug_dispatch():
+                dispatch_log.warning("%s %s x%s on %s -> %s", self.path, type(self.base).__name__, tuple(x.shape),
+                                     self.selection.name, path)
 
     def _needs_autograd(self, x: torch.Tensor) -> bool:
         """A call whose input carries gradients (a trainable adapter or module before this layer, input
@@ -475,16 +502,20 @@ class FusedLoraLinear(_FusedLora):
         if mode is Mode.SAMPLES and not skip and not (args or kwargs):
             y = self._grouped_forward(x)
             if y is not None:
+                self._took("per-prompt copies", x)
                 return y
         route = self.__dict__.get("_dequant")
         y = route.family.forward(self, x) if route and not (skip or args or kwargs) else None
         if y is not None:  # a blend call on the W the base dequantizes anyway, the LoRA merged in (layers.dequant)
+            self._took("dequant merge", x)
             return y
         if not skip and mode is not Mode.OFF:
             y = decode.forward(self, x, args, kwargs)  # eager decode: one kept-ready launch
             if y is not None:
+                self._took("decode", x)
                 return y
         if mode is Mode.BLEND and not skip and self._on_device_cache(x):
+            self._took("on-device merged cache", x)
             b = self.bank
             x2 = x.reshape(-1, self.in_features).to(b.A.dtype)
             base = self.base
@@ -496,21 +527,26 @@ class FusedLoraLinear(_FusedLora):
         if mode is Mode.BLEND and not skip and self._whole and x.is_cuda:
             y = self._kept_linear(x)
             if y is not None:
+                self._took("merge into scratch", x)
                 return y
         if mode in (Mode.BLEND, Mode.SAMPLES) and not skip and self._whole:
             A, B, ranks, S = self._bank()
             x2 = x.reshape(-1, self.in_features).to(A.dtype)
             scale, gw = self._weights(x, x2.shape[0])
+            self.__dict__["dispatch_rows"] = (x2.shape[0], gw.shape[0])
+            self._took("lora_linear", x)
             y2 = self._ops.lora_linear(x2, self.base.weight, self.base.bias, A, B, scale[:S], gw[:, :S], ranks)
             if self.bank.bias is not None:
                 self._add_bias(y2, scale, gw, None)
             return y2.view(*x.shape[:-1], self.out_features)
         y = self.base(x, *args, **kwargs)
         if skip:
+            self._took("base only", x)
             return y
         y = y.contiguous()
         group = self.__dict__.get("shrink_group")  # layers reading one x share its shrink (fdlora.layers.modules.shared_shrink)
         if group is not None and group.delta(self, x, y.view(-1, self.out_features)):
+            self._took("base + shared-shrink delta", x)
             return y
         A, B, ranks, S = self._bank()
         x2 = x.reshape(-1, self.in_features).to(A.dtype)
@@ -521,11 +557,13 @@ class FusedLoraLinear(_FusedLora):
             if row_slot.shape[0] != M:
                 raise FdLoraError(f"{self.path}: {row_slot.shape[0]} per-row adapters given for {M} rows.")
             self._ops.lora_delta_rows(y2, x2, A, B, self.scale_unit[:S], row_slot, ranks)
+            self._took("base + per-row delta", x)
             if self.bank.bias is not None:
                 self._add_bias(y2, self.scale_unit, self.blend_weight, row_slot)
             return y
         scale, gw = self._weights(x, M)
         self._ops.lora_delta(y2, x2, A, B, scale[:S], gw[:, :S], ranks)
+        self._took("base + delta", x)
         if self.bank.bias is not None:
             self._add_bias(y2, scale, gw, None)
         return y
@@ -563,6 +601,7 @@ class FusedLoraConv2d(_FusedLora):
             return y
         y = self.base(x, *args, **kwargs)
         if self._skip():
+            self._took("base only", x)
             return y
         if self.state.mode is Mode.ROWS:
             raise FdLoraError(
@@ -573,6 +612,7 @@ class FusedLoraConv2d(_FusedLora):
         A, B, _, S = self._bank()
         b = self.base
         self._ops.lora_conv_delta(y, x.to(A.dtype), A, B, scale[:S], gw[:, :S], b.stride, b.padding, b.dilation)
+        self._took("base + conv delta", x)
         if self.bank.bias is not None:
             y2 = y.permute(0, 2, 3, 1)  # bias per output channel
             d = ((gw * scale) @ self.bank.bias.float()).repeat_interleave(y.shape[0] // gw.shape[0], dim=0)

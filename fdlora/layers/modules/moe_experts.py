@@ -49,7 +49,7 @@ from torch import nn
 from fdlora.errors import AdapterShapeError, UnsupportedFeatureError
 from fdlora.hub.adapter import ModuleLora
 from fdlora.kernels import registry
-from fdlora.kernels import ops as ref
+from fdlora.kernels.ops.lora_delta import lora_delta as expert_delta
 from fdlora.layers.fastpath.merged import MergedWeight
 from fdlora.layers.state import Mode, ModelState
 
@@ -258,7 +258,7 @@ class ExpertLora(nn.Module):
             scale, gw = self.scale_blend[:S], self.state.ones(x.device)[:, :S]
         else:
             scale, gw = self.scale_unit[:S], rows[:, :S]
-        ref.lora_delta(y, x.to(A.dtype), A, B, scale, gw, b.ranks[:S])
+        expert_delta(y, x.to(A.dtype), A, B, scale, gw, b.ranks[:S])
 
     def extra_repr(self) -> str:
         b = self.bank

@@ -10,39 +10,31 @@ Paths (all give y within the numerics contract's tolerance; tests/kernels/test_l
 - "fused_pre":    lora_shrink, then the Triton GEMM with the expand in its epilogue;
 - "reference":    cuBLAS base GEMM, then the torch delta (fallback only).
 
-Measured on an H100 (benchmarks/results/nvidia-h100-80gb-hbm3/fused.json): the Triton GEMM under the fused forms
-runs at 0.65-0.8 of cuBLAS at these shapes (Triton 3.6 on Hopper, pointer loads, no TMA or warp
-specialisation), which no saving on the LoRA side makes up, so on Hopper the choice is between
-"merged" (many rows) and "cublas_delta" (few rows); the fused forms stay for GPUs and shapes where
-the model says otherwise, and are tested like the rest.
+The Triton GEMM under the fused forms runs well below cuBLAS on Hopper (no TMA or warp specialisation), which no
+saving on the LoRA side makes up, so on Hopper the choice is between "merged" (many rows) and "cublas_delta" (few
+rows); the fused forms stay for shapes where the model says otherwise, and are tested like the rest.
 
-A CUTLASS fused form was built and measured too, and is not a path (deleted after session 11, in git history
-as fdlora/kernels/cutlass; results/.../cutlass_s9_*.json): CUTLASS 4.2's warp-specialized cooperative GEMM with
-the shrink as a second,
-N=16 wgmma per k-block and the expand as one extra k-stage. Exact on every check, but on the seven SDXL/Flux
-shapes its plain GEMM alone runs at 1.06-1.31x cuBLAS (128x256 tiles, cluster 1x1; the best of 1x1, 2x1 and
-stream-K 1.03-1.23x) and the in-loop shrink adds 5-21% to it at r16 (28-48% at r64): 1.20-1.48x cuBLAS at r16,
-behind "merged" (1.03-1.19x) on every shape. Of that, the N=16 wgmma itself costs 8-16% (the same kernel
-without it, cutlass_s9_noshrink.json; its FLOP share is 6%), the extra stage and A loads 0-14% (most at
-small K). The Triton TMA probe found the same in-loop cost (probe_tma.json).
+The cost model's constants are fitted to one GPU (the H100). On any other GPU the dispatcher is conservative: it
+chooses among the cuBLAS-based paths only ("merged", "cublas_delta", "reference"), which are never pathological,
+unless FDLORA_DISPATCH=model asks for every path the model knows. `profile()` says which holds here (`fdlora env`
+prints it). With FDLORA_DEBUG_DISPATCH=1 every new plan is logged (logger "fdlora.dispatch") with its reasons.
 
-The choice depends on static shapes only (M, K, N, bank [S, R], groups G, dtype, SM count), never
-on which adapters are active, so compiled graphs and CUDA graphs never change with a switch. It
-comes from the cost model `estimate` (fdlora/kernels/costmodel.py, shared with `fdlora plan`: microseconds,
-constants fitted to H100 measurements of every path at the SDXL / Flux / decode shapes);
-benchmarks/bench_fused.py re-measures every path and checks that the modelled choice is within 3% of the
-measured best. `record` lets a caller that measured override the model for one shape.
+The choice depends on static shapes only (M, K, N, bank [S, R], groups G, dtype, SM count) and the GPU, never
+on which adapters are active or on what ran before in the process, so compiled graphs and CUDA graphs never change
+with a switch. It comes from the cost model `estimate` (fdlora/kernels/costmodel.py, shared with `fdlora plan`);
+benchmarks/bench_fused.py re-measures every path and checks that the modelled choice is within 3% of the measured
+best. `record` lets a caller that measured override the model for one shape.
 
 With FDLORA_DISPATCH=measure, the first eager CUDA call of a shape where the model's best paths lie
 within `AMBIGUOUS` of each other times those paths on the call's own inputs and keeps the fastest:
 GPU time only (each path captured once in a CUDA graph and replayed between CUDA events), since
-host-inclusive wall time ranks paths by launch overhead instead (a rejected first try:
-benchmarks/results/nvidia-h100-80gb-hbm3/fused_measured_dispatch_rejected.json). Calls that cannot
+host-inclusive wall time ranks paths by launch overhead instead. Calls that cannot
 time (compiling, capturing, fake tensors) use the model; a failed measurement falls back to it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +44,7 @@ from fdlora import env
 from fdlora.kernels.costmodel import (
     Problem,
     estimate,
+    profile,
 )
 from fdlora.kernels.eager import graphed, warm_up
 
@@ -64,6 +57,8 @@ def delta_available() -> bool:
 
 
 PATHS = ("fused", "fused_pre", "cublas_delta", "merged", "reference")
+CUBLAS_PATHS = ("merged", "cublas_delta", "reference")  # what an uncalibrated GPU chooses among
+log = logging.getLogger("fdlora.dispatch")
 
 
 @dataclass(frozen=True)
@@ -121,7 +116,13 @@ def plan(p: Problem, run: Callable[[str], object] | None = None,
         got = Plan("fused", (f"device {p.device}: Triton interpreter, fused kernel",))
     else:
         us = estimate(p)
-        got = Plan(*_fastest("cost model", us))
+        name, calibrated = profile()
+        if not calibrated and not env.dispatch_all_paths():
+            us = {k: v for k, v in us.items() if k in CUBLAS_PATHS}
+            how = f"cost model, cuBLAS paths only ({name} is not calibrated)"
+        else:
+            how = f"cost model ({name})"
+        got = Plan(*_fastest(how, us))
         close = [k for k in sorted(us, key=us.get) if us[k] <= us[got.path] * (1 + AMBIGUOUS)]
         if run is not None and len(close) > 1 and env.dispatch_measure():
             try:
@@ -132,6 +133,8 @@ def plan(p: Problem, run: Callable[[str], object] | None = None,
                 path, why = _fastest("measured", timed)
                 got = Plan(path, why + got.reasons)
     _PLANS[p] = got
+    if env.debug_dispatch():
+        log.warning("lora_linear M=%d K=%d N=%d bank %dx%d G=%d %s -> %s", p.M, p.K, p.N, p.S, p.R, p.G, p.dtype, got)
     return got
 
 
