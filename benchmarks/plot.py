@@ -53,16 +53,17 @@ MODEL_NAMES = {"sdxl": "SDXL UNet fp16, batch 2, 1024²", "flux": "Flux-dev bf16
 
 
 # Full-size cases on an H200, each run alone in a fresh process (median of per-round ratios, interleaved with a
-# deep-copied base), at commit 997cd6a with bench_fullsize.py. Kept here until those runs are committed as JSON.
+# deep-copied base), at commit 997cd6a with bench_fullsize.py; where three runs spread, the slowest is drawn.
+# Kept here until those runs are committed as JSON.
 # (model, label, fd-lora, reference or None)
 H200_ALONE = {"commit": "997cd6a", "rows": [
     ("sdxl", "1 adapter", 1.07, 1.97), ("sdxl", "4-adapter blend", 1.05, 4.29),
     ("sdxl", "per-prompt, 2 prompts", 1.70, None), ("sdxl", "per-prompt, 2 prompts x CFG", 1.48, None),
-    ("sdxl", "slider moved every step", 1.11, None), ("sdxl", "no merged-weight cache", 3.1, None),
+    ("sdxl", "slider moved every step", 1.11, None), ("sdxl", "no merged-weight cache", 3.2, None),
     ("flux", "1 adapter", 1.00, 1.16), ("flux", "4-adapter blend", 1.00, 1.66),
     ("flux", "per-prompt, 2 prompts", 1.01, None), ("flux", "slider moved every step", 1.09, None),
-    ("flux", "no merged-weight cache", 1.40, None),
-    ("llama", "decode 32x1, 1 adapter", 1.05, 1.93), ("llama", "decode 32x1, 4 adapters by row", 1.56, 9.3),
+    ("flux", "no merged-weight cache", 1.42, None),
+    ("llama", "decode 32x1, 1 adapter", 1.05, 1.93), ("llama", "decode 32x1, 4 adapters by row", 1.63, 9.3),
     ("llama", "generate, 4 adapters by row", 1.56, 8.5), ("llama", "prefill 2048, 1 adapter", 1.00, None),
     ("llama", "prefill 2048, no merged cache", 1.21, None), ("llama", "decode 32x1, no merged cache", 1.60, None),
 ]}

@@ -10,15 +10,16 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 # The core install is torch, safetensors, huggingface_hub, tqdm, pyyaml (+ triton on Linux); the tests need every extra
 # (diffusers, transformers, demo, serve = ray[serve] + fastapi, quant = bitsandbytes + torchao + gguf on Linux).
-extras="dev,diffusers,transformers,train,demo,serve"
+extras="dev,docs,diffusers,transformers,train,demo,serve"  # docs: mkdocs-material + mkdocstrings (the site build)
 [ "$(uname -s)" = "Linux" ] && extras="$extras,triton,quant"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]"
 # LyCORIS (in the dev extra too) is the LoHa / LoKr / DoRA oracle of tests/hub/test_lycoris.py
 "$PY" -c "import lycoris" >/dev/null 2>&1 || "$PY" -m pip install -q --disable-pip-version-check "lycoris-lora>=4.1,<5"
-# The demo's browser test drives Debian's chromium through Playwright (no `playwright install`).
-# Best effort: without /usr/bin/chromium that test skips and says so.
-if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing chromium for the demo's browser test"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
-        || echo "[setup] chromium install failed; the browser test will skip"
+# The browser tests (the demo's, through Playwright; the docs site's, tests/docs/) drive Debian's chromium
+# (no `playwright install`): as root on Debian this runs apt-get, and says so first. Without it those tests skip.
+if { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; } && [ "$(id -u)" = "0" ] \
+        && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Debian packages chromium and chromium-driver with apt-get (for the browser tests)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+        || echo "[setup] chromium install failed; the browser tests will skip"
 fi

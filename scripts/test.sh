@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite (CPU; GPU tests run too when CUDA is present). Extra args go to pytest.
+# Set up, then run the test suite (CPU; GPU tests run too when CUDA is present; tests/docs builds the docs site and
+# opens it in headless Chromium). Extra args go to pytest. Then the docs build with warnings as errors.
 # Then the core-install job: the pure-torch tests in a Python where diffusers, transformers, peft, accelerate,
 # bitsandbytes, gradio, Ray and FastAPI cannot be imported (tests/support/coreonly/sitecustomize.py), which is
 # what `pip install fd-lora` without extras gives; tests/test_core_install.py checks the package metadata.
@@ -14,6 +15,10 @@ rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "[test] pytest collected no tests"; rc=0; fi
 [ "$rc" -ne 0 ] && exit "$rc"
+echo "[test] docs: mkdocs build --strict (warnings are errors)"
+docs_site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q -f mkdocs.yml -d "$docs_site"
+rm -rf "$docs_site"
 if [ "${FDLORA_CORE_JOB:-1}" != "0" ]; then
     echo "[test] core install: pure-torch tests with every optional package unimportable"
     # deselected: tests that use PEFT-only targeting (all-linear, layer selection) or a Transformers model

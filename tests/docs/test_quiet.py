@@ -1,4 +1,4 @@
-"""Known third-party warnings stay off stderr (fdlora/quiet.py); FDLORA_VERBOSE=1 or the user's logging brings them back."""
+"""Known third-party warnings stay off stderr (fdlora/quiet.py); FDLORA_VERBOSE=1 or the user's logging shows them."""
 
 from __future__ import annotations
 
