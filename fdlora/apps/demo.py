@@ -33,7 +33,9 @@ from ..errors import FdLoraError
 log = logging.getLogger(__name__)
 MAX_ADAPTERS = 8  # slider slots: Gradio components are fixed once the page is built
 TINY_SIZE = 64
-REPOS = {"pixel": "fdlora-demo/pixel-style", "watercolor": "fdlora-demo/watercolor"}  # the embedded default's LoRAs
+# the embedded default's LoRAs, each named by its repo's short name: the name a slider shows is the one "Add adapter"
+# offers (short_name)
+REPOS = {"pixel": "fdlora-demo/pixel", "watercolor": "fdlora-demo/watercolor"}
 
 
 def _gradio():

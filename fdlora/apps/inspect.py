@@ -18,13 +18,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from ..errors import PartialLoadWarning
     from ..hub.load import load_adapters
 
-    _, report = load_adapters(args.source, revision=args.revision, weight_name=args.weight_name,
-                              subfolder=args.subfolder, allow_pickle=args.allow_pickle,
-                              local_files_only=args.local_files_only, cache=None,
-                              lora_conversion=getattr(args, "lora_conversion", None))
+    with warnings.catch_warnings():  # the report printed below lists every key a load would warn about
+        warnings.simplefilter("ignore", PartialLoadWarning)
+        _, report = load_adapters(args.source, revision=args.revision, weight_name=args.weight_name,
+                                  subfolder=args.subfolder, allow_pickle=args.allow_pickle,
+                                  local_files_only=args.local_files_only, cache=None,
+                                  lora_conversion=getattr(args, "lora_conversion", None))
     print(report)
     if args.strict:
-        report.check_strict()
+        report.check_strict("--strict", "Drop --strict to accept an adapter that loads without these keys.")
     return 0

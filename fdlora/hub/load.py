@@ -17,6 +17,7 @@ Nothing here touches a model: loading into one goes through `FdLoraHandle.add_ad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from . import formats
 from .adapter import LoraAdapter, Provenance, check_adapter_name
 from .cache import AdapterCache, CacheKey, default_cache
 from .formats import lycoris
+from .formats.base import import_peft
 from .report import LoadReport
 from .resolve import Resolved, fetch, resolve
 from .safefile import read_weights
@@ -204,6 +206,10 @@ def build_adapters(r: Resolved, *, force_download: bool, hub_kw: dict[str, Any],
     pin = reader == "pinned" or (reader == "auto" and pin)
     raw = _read(r, allow_pickle, config, metadata, pin=pin)
     t3 = time.perf_counter()
+    if raw.config is not None:  # PEFT's LoraConfig semantics apply: its import is timed apart from the conversion
+        with contextlib.suppress(ImportError):  # (without PEFT, the converter says what is missing)
+            import_peft()
+    t4 = time.perf_counter()
     fmt, why, others = formats.detect(raw, family)
     conv = formats.convert(fmt, raw, formats.Options(component=component, layers_per_block=layers_per_block))
     if svd_rank:
@@ -222,9 +228,10 @@ def build_adapters(r: Resolved, *, force_download: bool, hub_kw: dict[str, Any],
         components={c: len(a.modules) for c, a in adapters.items()},
         rslora={c: a.use_rslora for c, a in adapters.items()}, configs=conv.configs,
         keys_total=len(raw.tensors), keys_matched=conv.matched, keys_unused=conv.unused,
-        keys_dropped=conv.dropped, notes=conv.notes, dtype=str(dtype).removeprefix("torch.") if dtype else None,
-        nbytes=sum(a.nbytes() for a in adapters.values()),
-        seconds={"fetch": t2 - t1, "read": t3 - t2, "convert": time.perf_counter() - t3},
+        keys_dropped=conv.dropped, keys_saved=conv.saved, notes=conv.notes,
+        dtype=str(dtype).removeprefix("torch.") if dtype else None, nbytes=sum(a.nbytes() for a in adapters.values()),
+        seconds={"fetch": t2 - t1, "read": t3 - t2, **({"import peft": t4 - t3} if t4 - t3 > 1e-3 else {}),
+                 "convert": time.perf_counter() - t4},
     )
     if not adapters:
         reasons = {**conv.unused, **conv.dropped}
@@ -336,5 +343,6 @@ def warn_partial(report: LoadReport) -> None:
     msg = (f"fd-lora: {report.source}: {len(lost)} of {report.keys_total} keys were not loaded "
            f"(e.g. {list(lost)[:3]}), dropping {len(modules)} modules: {whys}{more}. {report.modules} modules "
            "loaded. Print the load report for every key, or pass strict=True to make this an error.")
-    logger.warning(msg)
+    if logger.hasHandlers():  # logging is set up (a handler on "fdlora" or above): the log gets it too
+        logger.warning(msg)  # (without one, logging's last-resort handler would print the warning a second time)
     warnings.warn(msg, PartialLoadWarning, stacklevel=3)

@@ -50,6 +50,7 @@ class LoadReport:
     keys_matched: int = 0
     keys_unused: dict[str, str] = field(default_factory=dict)
     keys_dropped: dict[str, str] = field(default_factory=dict)
+    keys_saved: dict[str, str] = field(default_factory=dict)  # modules_to_save copies: not LoRA, not lost
     notes: list[str] = field(default_factory=list)
     # component -> why: applied by fd-lora where diffusers' load_lora_weights ignores it (Flux T5 LoRAs)
     diffusers_ignores: dict[str, str] = field(default_factory=dict)
@@ -70,15 +71,16 @@ class LoadReport:
             got = self.__dict__["_groups"] = [g for c, mods in self.modules_of.items() for g in group_stats(c, mods)]
         return got
 
-    def check_strict(self) -> None:
-        """Raise `UnusedKeysError` listing every unused or dropped key (what `strict=True` does)."""
+    def check_strict(self, asked: str = "strict=True", fix: str = "Pass strict=False to load the rest anyway.",
+                     ) -> None:
+        """Raise `UnusedKeysError` listing every unused or dropped key (what `strict=True` does). `asked` / `fix`
+        word the option as the caller knows it (the CLI: --strict, drop --strict)."""
         bad = {**self.keys_unused, **self.keys_dropped}
         if bad:
             lines = "\n".join(f"  {k}: {why}" for k, why in list(bad.items())[:50])
             more = f"\n  ... and {len(bad) - 50} more" if len(bad) > 50 else ""
-            raise UnusedKeysError(f"{self.source}: strict=True and {len(self.keys_unused)} keys are unused, "
-                                  f"{len(self.keys_dropped)} dropped:\n{lines}{more}\nPass strict=False to load "
-                                  "the rest anyway.")
+            raise UnusedKeysError(f"{self.source}: {asked} and {len(self.keys_unused)} keys are unused, "
+                                  f"{len(self.keys_dropped)} dropped:\n{lines}{more}\n{fix}")
 
     def __str__(self) -> str:
         at = ""
@@ -91,7 +93,8 @@ class LoadReport:
             f"  format    {self.format}: {self.format_reason}"
             + (f" (also matched: {', '.join(self.also_matched)})" if self.also_matched else ""),
             f"  keys      {self.keys_total} total: {self.keys_matched} matched, {len(self.keys_unused)} unused, "
-            f"{len(self.keys_dropped)} dropped",
+            f"{len(self.keys_dropped)} dropped"
+            + (f", {len(self.keys_saved)} modules_to_save" if self.keys_saved else ""),
         ]
         for comp, n in self.components.items():
             extra = ", rsLoRA (alpha/sqrt(r))" if self.rslora.get(comp) else ""
@@ -100,7 +103,8 @@ class LoadReport:
                 scale = {round(a / r, 4) for r in g.ranks for a in g.alphas} if not self.rslora.get(comp) else None
                 lines.append(f"    {g.group:<32} {g.kind:<6} x{g.count:<4} rank {_fmt(g.ranks):<8} "
                              f"alpha {_fmt(g.alphas):<8}" + (f" scale {_fmt(tuple(scale))}" if scale else ""))
-        for title, keys in (("unused keys", self.keys_unused), ("dropped keys", self.keys_dropped)):
+        for title, keys in (("unused keys", self.keys_unused), ("dropped keys", self.keys_dropped),
+                            ("modules_to_save keys", self.keys_saved)):
             if keys:
                 lines.append(f"  {title} ({len(keys)}):")
                 lines += [f"    {k}: {why}" for k, why in list(keys.items())[:SHOW]]

@@ -34,6 +34,10 @@ class PlanResult:
     def by_name(self, name: str) -> Strategy:
         return next(s for s in self.strategies if s.name == name)
 
+    def need_gib(self, s: Strategy) -> float:
+        """Device memory `s` needs: weights + activations + its +GiB (what the table and the recommendation use)."""
+        return self.info["weights_gib"] + self.info["activations_gib"] + s.extra_gib
+
     def table(self) -> str:
         w = self.workload
         lines = [f"fdlora plan: {self.model} on {self.gpu} ({self.gpu_source})",
@@ -42,14 +46,17 @@ class PlanResult:
                  f"{w['adapters_per_batch']} adapter(s) per batch; {self.info['lora_layers']} LoRA layers, "
                  f"base step {self.info['base_step_ms']:.2f} ms",
                  f"  {'strategy':<13}{'step ms':>10}{'x base':>8}{'switch ms':>11}{'per step':>10}{'+GiB':>8}"]
-        base = self.info["base_step_ms"]
+        base, free = self.info["base_step_ms"], self.info["free_gib"]
         for s in self.strategies:
-            flag = "" if s.feasible else f"  (no: {s.why_not})"
+            flag = f"  (no: {s.why_not})" if not s.feasible else "" if s.extra_gib <= free else (
+                f"  (does not fit: {self.need_gib(s):.2f} GiB with the weights and activations, "
+                f"{self.info['device_gib']:g} GiB on {self.gpu})")
             lines.append(f"  {s.name:<13}{s.step_ms:>10.2f}{s.step_ms / base:>8.2f}{s.switch_ms:>11.2f}"
                          f"{s.per_step_ms(w['switch_every']):>10.2f}{s.extra_gib:>8.2f}{flag}")
         be = ", ".join(f"{k} {v:.1f}" if math.isfinite(v) else f"{k} never" for k, v in self.break_even.items())
         lines += [f"  memory: weights {self.info['weights_gib']:.2f} GiB, banks {self.info['bank_gib']:.3f} GiB, "
-                  f"activations ~{self.info['activations_gib']:.2f} GiB; load {self.info['load_ms']:.1f} ms, "
+                  f"activations ~{self.info['activations_gib']:.2f} GiB; {self.info['device_gib']:g} GiB on "
+                  f"{self.gpu} leaves {free:.2f} GiB for a strategy's +GiB; load {self.info['load_ms']:.1f} ms, "
                   f"merge all {self.info['merge_ms']:.1f} ms",
                   f"  merging pays off after (steps between switches): {be}",
                   f"recommended: {self.recommended} ({self.reason})"]
@@ -116,7 +123,8 @@ def plan(model: str, *, adapters: int = 1, rank: int = 16, targets: tuple[str, .
                           "module name suffixes of this model (e.g. to_q q_proj).")
     weights = sum(p.numel() for p in net.parameters()) * dt.itemsize / 2**30 / tp
     info.update(weights_gib=weights, activations_gib=_activations(ops, spec, w, dt.itemsize))
-    best, reason = _recommend(strats, switch_every, dev.memory_gib - weights - info["activations_gib"])
+    info.update(device_gib=dev.memory_gib, free_gib=dev.memory_gib - weights - info["activations_gib"])
+    best, reason = _recommend(strats, switch_every, info)
     merged = next(s for s in strats if s.name == "merged")
     be = {s.name: _break_even(merged, s) for s in strats if s.name not in ("merged", "grouped") and s.feasible}
     return PlanResult(model, dev.name, dev.source, w, info, strats, best, reason, be)
@@ -141,17 +149,23 @@ def _break_even(merged: Strategy, s: Strategy) -> float:
     return max(0.0, (merged.switch_ms - s.switch_ms) / gain)
 
 
-def _recommend(strats: list[Strategy], k: float, free_gib: float) -> tuple[str, str]:
+def _recommend(strats: list[Strategy], k: float, info: dict) -> tuple[str, str]:
+    """The fastest strategy at a switch every `k` steps among those that fit: weights + activations + its +GiB
+    within the device's memory (`free_gib` = memory - weights - activations: the numbers the table prints)."""
+    free_gib = info["free_gib"]
     ok = [s for s in strats if s.feasible and s.extra_gib <= free_gib]
     if not ok:
-        raise ConfigError(f"no strategy fits in memory ({free_gib:.1f} GiB free after weights); use a larger GPU, "
-                          "--tp, or the quantized base.")
+        raise ConfigError(f"no strategy fits in memory ({free_gib:.1f} GiB free after weights and activations); use a "
+                          "larger GPU, --tp, or the quantized base.")
     ok.sort(key=lambda s: s.per_step_ms(k))
     best, nxt = ok[0], (ok[1] if len(ok) > 1 else None)
     why = f"{best.per_step_ms(k):.2f} ms per step at a switch every {k:g} steps"
     if nxt:
         why += f", {nxt.per_step_ms(k) / best.per_step_ms(k):.2f}x faster than {nxt.name}"
     skipped = [s.name for s in strats if s.feasible and s.extra_gib > free_gib]
-    if skipped:
-        why += f"; {', '.join(skipped)} need more memory than is free"
+    if skipped and free_gib < 0:
+        why += (f"; weights + activations ({info['weights_gib'] + info['activations_gib']:.2f} GiB) exceed the "
+                f"device's {info['device_gib']:g} GiB, so {', '.join(skipped)} do not fit even at +0 GiB")
+    elif skipped:
+        why += f"; {', '.join(skipped)} need more than the {free_gib:.2f} GiB left after weights and activations"
     return best.name, why

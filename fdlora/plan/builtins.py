@@ -22,6 +22,12 @@ TINY_UNET = dict(
     transformer_layers_per_block=[1, 2], projection_class_embeddings_input_dim=80, cross_attention_dim=64,
     norm_num_groups=32,
 )
+# the UNet of `tiny-sd15`, the tiny pipeline of `fdlora run / train / demo` (fdlora.fixtures.tiny_pipeline.sd15)
+TINY_SD15 = dict(
+    block_out_channels=[32, 64], layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D"], up_block_types=["CrossAttnUpBlock2D", "UpBlock2D"],
+    cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
+)
 TINY_FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
 TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -37,6 +43,8 @@ BUILTINS: dict[str, tuple[str, str, dict, tuple[str, ...], str, dict]] = {
                    dict(batch=32, tokens=1, context=512, steps=256)),
     "tiny-sdxl": ("unet", "UNet2DConditionModel", TINY_UNET, SDXL_TARGETS, "float16",
                   dict(batch=2, resolution=128, text_tokens=8, steps=4)),
+    "tiny-sd15": ("unet", "UNet2DConditionModel", TINY_SD15, SDXL_TARGETS, "float32",
+                  dict(batch=2, resolution=64, text_tokens=8, steps=4)),
     "tiny-flux": ("flux", "FluxTransformer2DModel", TINY_FLUX, FLUX_TARGETS, "bfloat16",
                   dict(batch=1, resolution=128, text_tokens=16, steps=4)),
     "tiny-llama": ("llm", "LlamaForCausalLM", TINY_LLAMA, LLM_TARGETS, "bfloat16",

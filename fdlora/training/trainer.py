@@ -67,6 +67,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
 
 
 def _from_pretrained(cfg: TrainConfig, name: str, **kw) -> nn.Module:
+    if not Path(name).exists():
+        reachable(cfg, name, "unet/config.json" if cfg.task == "text-to-image" else "config.json")
     if cfg.task == "text-to-image":
         from diffusers import UNet2DConditionModel
 
@@ -77,6 +79,35 @@ def _from_pretrained(cfg: TrainConfig, name: str, **kw) -> nn.Module:
     cls = (transformers.AutoModelForImageClassification if cfg.task == "image-classification"
            else transformers.AutoModelForCausalLM)
     return cls.from_pretrained(name, **kw)
+
+
+def reachable(cfg: TrainConfig, name: str, config_file: str) -> None:
+    """Fail at once, in one line naming the fix, when Hub model `name` is not in the local Hugging Face cache and
+    cannot be downloaded (HF_HUB_OFFLINE set, the Hub unreachable: one request with a short timeout, where
+    from_pretrained would retry for most of a minute) or does not exist. A cached model loads as usual."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub import errors as he
+
+    if isinstance(try_to_load_from_cache(name, config_file), str):
+        return
+    builtins = f"the builtins {', '.join(tiny.TASKS)} need no download"
+    if constants.is_offline_mode():
+        raise ConfigError(f"{cfg.source}: model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+                          f"set; fix: download it once with network access (`hf download {name}`) or unset "
+                          f"HF_HUB_OFFLINE; {builtins}")
+    try:
+        model_info(name, timeout=10)
+    except he.RepositoryNotFoundError:
+        raise ConfigError(f"{cfg.source}: model {name!r} is neither a local directory nor a model on the Hub at "
+                          f"{constants.ENDPOINT} (or it is private or gated: log in with `hf auth login`); fix: check "
+                          "model.name") from None
+    except Exception as e:
+        if not (isinstance(e, OSError) or type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests")):
+            return  # anything else (an HTTP error, a gated repo's answer): from_pretrained reports it
+        raise ConfigError(f"{cfg.source}: model {name!r} is not in the local Hugging Face cache and the Hub at "
+                          f"{constants.ENDPOINT} cannot be reached ({type(e).__name__}: {str(e)[:120]}); fix: connect "
+                          f"to the network, or download it once where you can (`hf download {name}`) into this "
+                          f"cache ({constants.HF_HUB_CACHE}); {builtins}") from None
 
 
 def _hf_quantized(cfg: TrainConfig, device: torch.device) -> nn.Module:

@@ -74,6 +74,7 @@ class Converted:
     matched: int = 0
     unused: dict[str, str] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
+    saved: dict[str, str] = field(default_factory=dict)  # full module copies of the config's modules_to_save
     notes: list[str] = field(default_factory=list)
 
     def merge(self, other: Converted) -> Converted:
@@ -84,6 +85,7 @@ class Converted:
         self.matched += other.matched
         self.unused.update(other.unused)
         self.dropped.update(other.dropped)
+        self.saved.update(other.saved)
         self.notes += other.notes
         return self
 
@@ -254,11 +256,40 @@ def _verdicts(targeting: str) -> dict[str, str | None]:
     return got
 
 
+def import_peft() -> None:
+    """Import the PEFT modules `config_fields` / `config_rules` take LoraConfig's semantics from (seconds, once per
+    process): a caller timing a conversion imports them first, so the conversion's time is the conversion's."""
+    import peft.tuners.tuners_utils  # noqa: F401
+    import peft.utils.other  # noqa: F401
+
+
+def saved_module(key: str, names: list[str]) -> str | None:
+    """The module of `key` that the config's modules_to_save names (PEFT's rule: the module path is a name, or ends
+    with "." + name), or None. PEFT saves such a module's whole state dict under its path."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        path = ".".join(parts[:i])
+        if any(path == n or path.endswith("." + n) for n in names):
+            return path
+    return None
+
+
 def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str) -> Converted:
-    """PEFT-form keys + a LoraConfig dict -> modules, with every field that changes the math applied."""
+    """PEFT-form keys + a LoraConfig dict -> modules, with every field that changes the math applied. Keys of the
+    config's modules_to_save modules are full module copies, not LoRA: reported as `saved`, neither unused nor
+    dropped (fdlora.load_fd_lora on a Transformers model loads them; LoRA-only paths leave them out)."""
     alpha_of, rank_of, untargeted = config_rules(config, where)
+    names = [n for n in config.get("modules_to_save") or [] if isinstance(n, str) and n]
+    saved = {}
+    for key in [k for k in sd if names and peft_key(k) is None]:
+        module = saved_module(key, names)
+        if module is not None:
+            saved[key] = (f"modules_to_save: the trained copy of {module} (a full module, not a LoRA delta); "
+                          "fdlora.load_fd_lora on a Transformers model loads it")
     keep, skipped = {}, {}
     for key, t in sd.items():
+        if key in saved:
+            continue
         m = peft_key(key)
         why = untargeted(m[0]) if m else None  # (memoized per module path)
         (skipped if why else keep)[key] = why or t
@@ -269,6 +300,7 @@ def from_config(sd: dict[str, torch.Tensor], config: dict[str, Any], where: str)
             raise FormatError(f"{where}: the config sets use_dora=True but {len(bare)} modules have no "
                               f"lora_magnitude_vector (e.g. {bare[:3]}); the weights do not belong to this config.")
     out.unused.update(skipped)
+    out.saved.update(saved)
     out.rslora[where] = bool(config.get("use_rslora", False))
     out.configs[where] = {k: config[k] for k in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
                                                  "fan_in_fan_out", "lora_bias") if config.get(k)}

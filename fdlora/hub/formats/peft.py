@@ -61,6 +61,7 @@ def convert(raw: Raw, opts: Options) -> Converted:
     if prefixed:  # report the keys as the file spells them
         out.unused = {PREFIX + k: why for k, why in out.unused.items()}
         out.dropped = {PREFIX + k: why for k, why in out.dropped.items()}
+        out.saved = {PREFIX + k: why for k, why in out.saved.items()}
     out.unused.update(outside)
     return out
 
