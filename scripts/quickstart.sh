@@ -15,8 +15,10 @@ fi
 # the core's and the [diffusers] extra's requirements, read from pyproject.toml (triton only where CUDA is)
 reqs=$("$PY" - <<'PYEOF'
 import tomllib
+import warnings
 
-import torch
+warnings.filterwarnings("ignore")  # torch warns when numpy is not installed yet
+import torch  # noqa: E402
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 for req in project["dependencies"] + project["optional-dependencies"]["diffusers"]:
