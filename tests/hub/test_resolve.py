@@ -250,8 +250,10 @@ def test_local_dir_and_file(tmp_path):
     from_file, r_file = load_adapters(tmp_path / "adapter_model.safetensors", cache=None)
     assert r_dir.kind == "dir" and r_file.kind == "file" and r_dir.format == r_file.format == "peft"
     assert torch.equal(first_A(from_dir), first_A(from_file))
-    with pytest.raises(ResolveError, match="neither"):
+    with pytest.raises(ResolveError, match="missing.safetensors' does not exist"):
         resolve(str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ResolveError, match="neither"):
+        resolve(str(tmp_path / "missing"))
 
 
 def test_offline_cache_in_a_subprocess(tmp_path):
