@@ -24,6 +24,19 @@ import torch
 from ..errors import CapacityError, DuplicateAdapterError, FdLoraError, UnknownAdapterError
 
 
+@contextlib.contextmanager
+def lasting() -> Iterator[None]:
+    """Around the making of a tensor fd-lora keeps and writes in place later (banks, scale tables, merged copies and
+    their stamps, per-sample weights, row slots, captured steps' inputs): it is a normal tensor whatever mode the
+    caller runs in. One made under torch.inference_mode would be an inference tensor, which no in-place write outside
+    inference mode may touch (and which has no version counter); a normal tensor is written in either mode."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def to_device(src: torch.Tensor, device: torch.device | str, dst: torch.Tensor | None = None) -> torch.Tensor:
     """A small host tensor onto `device` (into `dst` when given) without waiting for the GPU: a copy from pageable
     memory blocks the host until the stream has run everything queued before it, so a set_adapters or a
@@ -33,7 +46,8 @@ def to_device(src: torch.Tensor, device: torch.device | str, dst: torch.Tensor |
     if device.type == "cuda" and src.device.type == "cpu":
         src = src.pin_memory()
     if dst is None:
-        return src.to(device, non_blocking=True)
+        with lasting():  # (an inference tensor is copied even onto its own device)
+            return src.to(device, non_blocking=True, copy=src.is_inference())
     return dst.copy_(src, non_blocking=True)
 
 
@@ -104,8 +118,9 @@ class SlotTable:
 
 class ScaleTable:
     def __init__(self, layers: int, slots: int) -> None:
-        self.scaling = torch.zeros(layers, slots)
-        self.weights = torch.zeros(slots)  # [S] or [L, S]
+        with lasting():
+            self.scaling = torch.zeros(layers, slots)
+            self.weights = torch.zeros(slots)  # [S] or [L, S]
         self.multiplier = 1.0
         self._device: dict[torch.device, torch.Tensor] = {}
         self._lock = CopyableLock()
@@ -156,16 +171,17 @@ class ScaleTable:
 
     def resize(self, layers: int, slots: int) -> None:
         L0, S0 = self.shape
-        scaling = torch.zeros(layers, slots)
-        scaling[:L0, :S0] = self.scaling
-        if self.weights.dim() == 1:
-            weights = torch.zeros(slots)
-            weights[:S0] = self.weights
-        else:
-            weights = torch.zeros(layers, slots)
-            weights[:L0, :S0] = self.weights
+        with lasting():
+            scaling = torch.zeros(layers, slots)
+            scaling[:L0, :S0] = self.scaling
+            if self.weights.dim() == 1:
+                weights = torch.zeros(slots)
+                weights[:S0] = self.weights
+            else:
+                weights = torch.zeros(layers, slots)
+                weights[:L0, :S0] = self.weights
         self.scaling, self.weights = scaling, weights
-        self._device = {d: self.host().to(d) for d in self._device}
+        self._device = {d: to_device(self.host(), d) for d in self._device}
         self._blend = None
         self._note_blend(self.host()[0])
         self.version += 1
@@ -241,7 +257,8 @@ class ModelState:
         """[1, S] group weight for blend mode."""
         t = self._ones.get(device)
         if t is None or t.shape[1] != self.slots.capacity:
-            t = self._ones[device] = torch.ones(1, self.slots.capacity, device=device)
+            with lasting():
+                t = self._ones[device] = torch.ones(1, self.slots.capacity, device=device)
         return t
 
     def set_sample_weights(self, by_batch: dict[int, torch.Tensor]) -> None:
@@ -296,7 +313,7 @@ class ModelState:
             elif batch not in keys:
                 return None
             src = next(v for (b, _), v in self._group_weight.items() if b == batch)
-            t = self._group_weight[(batch, device)] = src.to(device)
+            t = self._group_weight[(batch, device)] = to_device(src, device)
         return t
 
     def blend_rows(self, rows: int, device: torch.device) -> torch.Tensor | None:
@@ -308,7 +325,8 @@ class ModelState:
         key = (rows, device, slot)
         t = self._blend_rows.get(key)
         if t is None:
-            t = self._blend_rows[key] = torch.full((rows,), slot, dtype=torch.int32, device=device)
+            with lasting():
+                t = self._blend_rows[key] = torch.full((rows,), slot, dtype=torch.int32, device=device)
         return t
 
     def set_row_slot(self, rs: torch.Tensor) -> None:
@@ -324,7 +342,7 @@ class ModelState:
         t = self._row_slot.get(device)
         if t is None:
             src = next(iter(self._row_slot.values()))
-            t = self._row_slot[device] = src.to(device)
+            t = self._row_slot[device] = to_device(src, device)
         return t
 
     def row_onehot(self, device: torch.device, slots: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from fdlora.errors import FdLoraError
 from fdlora.kernels.eager import graphed, warm_up
 from fdlora.layers.registry import registry_of_models
-from fdlora.layers.state import Mode
+from fdlora.layers.state import Mode, lasting
 
 logger = logging.getLogger("fdlora")
 _ATTR = "_fdlora_steps"
@@ -120,7 +120,8 @@ class StepGraphs:
         return pytree.tree_map_only(torch.Tensor, torch.clone, out) if self.clone_outputs else out
 
     def _capture(self, key: tuple, leaves: list, spec) -> tuple:
-        static = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
+        with lasting():  # every later call copies its inputs in, whatever its mode
+            static = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
 
         def run():
             a, kw = pytree.tree_unflatten(static, spec)

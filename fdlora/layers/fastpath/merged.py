@@ -46,6 +46,7 @@ import torch
 from fdlora import env
 from fdlora.errors import ConfigError, FdLoraError
 from fdlora.kernels.ops.lora_merge import new_stamp
+from fdlora.layers.state import lasting
 
 logger = logging.getLogger("fdlora")
 AUTO_SHARE = 0.25
@@ -200,7 +201,8 @@ class MergedWeight:
                 self.denied = BUDGET.generation
                 return None
             try:
-                self.buf = torch.empty_like(W, memory_format=torch.contiguous_format)
+                with lasting():  # written in place by later merges, whatever their mode
+                    self.buf = torch.empty_like(W, memory_format=torch.contiguous_format)
             except torch.OutOfMemoryError:  # room in the budget, none in the allocator (fragmentation, other
                 BUDGET.release(W.numel() * W.element_size(), W.device, room=False)  # processes): the per-call path
                 self.denied = BUDGET.generation  # needs no copy; retried once the budget changes
@@ -216,7 +218,8 @@ class MergedWeight:
     def _stamp(self, layer) -> torch.Tensor:
         S = layer.bank.slots
         if self.stamp is None or self.stamp.shape[0] != S + 2:
-            self.stamp = new_stamp(S, self.buf.device)
+            with lasting():
+                self.stamp = new_stamp(S, self.buf.device)
         return self.stamp
 
     def _mark_stale(self) -> None:

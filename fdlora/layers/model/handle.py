@@ -24,7 +24,7 @@ from fdlora.layers.model import moe_targets as moe
 from fdlora.layers.modules import shared_shrink as shared
 from fdlora.layers.modules.fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from fdlora.layers.registry import registry_of_models
-from fdlora.layers.state import Mode, ModelState
+from fdlora.layers.state import Mode, ModelState, lasting
 from fdlora.layers.storage.bank import AdapterBank, padded_rank
 from fdlora.layers.storage.bank import arena as bank_arena
 from fdlora.layers.storage.bulk import Prepared, prepare
@@ -353,7 +353,8 @@ class FdLoraHandle:
     def _write_weights(self) -> None:
         st = self.state
         per_layer = any(callable(x) for x in st.active.values())
-        w = torch.zeros(len(self.layers), st.slots.capacity) if per_layer else torch.zeros(st.slots.capacity)
+        with lasting():
+            w = torch.zeros(len(self.layers), st.slots.capacity) if per_layer else torch.zeros(st.slots.capacity)
         for n, x in st.active.items():
             slot = st.slots.by_name[n]
             if callable(x):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fdlora.hub.adapter import ModuleLora
+from fdlora.layers.state import lasting
 
 RANK_ALIGN = 16
 ARENA_ALIGN = 256  # bytes between views: every dtype's alignment, and the 16-byte alignment kernels specialise on
@@ -52,8 +53,9 @@ class _Arena:
         if got is None or got[1] + nbytes > got[0].numel():
             total = 0 if got is None else got[2]
             size = max(nbytes, min(ARENA_MAX, max(ARENA_MIN, total)))
-            got = self.chunks[key] = [torch.zeros(size // dtype.itemsize, dtype=dtype, device=device), 0,
-                                      total + size]
+            with lasting():
+                chunk = torch.zeros(size // dtype.itemsize, dtype=dtype, device=device)
+            got = self.chunks[key] = [chunk, 0, total + size]
         chunk, used = got[0], got[1]
         got[1] += nbytes
         return chunk[used // dtype.itemsize:used // dtype.itemsize + n].view(shape)
@@ -74,7 +76,10 @@ def arena() -> Iterator[None]:
 
 def _zeros(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
     a = getattr(_local, "arena", None)
-    return torch.zeros(*shape, dtype=dtype, device=device) if a is None else a.zeros(shape, dtype, device)
+    if a is not None:
+        return a.zeros(shape, dtype, device)
+    with lasting():
+        return torch.zeros(*shape, dtype=dtype, device=device)
 
 
 def padded_rank(r: int) -> int:
@@ -136,7 +141,7 @@ class AdapterBank(nn.Module):
         self.ranks[slot] = r
         if m.bias is not None:
             if self.bias is None:
-                self.bias = torch.zeros(self.slots, self.B.shape[0], dtype=self.B.dtype, device=self.B.device)
+                self.bias = _zeros(self.slots, self.B.shape[0], dtype=self.B.dtype, device=self.B.device)
             self.bias[slot].copy_(m.bias)
         elif self.bias is not None:
             self.bias[slot].zero_()
@@ -147,7 +152,7 @@ class AdapterBank(nn.Module):
         """Slot `slot`'s DoRA magnitude (fdlora.layers.modules.dora), or none."""
         if m is not None and m.magnitude is not None:
             if self.magnitude is None:
-                self.magnitude = torch.zeros(self.slots, self.B.shape[0], dtype=torch.float32, device=self.B.device)
+                self.magnitude = _zeros(self.slots, self.B.shape[0], dtype=torch.float32, device=self.B.device)
             self.magnitude[slot].copy_(m.magnitude)
             self.dora_eps[slot] = float(m.dora_eps)
         else:
@@ -277,22 +282,25 @@ class AdapterBank(nn.Module):
         if slots < S0 or R < max(self.host_ranks, default=0):
             raise ValueError(f"resize to {slots} slots x rank {R} would drop loaded adapters ({S0} slots, live ranks "
                              f"{self.host_ranks}).")
-        A = self.A.new_zeros(slots, R, *self.A.shape[2:])
-        B = self.B.new_zeros(self.B.shape[0], slots, R)
         keep = min(R, R0)
-        A[:S0, :keep] = self.A[:, :keep]
-        B[:, :S0, :keep] = self.B[:, :, :keep]
-        ranks = self.ranks.new_zeros(slots)
-        ranks[:S0] = self.ranks
+        with lasting():  # every buffer made before any is replaced: a failed allocation leaves the bank as it was
+            A = self.A.new_zeros(slots, R, *self.A.shape[2:])
+            B = self.B.new_zeros(self.B.shape[0], slots, R)
+            ranks = self.ranks.new_zeros(slots)
+            bias = None if self.bias is None else self.bias.new_zeros(slots, self.bias.shape[1])
+            mag = None if self.magnitude is None else self.magnitude.new_zeros(slots, self.magnitude.shape[1])
+            A[:S0, :keep] = self.A[:, :keep]
+            B[:, :S0, :keep] = self.B[:, :, :keep]
+            ranks[:S0] = self.ranks
+            if bias is not None:
+                bias[:S0] = self.bias
+            if mag is not None:
+                mag[:S0] = self.magnitude
         self.A, self.B, self.ranks = A, B, ranks
         self.__dict__.pop("_addresses", None)
-        if self.bias is not None:
-            bias = self.bias.new_zeros(slots, self.bias.shape[1])
-            bias[:S0] = self.bias
+        if bias is not None:
             self.bias = bias
-        if self.magnitude is not None:
-            mag = self.magnitude.new_zeros(slots, self.magnitude.shape[1])
-            mag[:S0] = self.magnitude
+        if mag is not None:
             self.magnitude = mag
         self.dora_eps = self.dora_eps + [None] * (slots - S0)
         self.used = self.used + [False] * (slots - S0)
