@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-budget-gib", type=float, default=None, help="memory for merged-weight copies")
     p.add_argument("--captured", action="store_true", help="CUDA-graph captured steps (no host overhead)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--plot", default=None, help="write time vs switch frequency per strategy to FILE")
+    p.add_argument("--plot", default=None, help="draw each strategy's time per step and memory to FILE")
     p.add_argument("--calibrate", action="store_true", help="time this machine's device and save its constants")
 
 
@@ -61,5 +61,8 @@ def run(a: argparse.Namespace) -> int:
         return 2
     print(json.dumps(r.to_dict(), indent=1) if a.json else r.table())
     if a.plot:
-        r.plot(a.plot)
+        from ..plan.plot import plot
+
+        plot(r, a.plot)
+        print(f"plot (time per step vs switch frequency, memory per strategy) written to {a.plot}")
     return 0
