@@ -530,7 +530,8 @@ def verify_generation(generated: tuple[torch.Tensor, torch.Tensor], reference: t
     Returns ok, rel (err / max |oracle|), err, limit, swap, ref_err, flips (steps whose token is not the oracle's
     argmax) and a one-line note."""
     tokens, logits = generated
-    want = teacher_forced(oracle, prompts, tokens, names).double()
+    want = teacher_forced(oracle, prompts, tokens, names)
+    wide, want = str(want.dtype).removeprefix("torch."), want.double()
     ref_want = teacher_forced(oracle, prompts, reference[0], names).double()
     swapped = teacher_forced(oracle, prompts, tokens, rotated(names)).double()
     err = float((logits.double() - want).abs().max())
@@ -540,7 +541,7 @@ def verify_generation(generated: tuple[torch.Tensor, torch.Tensor], reference: t
     swap = float((swapped - want).abs().max())
     ok = bool(torch.isfinite(logits).all()) and err <= limit and err <= 0.5 * swap
     flips = int((want.argmax(-1) != tokens.t()).any(1).sum())
-    note = (f"teacher-forced vs {str(want.dtype).removeprefix('torch.')} oracle over {tokens.shape[1]} steps: "
+    note = (f"teacher-forced vs {wide} oracle over {tokens.shape[1]} steps: "
             f"err {err:.3g} (limit {limit:.3g} = 4 x PEFT's {ref_err:.3g} + 4 ulps), adapters moved one row: "
             f"{swap:.3g}; {flips} step(s) off the oracle's argmax")
     return {"ok": ok, "rel": err / scale, "err": err, "limit": limit, "swap": swap, "ref_err": ref_err,
