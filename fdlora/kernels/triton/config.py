@@ -400,9 +400,10 @@ def check_operands(op: str, y: torch.Tensor | None, x: torch.Tensor | None, A: t
 
 
 def register(spec, fn):
-    """`fn` registered as the op `spec` names (torch.library triton_op: torch.compile traces into its kernels), after
-    checking that it takes the contract's parameters (fdlora.kernels.ops)."""
+    """`fn` registered as the op `spec` names (torch.library triton_op: torch.compile traces into its kernels), with
+    the contract's signature and schema (fdlora.kernels.ops): `fn` takes the same parameters, unannotated."""
     params = tuple(inspect.signature(fn).parameters)
     if params != spec.params:
         raise TypeError(f"Triton {spec.name}{params} does not take the contract's parameters {spec.params}")
+    fn.__signature__ = inspect.signature(spec.reference, eval_str=True)
     return triton_op(spec.qualname, fn, mutates_args=set(spec.mutates))

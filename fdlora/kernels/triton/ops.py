@@ -85,15 +85,7 @@ def lora_shrink_split(
         return _shrink.lora_shrink_split(x, A, row_slot)
 
 
-def prepare_delta_rows(
-    y: torch.Tensor,  # [M, N], updated in place
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    row_slot: torch.Tensor,  # [M] int32, -1 = none
-    ranks: torch.Tensor,  # [S] int32
-):
+def prepare_delta_rows(y, x, A, B, scale, row_slot, ranks):  # lora_delta_rows' parameters
     """lora_delta_rows now, and for plain eager calls the same launch kept ready, else None: `ready(y, x, scale,
     row_slot)` replays it on new tensors of the same shapes, strides and dtypes (False, launching nothing, if
     their alignment changed). An eager decode step replays one launch per layer without re-deriving it
@@ -105,18 +97,9 @@ def prepare_delta_rows(
     return None
 
 
-def lora_merge(
-    out: torch.Tensor,  # [N, K] written in place
-    W: torch.Tensor,  # [N, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    ranks: torch.Tensor,  # [S] int32
-    stamp: torch.Tensor | None = None,  # [S + 2] int32: merge only if scale / version differ from it, then stamp
-    version: torch.Tensor | None = None,  # [1] int32, with stamp: the bank's device-side version
-) -> torch.Tensor:
-    """W' = W + sum_s scale[s] B_s A_s into `out`: the merged-weight cache's refresh (fdlora.layers.fastpath.merged), called
-    eagerly or from inside the opaque fdlora::merged_linear op, so it needs no torch.library registration of its
+def lora_merge(out, W, A, B, scale, ranks, stamp=None, version=None) -> torch.Tensor:  # the contract's op
+    """W' = W + sum_s scale[s] B_s A_s into `out`: the merged-weight cache's refresh (fdlora.layers.fastpath.merged),
+    called eagerly or from inside the opaque fdlora::merged_linear op, so it needs no torch.library registration of its
     own. With a stamp it checks on the device whether anything changed since the last merge and skips if not."""
     ones = _ones(A.shape[0], A.device)
     with set_wrap_triton_enabled(False):
@@ -124,16 +107,7 @@ def lora_merge(
     return out
 
 
-def prepare_merge(
-    out: torch.Tensor,  # [N, K] written in place
-    W: torch.Tensor,  # [N, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    ranks: torch.Tensor,  # [S] int32
-    stamp: torch.Tensor,  # [S + 2] int32
-    version: torch.Tensor,  # [1] int32
-) -> C.Prepared | None:
+def prepare_merge(out, W, A, B, scale, ranks, stamp, version) -> C.Prepared | None:  # lora_merge's
     """lora_merge with a stamp now, and the same launch kept ready with every argument bound (None where none can
     be kept): the device-checked cache of compiled and captured calls replays it every call, since the launch
     derivation (operand checks, Triton's binder) cost ~80 us of host time per layer per step."""

@@ -92,16 +92,8 @@ def lora_delta_kernel(
 _KERNELS = C.kernels(lora_delta_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX", "S_PAD"], restore_value=["y_ptr"])
 
 
-def launch_fused(
-    y: torch.Tensor,  # [M, N]
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32
-    ranks: torch.Tensor,  # [S] int32
-    config: triton.Config | None = None,  # run this config instead of the tuned one (sweeps)
-) -> None:
+def launch_fused(y, x, A, B, scale, group_weight, ranks, config: triton.Config | None = None) -> None:
+    """lora_delta in one launch (operands and shapes as fdlora.kernels.ops); `config` instead of the tuned one."""
     M, N = C.dims(y)
     S, R, K = C.dims(A)
     G = C.dims(group_weight)[0]
@@ -122,15 +114,7 @@ def launch_fused(
     )
 
 
-def lora_delta(
-    y: torch.Tensor,  # [M, N], updated in place
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32, G divides M
-    ranks: torch.Tensor,  # [S] int32
-) -> None:
+def lora_delta(y, x, A, B, scale, group_weight, ranks) -> None:  # the contract's op: fdlora.kernels.ops.lora_delta
     C.check_operands("lora_delta", y, x, A, B, scale=scale, group_weight=group_weight, ranks=ranks)
     M, N = C.dims(y)
     S, R, K = C.dims(A)

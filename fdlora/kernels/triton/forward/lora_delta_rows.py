@@ -88,18 +88,9 @@ _KERNELS = C.kernels(lora_delta_rows_kernel, C.DELTA, key=["M_BUCKET", "K", "N",
 KEEP = (0, 1, 4, 5)  # y, x, scale, row_slot: the arguments a kept launch takes anew per call
 
 
-def launch_rows(
-    y: torch.Tensor,  # [M, N], updated in place
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    row_slot: torch.Tensor,  # [M] int32, -1 = none
-    ranks: torch.Tensor,  # [S] int32
-    keep: bool = False,
-    config: triton.Config | None = None,  # run this config instead of the tuned one (sweeps)
-) -> C.Prepared | None:
-    """Launch lora_delta_rows; with `keep`, also return the launch kept ready for repeats on other y, x, scale
+def launch_rows(y, x, A, B, scale, row_slot, ranks, keep: bool = False,
+                config: triton.Config | None = None) -> C.Prepared | None:
+    """Launch lora_delta_rows (operands and shapes as fdlora.kernels.ops); with `keep`, also return the launch kept ready for repeats on other y, x, scale
     and row_slot of the same shapes, strides and dtypes (a C.Prepared called as ready(y, x, scale, row_slot)),
     or None (not launched to a compiled kernel yet: the autotuner's first call, the interpreter, tracing)."""
     C.check_operands("lora_delta_rows", y, x, A, B, scale=scale, row_slot=row_slot, ranks=ranks)
@@ -130,15 +121,7 @@ def launch_rows(
     )
 
 
-def lora_delta_rows(
-    y: torch.Tensor,  # [M, N], updated in place
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    row_slot: torch.Tensor,  # [M] int32, -1 = none
-    ranks: torch.Tensor,  # [S] int32
-) -> None:
+def lora_delta_rows(y, x, A, B, scale, row_slot, ranks) -> None:  # the contract's op: fdlora.kernels.ops.lora_delta_rows
     launch_rows(y, x, A, B, scale, row_slot, ranks)
 
 

@@ -105,14 +105,8 @@ def slot_view(h: torch.Tensor, M: int, S: int, R: int) -> torch.Tensor | None:
     return h if h.dim() == 4 else h.unsqueeze(0)
 
 
-def launch_expand_add(
-    y: torch.Tensor,  # [M, N]
-    h: torch.Tensor,  # [P, M, S*R] fp32 (partial sums) or [M, S*R], or [M, S, R] / [P, M, S, R] (any strides)
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32
-    ranks: torch.Tensor | None = None,  # [S] int32; None: every slot uses all R columns
-) -> None:
+def launch_expand_add(y, h, B, scale, group_weight, ranks: torch.Tensor | None = None) -> None:
+    """lora_expand_add's launch (operands and shapes as fdlora.kernels.ops); with ranks it skips dead slots."""
     M, N = C.dims(y)
     _, S, R = C.dims(B)
     h4 = slot_view(h, M, S, R)
@@ -135,14 +129,7 @@ def launch_expand_add(
     )
 
 
-def lora_expand_add(
-    y: torch.Tensor,  # [M, N], updated in place
-    h: torch.Tensor,  # [M, S*R] fp32, or [P, M, S*R]: partial sums (lora_shrink_split), added here; or [M, S, R] /
-    # [P, M, S, R] with any strides (a member's columns of lora_shrink_split's slot-major h by row)
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32
-) -> None:
+def lora_expand_add(y, h, B, scale, group_weight) -> None:  # the contract's op: fdlora.kernels.ops.lora_expand_add
     C.check_operands("lora_expand_add", y, None, None, B, scale=scale, group_weight=group_weight, h=h)
     M, N = C.dims(y)
     _, S, R = C.dims(B)

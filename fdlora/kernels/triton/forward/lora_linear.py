@@ -258,18 +258,10 @@ _KERNELS = C.kernels(lora_linear_kernel, CONFIGS, key=["M_BUCKET", "K", "N", "RM
 _JIT = _KERNELS[(False, False)].fn  # the jitted kernel (every autotuner above wraps this one)
 
 
-def launch_lora_linear(
-    x: torch.Tensor,  # [M, K]
-    W: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32
-    ranks: torch.Tensor,  # [S] int32
-    pre: bool = False,
-    config: triton.Config | None = None,  # run this config instead of autotuning (tests, sweeps)
-) -> torch.Tensor:  # [M, N]
+def launch_lora_linear(x, W, bias, A, B, scale, group_weight, ranks, pre: bool = False,
+                       config: triton.Config | None = None) -> torch.Tensor:
+    """lora_linear's fused launch (operands and shapes as fdlora.kernels.ops): `pre` runs the shrink first and the
+    GEMM with the expand in its epilogue; `config` runs that config instead of autotuning (tests, sweeps)."""
     M, K = x.shape
     N = W.shape[0]
     S, R, _ = A.shape
@@ -357,16 +349,7 @@ def run_path(
     return y
 
 
-def lora_linear(
-    x: torch.Tensor,  # [M, K]
-    W: torch.Tensor,  # [N, K] base weight, untouched
-    bias: torch.Tensor | None,  # [N]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32, G divides M
-    ranks: torch.Tensor,  # [S] int32
-) -> torch.Tensor:  # [M, N]
+def lora_linear(x, W, bias, A, B, scale, group_weight, ranks) -> torch.Tensor:  # the contract's op: fdlora.kernels.ops.lora_linear
     check_linear(x, W, bias, A, B, scale, group_weight, ranks)
     M, K = C.dims(x)  # plain ints: the plan and the launch are per concrete shape
     N = C.dims(W)[0]

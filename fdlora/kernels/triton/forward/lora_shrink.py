@@ -77,14 +77,10 @@ def k_splits(M: int, K: int, S: int, R: int, sms: int) -> int:
     return max(1, min(C.cdiv(K, 256), sms // progs))
 
 
-def launch_shrink(
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    scale: torch.Tensor | None = None,  # [S] fp32: skip slots at 0 (their columns stay unwritten)
-    ranks: torch.Tensor | None = None,  # [S] int32: skip rank padding
-    row_slot: torch.Tensor | None = None,  # [M] int32: row m for slot row_slot[m] only (-1: none; the rest unwritten)
-    most: int | None = None,  # at most this many partial sums (None: k_splits alone decides)
-) -> torch.Tensor:  # [P, M, S*R] fp32 partial sums
+def launch_shrink(x, A, scale: torch.Tensor | None = None, ranks: torch.Tensor | None = None,
+                  row_slot: torch.Tensor | None = None, most: int | None = None) -> torch.Tensor:
+    """lora_shrink's launch (operands and shapes as fdlora.kernels.ops); with scale and ranks the shrink skips dead
+    slots' columns, with row_slot each row computes its own slot's only, `most` caps the K-split parts."""
     M, K = C.dims(x)
     S, R, _ = C.dims(A)
     RC = C.rank_tile(R)
@@ -135,11 +131,7 @@ def _partials(x: torch.Tensor, A: torch.Tensor, row_slot: torch.Tensor | None, m
     return launch_shrink(x, _wide(A), most=most)
 
 
-def lora_shrink_split(
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-    row_slot: torch.Tensor | None = None,  # [M] int32, -1 = none: row m's columns of its own slot only
-) -> torch.Tensor:  # [P, M, S*R] fp32: P partial sums over K (1 <= P <= SPLIT_KEEP), which lora_expand_add adds
+def lora_shrink_split(x, A, row_slot: torch.Tensor | None = None) -> torch.Tensor:
     """lora_shrink without the sum of its K-split partials: for a caller that hands h straight to lora_expand_add
     (fdlora.layers.modules.shared_shrink), one launch fewer. K is split in at most SPLIT_KEEP parts: the expand adds the partials one
     load after another in each program (decode's 16 made Llama-3-8B gate/up's two expands 48 vs 30 us on an H100),
@@ -153,10 +145,7 @@ def lora_shrink_split(
     return _partials(x, A, row_slot, SPLIT_KEEP)
 
 
-def lora_shrink(
-    x: torch.Tensor,  # [M, K]
-    A: torch.Tensor,  # [S, R, K]
-) -> torch.Tensor:  # [M, S*R] fp32
+def lora_shrink(x, A) -> torch.Tensor:  # the contract's op: fdlora.kernels.ops.lora_shrink
     """h = x A^T: as many K-split partials as cover the GPU (k_splits, not capped: the sum launch is paid anyway),
     then their sum."""
     h = _partials(x, A, None, None)
