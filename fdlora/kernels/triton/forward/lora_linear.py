@@ -315,18 +315,9 @@ def check_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A:
         raise C.FdLoraError(f"fdlora triton lora_linear: {why}")
 
 
-def run_path(
-    path: str,
-    x: torch.Tensor,  # [M, K]
-    W: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    A: torch.Tensor,  # [S, R, K]
-    B: torch.Tensor,  # [N, S, R]
-    scale: torch.Tensor,  # [S] fp32
-    group_weight: torch.Tensor,  # [G, S] fp32
-    ranks: torch.Tensor,  # [S] int32
-) -> torch.Tensor:  # [M, N]
-    """Run one dispatch path (see lora_linear_dispatch.PATHS); all of them compute the same y."""
+def run_path(path: str, x, W, bias, A, B, scale, group_weight, ranks) -> torch.Tensor:
+    """Run one dispatch path (see lora_linear_dispatch.PATHS) on lora_linear's operands (shapes as
+    fdlora.kernels.ops); all of them compute the same y."""
     if path in ("fused", "fused_pre"):
         return launch_lora_linear(x, W, bias, A, B, scale, group_weight, ranks, pre=path == "fused_pre")
     if path == "merged":
