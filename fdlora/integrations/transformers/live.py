@@ -9,9 +9,13 @@ attach step (`attach.attach_live`) swaps them and loads the adapters, so a refus
 PEFT model as it was.
 
 Scales: PEFT's current scale of a layer is (alpha / r or alpha / sqrt(r)) * w, where w comes from
-`set_scale` (diffusers' set_adapters weights). A w shared by every layer of an active adapter
-becomes its fd-lora weight; any other w (block-wise weights, an inactive adapter's scale) is folded
-into that module's alpha, so every mode, adapter_names included, computes what PEFT computed.
+`set_scale` (diffusers' set_adapters weights, component and block dicts included). The adapters keep
+their own alpha; w is a weight, never part of the adapter: the w of each active adapter becomes its
+fd-lora blend weight (one number when every layer has the same, else per layer: `LayerWeights`), and an
+inactive adapter's last w is dropped (diffusers and PEFT set it again when they activate it). So blends
+compute what PEFT computed, and a later `fdlora.set_adapters(names, weights)` means what diffusers' and
+PEFT's `set_adapters(names, weights)` mean: weight * alpha / r. Per-sample calls (adapter_names) run
+each adapter at alpha / r, as fd-lora's per-sample calls always do.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from fdlora.layers.modules.fused import check_fits, spec_of
 @dataclass
 class _Live:
     modules: dict[str, ModuleLora] = field(default_factory=dict)
-    ratios: dict[str, float] = field(default_factory=dict)  # path -> PEFT's current scale / alpha-over-r scale
+    ratios: dict[str, float] = field(default_factory=dict)  # path -> PEFT's current scale / alpha-over-r (its w)
     rslora: bool = False
     saved: dict[str, nn.Module] = field(default_factory=dict)
 
@@ -58,10 +62,10 @@ def root_and_configs(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def adapter_from_peft(model: nn.Module, adapter_name: str = "default") -> LoraAdapter:
-    """A `LoraAdapter` with the exact weights and current scaling of `adapter_name` in a PEFT model.
+    """A `LoraAdapter` with the exact weights and scaling of `adapter_name` in a PEFT model.
 
-    The scale PEFT applies (alpha/r, alpha/sqrt(r) for rsLoRA, times any `set_scale`) is kept
-    exactly by storing alpha = scaling * r.
+    PEFT's scale at weight 1 (alpha/r, alpha/sqrt(r) for rsLoRA) is kept exactly by storing alpha = that scale
+    * r; a weight set on the layers (`set_scale`, diffusers' set_adapters) is not part of the adapter.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -75,11 +79,17 @@ def adapter_from_peft(model: nn.Module, adapter_name: str = "default") -> LoraAd
             B_mod = layer.lora_B[adapter_name]
             bias = B_mod.bias.detach() if getattr(B_mod, "bias", None) is not None else None
             r = int(layer.r[adapter_name])
-            modules[path] = params.module_lora(path, layer, adapter_name, float(layer.scaling[adapter_name]) * r,
+            modules[path] = params.module_lora(path, layer, adapter_name, _unit(layer, adapter_name) * r,
                                                bias, _magnitude(layer, adapter_name), f"adapter {adapter_name!r}")
     if not modules:
         raise FormatError(f"the PEFT model holds no LoRA adapter named {adapter_name!r}.")
     return LoraAdapter(modules, name=adapter_name, provenance=Provenance(source="<peft model>", format="peft-live"))
+
+
+def _unit(layer: nn.Module, name: str) -> float:
+    """PEFT's scale of adapter `name` in `layer` at weight 1: alpha / r, or alpha / sqrt(r) for rsLoRA."""
+    r, alpha = int(layer.r[name]), float(layer.lora_alpha[name])
+    return alpha / (math.sqrt(r) if layer.use_rslora.get(name, False) else r)
 
 
 def _magnitude(layer: nn.Module, name: str):
@@ -95,7 +105,7 @@ class LiveRead:
 
     root: nn.Module  # the model whose module paths the adapters use (inside any PeftModel wrapper)
     loads: list[tuple[str, PeftLoad]]  # (adapter name, its load), every adapter
-    weights: dict[str, float]  # active adapter -> its fd-lora blend weight
+    weights: dict[str, Weight]  # active adapter -> its fd-lora blend weight
     disabled: bool  # PEFT's disable_adapters flag
     originals: dict[str, nn.Module]  # path of a PEFT wrapper -> the module to put back
 
@@ -120,7 +130,7 @@ def _read_layer(path: str, layer: nn.Module, adapters: dict[str, _Live]) -> None
                                           f"({type(layer).__name__}); fd-lora serves Linear, Conv1D, Conv2d, MoE "
                                           "routers and fused expert parameters.")
         b_mod = layer.lora_B[name]
-        r, alpha = int(layer.r[name]), float(layer.lora_alpha[name])
+        alpha = float(layer.lora_alpha[name])
         rs = bool(layer.use_rslora.get(name, False))
         bias = b_mod.bias.detach() if getattr(layer, "lora_bias", {}).get(name) and b_mod.bias is not None else None
         m = params.module_lora(path, layer, name, alpha, bias, _magnitude(layer, name), what)
@@ -128,7 +138,7 @@ def _read_layer(path: str, layer: nn.Module, adapters: dict[str, _Live]) -> None
             check_fits(spec, m, path, what)
         live = adapters.setdefault(name, _Live(rslora=rs))
         live.modules[path] = m
-        live.ratios[path] = float(layer.scaling[name]) / (alpha / (math.sqrt(r) if rs else r))
+        live.ratios[path] = float(layer.scaling[name]) / _unit(layer, name)
 
 
 def _read(root: nn.Module) -> tuple[dict[str, _Live], list[str], bool, dict[str, nn.Module]]:
@@ -169,18 +179,28 @@ def _read(root: nn.Module) -> tuple[dict[str, _Live], list[str], bool, dict[str,
     return adapters, active, disabled, originals
 
 
-def _weights(adapters: dict[str, _Live], active: list[str]) -> dict[str, float]:
-    """Fold non-shared scales into alpha (see module docstring); returns the fd-lora weight of each active adapter."""
-    weights = {}
-    for name, live in adapters.items():
+class LayerWeights(dict):
+    """Block-wise blend weights read off PEFT layers: layer path -> weight, called with a layer's path by
+    `set_adapters` (fdlora.layers.model.handle); 1.0 for layers the adapter does not touch (their scale is 0)."""
+
+    def __call__(self, path: str) -> float:
+        return self.get(path, 1.0)
+
+
+Weight = float | LayerWeights
+
+
+def _weights(adapters: dict[str, _Live], active: list[str]) -> dict[str, Weight]:
+    """The fd-lora blend weight of each active adapter: its PEFT w, one number when every layer has the same, else
+    per layer (see the module docstring). Inactive adapters' w are not kept."""
+    weights: dict[str, Weight] = {}
+    for name in active:
+        live = adapters.get(name)
+        if live is None:
+            continue
         ratios = set(live.ratios.values())
-        shared = len(ratios) == 1 and name in active
-        if shared:
-            weights[name] = ratios.pop()
-        else:
-            for path, m in live.modules.items():
-                m.alpha *= live.ratios[path]
-    return {n: weights.get(n, 1.0) for n in active if n in adapters}
+        weights[name] = ratios.pop() if len(ratios) == 1 else LayerWeights(live.ratios)
+    return weights
 
 
 def read_live(model: nn.Module) -> LiveRead:

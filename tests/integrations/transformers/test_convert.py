@@ -61,7 +61,8 @@ def test_from_peft_keeps_outputs_and_adapters(case_id):
 
 
 def test_from_peft_keeps_weights_blends_and_disabled():
-    """Scales PEFT carries (set_scale: shared -> fd-lora weight, block-wise -> folded in) and the disabled flag."""
+    """Weights PEFT carries (set_scale: shared -> the fd-lora weight, block-wise -> a weight per layer; the adapters
+    keep their alpha) and the disabled flag."""
     peft_model = peft_copy("llama")
     lora = peft_model.base_model
     lora.set_adapter(["one", "two"])
@@ -75,13 +76,23 @@ def test_from_peft_keeps_weights_blends_and_disabled():
         before = lora(**inputs).logits
         lora.disable_adapter_layers()
         off = lora(**inputs).logits
+    ref = copy.deepcopy(lora)
+    ref.enable_adapter_layers()
     model = fdlora.from_peft(lora)  # a LoraModel works as well as a PeftModel
     h = fdlora.handle(model)
-    assert h.state.active == {"one": 0.5, "two": 1.0} and not h.state.enabled
+    two = h.state.active["two"]
+    assert h.state.active["one"] == 0.5 and not h.state.enabled
+    assert two and all(w == (2.0 if "layers.0." in p else -1.0) for p, w in two.items())
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, off)
         fdlora.enable(model)
         assert torch.allclose(model(**inputs).logits, before, rtol=1e-5, atol=1e-5)
+        for m in ref.modules():  # weight 1 in PEFT is weight 1 in fd-lora: alpha / r, nothing folded in
+            if isinstance(m, LoraLayer):
+                for n in m.lora_A:
+                    m.set_scale(n, 1.0)
+        fdlora.set_adapters(model, ["one", "two"], [1.0, 1.0])
+        assert torch.allclose(model(**inputs).logits, ref(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_from_peft_refuses_other_variants_and_leaves_the_model_alone():
