@@ -88,7 +88,10 @@ def test_captions_name_adapters_and_weights_and_measure_colour():
     pytest.importorskip("PIL")
     import torch
 
-    from fdlora.apps.quickstart.captions import blend_sweep_grid, captioned_image, describe
+    try:  # the quickstart as a package (captions.py in it), or as modules beside each other
+        from fdlora.apps.quickstart.captions import blend_sweep_grid, captioned_image, describe
+    except ImportError:
+        from fdlora.apps.quickstart_captions import blend_sweep_grid, captioned_image, describe
 
     assert describe({"warm": 0.75, "cool": 0.25}) == "warm 0.75 + cool 0.25"
     assert describe(None) == "no adapter" and describe("pixel") == "pixel 1"
