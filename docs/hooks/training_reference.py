@@ -88,6 +88,7 @@ def _default(schema, cfg, section: str, key: str) -> str:
 
 def render() -> str:
     import dataclasses
+    import textwrap
 
     from fdlora.training import schema
 
@@ -100,7 +101,7 @@ def render() -> str:
         "Unknown keys are refused with a *did you mean*. The schema's own summary:",
         "",
         "```text",
-        schema.__doc__.split("\n\n")[1].rstrip(),
+        textwrap.dedent(schema.__doc__.split("\n\n")[1]).rstrip(),
         "```",
         "",
     ]
