@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_caption:
         image.save(out)
     else:  # a caption row under the image: its adapters and weights, the prompt, the steps and seed
-        from .quickstart_captions import captioned_image
+        from .quickstart.captions import captioned_image
 
         used = {a.name: a.weight for a in cfg.adapters}
         captioned_image(image, used, prompt=cfg.prompt, extra=f"{cfg.steps} steps, seed {cfg.seed}").save(out)

@@ -9,7 +9,7 @@ pytest.importorskip("diffusers")
 
 
 def test_fullsize_section_runs_at_toy_widths(capsys):
-    from fdlora.apps.quickstart_fullsize import run
+    from fdlora.apps.quickstart.fullsize import run
 
     assert run(rounds=1, device="cpu", tiny=True)
     out = capsys.readouterr().out

@@ -10,7 +10,7 @@ pytest.importorskip("diffusers")
 
 
 def test_palette_sweep_is_monotonic_and_the_quickstart_passes(tmp_path, capsys):
-    from fdlora.apps.quickstart_pipeline import run
+    from fdlora.apps.quickstart.pipeline import run
 
     assert run(tmp_path, repeats=1) is True  # checks: equal to diffusers+PEFT, per-prompt, monotonic sweep
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..testing import median_ms
+from ...testing import median_ms
 
 REPOS = {"warm": "fdlora-demo/warm-palette", "cool": "fdlora-demo/cool-palette"}
 PALETTES = {"warm": (0.9, 0.3, 0.2), "cool": (0.2, 0.4, 0.9)}
@@ -27,7 +27,7 @@ def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
     from fdlora.fixtures.localcache import populate
     from fdlora.training import palette
 
-    from .quickstart_captions import blend_sweep_grid, captioned_grid, describe
+    from .captions import blend_sweep_grid, captioned_grid, describe
 
     out_dir.mkdir(parents=True, exist_ok=True)
     base = tiny.sd15().to(device)

@@ -10,7 +10,7 @@ import statistics
 
 import torch
 
-from ..testing import step_ms
+from ...testing import step_ms
 
 
 def _shared_copy(model):

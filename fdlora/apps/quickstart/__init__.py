@@ -2,7 +2,7 @@
 fd-lora serving them with the same outputs, blends, instant weight changes and per-sample rows.
 
 Nothing is downloaded; it runs on CPU in well under a minute. With CUDA the pipeline part runs on the GPU and a
-full-size SDXL UNet section follows (quickstart_fullsize.py).
+full-size SDXL UNet section follows (fullsize.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..testing import median_ms
+from ...testing import median_ms
 
 SEQ, BATCH = 32, 3
 
@@ -73,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
     if args.part in ("all", "llm"):
         ok &= run_llm(args)
     if args.part in ("all", "pipeline"):
-        from .quickstart_pipeline import run as run_pipeline
+        from .pipeline import run as run_pipeline
 
         ok &= run_pipeline(args.out, repeats=max(3, args.repeats // 4), device=args.device)
     if args.part in ("all", "fullsize") and args.device == "cuda":
-        from .quickstart_fullsize import run as run_fullsize
+        from .fullsize import run as run_fullsize
 
         ok &= run_fullsize()
     print("\nquickstart:", "all checks passed" if ok else "SOME CHECKS FAILED")
