@@ -53,20 +53,27 @@ MODEL_NAMES = {"sdxl": "SDXL UNet fp16, batch 2, 1024²", "flux": "Flux-dev bf16
 
 
 # Full-size cases on an H200, each run alone in a fresh process (median of per-round ratios, interleaved with a
-# deep-copied base), at commit 997cd6a with bench_fullsize.py; where three runs spread, the slowest is drawn.
-# Kept here until those runs are committed as JSON.
-# (model, label, fd-lora, reference or None)
+# deep-copied base), at commit 997cd6a with bench_fullsize.py; where three runs spread, the slowest is drawn. A case
+# that results/nvidia-h200/fullsize.json holds (measured the same way, at a later commit) replaces its row here.
+# (model, case in fullsize.json, label, fd-lora, reference or None)
 H200_ALONE = {"commit": "997cd6a", "rows": [
-    ("sdxl", "1 adapter", 1.07, 1.97), ("sdxl", "4-adapter blend", 1.05, 4.29),
-    ("sdxl", "per-prompt, 2 prompts", 1.70, None), ("sdxl", "per-prompt, 2 prompts x CFG", 1.48, None),
-    ("sdxl", "slider moved every step", 1.11, None), ("sdxl", "no merged-weight cache", 3.2, None),
-    ("flux", "1 adapter", 1.00, 1.16), ("flux", "4-adapter blend", 1.00, 1.66),
-    ("flux", "per-prompt, 2 prompts", 1.01, None), ("flux", "slider moved every step", 1.09, None),
-    ("flux", "no merged-weight cache", 1.42, None),
-    ("llama", "decode 32x1, 1 adapter", 1.05, 1.93), ("llama", "decode 32x1, 4 adapters by row", 1.63, 9.3),
-    ("llama", "generate, 4 adapters by row", 1.56, 8.5), ("llama", "prefill 2048, 1 adapter", 1.00, None),
-    ("llama", "prefill 2048, no merged cache", 1.21, None), ("llama", "decode 32x1, no merged cache", 1.60, None),
+    ("sdxl", "cache_1", "1 adapter", 1.07, 1.97), ("sdxl", "cache_blend4", "4-adapter blend", 1.05, 4.29),
+    ("sdxl", "per_prompt_2", "per-prompt, 2 prompts", 1.70, None),
+    ("sdxl", "per_prompt_cfg", "per-prompt, 2 prompts x CFG", 1.48, None),
+    ("sdxl", "slider_every_step", "slider moved every step", 1.11, None),
+    ("sdxl", "nocache_1", "no merged-weight cache", 3.2, None),
+    ("flux", "cache_1", "1 adapter", 1.00, 1.16), ("flux", "cache_blend4", "4-adapter blend", 1.00, 1.66),
+    ("flux", "per_prompt_2", "per-prompt, 2 prompts", 1.01, None),
+    ("flux", "slider_every_step", "slider moved every step", 1.09, None),
+    ("flux", "nocache_1", "no merged-weight cache", 1.42, None),
+    ("llama", "decode32_1", "decode 32x1, 1 adapter", 1.05, 1.93),
+    ("llama", "decode32_mixed4", "decode 32x1, 4 adapters by row", 1.63, 9.3),
+    ("llama", "generate16_mixed4", "generate, 4 adapters by row", 1.56, 8.5),
+    ("llama", "prefill2048_1", "prefill 2048, 1 adapter", 1.00, None),
+    ("llama", "prefill2048_nocache_1", "prefill 2048, no merged cache", 1.21, None),
+    ("llama", "decode32_nocache_1", "decode 32x1, no merged cache", 1.60, None),
 ]}
+MIN_TABLE_CASES = 4  # a fullsize.json with fewer fd-lora cases is drawn through H200_ALONE-style overrides only
 
 
 def _plt():
@@ -117,7 +124,8 @@ def _bars(ax, labels, fd, ref, ref_label="diffusers+PEFT", xlabel="x base step (
 
 def plot_fullsize(gpu: str, out: Path) -> list[Path]:
     data = _load(gpu, "fullsize.json")
-    if not data:
+    if not data or sum(1 for m, c, _, _ in FULLSIZE_CASES if any(
+            (x["model"], x["case"]) == (m, c) for x in data["cases"])) < MIN_TABLE_CASES:
         return []
     plt = _plt()
     rows = {(c["model"], c["case"]): c["x_base"] for c in data["cases"]}
@@ -144,13 +152,22 @@ def plot_fullsize(gpu: str, out: Path) -> list[Path]:
 
 def plot_h200_alone(out: Path) -> list[Path]:
     plt = _plt()
-    models = list(dict.fromkeys(m for m, *_ in H200_ALONE["rows"]))
-    counts = [sum(1 for m, *_ in H200_ALONE["rows"] if m == mm) for mm in models]
+    committed = _load("nvidia-h200", "fullsize.json") or {"cases": []}
+    newer = {(c["model"], c["case"]): c for c in committed["cases"]}
+    rows = []
+    for model, case, label, fd, ref in H200_ALONE["rows"]:
+        c = newer.get((model, case))
+        if c is not None:
+            sha = str(c.get("git_sha") or committed.get("git_sha") or "")[:7]
+            label, fd = f"{label} (at {sha})" if sha else label, c.get("x_base_max", c["x_base"])
+        rows.append((model, label, fd, ref))
+    models = list(dict.fromkeys(r[0] for r in rows))
+    counts = [sum(1 for r in rows if r[0] == mm) for mm in models]
     fig, axes = plt.subplots(len(models), 1, figsize=(7.5, 1.0 + 0.42 * sum(counts) + 0.5 * len(models)),
                              gridspec_kw={"height_ratios": counts})
     for ax, model in zip(axes, models):
-        rows = [r for r in H200_ALONE["rows"] if r[0] == model]
-        _bars(ax, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+        mine = [r for r in rows if r[0] == model]
+        _bars(ax, [r[1] for r in mine], [r[2] for r in mine], [r[3] for r in mine],
               ref_label="PEFT" if model == "llama" else "diffusers+PEFT")
         ax.set_title(MODEL_NAMES[model], loc="left", fontsize=9, fontweight="bold")
         ax.set_xscale("log")
@@ -158,8 +175,8 @@ def plot_h200_alone(out: Path) -> list[Path]:
         ax.set_xticks([1, 1.5, 2, 4, 8], ["1", "1.5", "2", "4", "8"])
         ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.suptitle(f"Full-size step time, H200: x the base step, lower is better\n(each case alone in a fresh "
-                 f"process, at {H200_ALONE['commit']}; per-prompt, no-cache and mixed decode rows are slower than "
-                 f"in the H100 table)", fontsize=9, x=0.02, ha="left")
+                 f"process, at {H200_ALONE['commit']} unless a row says; the slowest of three runs; per-prompt, "
+                 f"no-cache and mixed decode rows are slower than in the H100 table)", fontsize=9, x=0.02, ha="left")
     fig.tight_layout()
     return _save(fig, out, "x_base_h200_alone")
 
