@@ -102,6 +102,8 @@ def run(out_dir: Path, repeats: int = 5, device: str = "cpu") -> bool:
     print(f"\n  {f'timing (median ms, {device})':46s} {'fd-lora':>10s} {'diffusers+PEFT':>15s}")
     for what, fd, dp in rows:
         print(f"  {what:46s} {fd:10.3f} {dp:15.3f}")
+    if device == "cpu":
+        print("  (CPU, 64x64 tiny UNet: the generate row measures overheads; see docs/performance.md)")
     ok = max(diffs) < 1e-4 and per_prompt < 1e-4 and monotonic
     print("  pipeline part:", "all checks passed" if ok else "SOME CHECKS FAILED")
     return ok
