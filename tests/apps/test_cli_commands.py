@@ -86,7 +86,7 @@ prompt: a cat
 steps: 2
 output: {tmp_path / "out.png"}
 """)
-    assert main(["run", str(cfg)]) == 0
+    assert main(["run", str(cfg), "--no-caption"]) == 0
     assert "saved to" in capsys.readouterr().out
     assert Image.open(tmp_path / "out.png").size == (64, 64)
     from fdlora.kernels import set_backend

@@ -41,7 +41,19 @@ from dataclasses import dataclass
 import torch
 
 from fdlora import env
-from fdlora.kernels.costmodel import (
+from fdlora.kernels.costmodel import (  # noqa: F401  the one cost model, shared with `fdlora plan` (re-exported)
+    CALIBRATED,
+    DELTA_GBS,
+    DELTA_TFLOPS,
+    FUSED_BN,
+    HBM_GBS,
+    K_HALF,
+    L2_BYTES,
+    LAUNCH_US,
+    MERGE_US_PER_MEL,
+    MERGE_US_PER_MEL_RANK,
+    PEAK_TFLOPS,
+    TRITON_GEMM_SLOWDOWN,
     Problem,
     estimate,
     profile,
