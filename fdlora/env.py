@@ -153,7 +153,7 @@ def train_backward() -> str:
     GEMMs in the activations' dtype, fdlora.kernels.ops.lora_train.lora_train_linear_backward_blas) or
     "triton" (the two-pass fused kernels of fdlora.kernels.triton.train.lora_backward: one read of gy, one of u, split-K
     partial sums instead of atomics; still slower than the cuBLAS path at every measured Llama-3-8B layer shape on an
-    H100, 0.21-0.41 vs 0.15-0.26 ms: benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward.json)."""
+    H100, 0.21-0.41 vs 0.15-0.26 ms: benchmarks/probes/sweep_train_backward.py)."""
     raw = os.environ.get(TRAIN_BACKWARD_VAR, "blas").strip().lower()
     return raw if raw in ("blas", "triton") else "blas"
 

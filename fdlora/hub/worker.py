@@ -3,8 +3,8 @@
 Why: an eager step of a full-size model is host-bound, and the Python thread that issues it releases the GIL at
 every torch op. Any Python this process runs meanwhile (a reading thread's per-tensor loops, safetensors' reads,
 the format's key mapping) takes the GIL at those releases and keeps it until its own next release, so the
-serving thread waits in turns: on an H100 host a busy Python thread made SDXL steps 300x slower
-(benchmarks/results/nvidia-h100-80gb-hbm3/prefetch_stall.json, "gil"), a thread reading an adapter 2.15x. In a
+serving thread waits in turns: on an H100 host a busy Python thread made SDXL steps 300x slower, a thread
+reading an adapter 2.15x (benchmarks/probes/probe_prefetch_stall.py). In a
 separate process that work takes no GIL of ours.
 
 The result comes back without a copy and without per-tensor work here. The reader converts, then asks for a

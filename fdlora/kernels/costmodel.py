@@ -2,7 +2,7 @@
 import this same code, so the path a layer takes and the time the planner predicts for it cannot drift apart.
 
 Times are microseconds from a roofline: a GEMM runs at a K-dependent share of peak tensor-core rate or at
-the bytes it moves, whichever is longer, plus a launch. Every constant names the run it was fitted to. The
+the bytes it moves, whichever is longer, plus a launch. Every constant names the GPU and bench it was fitted to. The
 module constants are the H100 SXM values the dispatcher has always used; `Device` carries the same numbers
 for other GPUs (fdlora.plan.devices) and `estimate(p, dev)` evaluates the model on one.
 """
@@ -14,15 +14,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-# Fitted to an H100 SXM (bf16) run of benchmarks/bench_fused.py (benchmarks/results/nvidia-h100-80gb-hbm3/fused.json).
+# Fitted to an H100 SXM (bf16) run of benchmarks/bench_fused.py.
 PEAK_TFLOPS = 790.0  # dense bf16 tensor-core rate cuBLAS approaches at large K
 K_HALF = 400.0  # cuBLAS efficiency ~ K / (K + K_HALF): prologue/epilogue weigh more at small K
 HBM_GBS = 2500.0  # what streaming kernels achieve (x, y, W reads and writes)
 L2_BYTES = 50e6  # a merged weight larger than L2 is re-read from HBM by the GEMM that follows
 MERGE_US_PER_MEL = 2.1  # lora_merge: microseconds per million weight elements (read W, write W')
-# ... plus this per million elements per packed rank column above 16. Refit in session 10 from merge_only at r16 vs
-# r64 (fused_s10.json: 0.015-0.023 on weights of >= 1.6M elements); 0.062 before chose cublas_delta on Flux r64 /
-# blend layers that run 4-11% faster merged in interleaved timing (probe_checked.json).
+# ... plus this per million elements per packed rank column above 16: merge_only at r16 vs r64 on an H100 gives
+# 0.015-0.023 on weights of >= 1.6M elements; a larger value sends Flux r64 / blend layers to cublas_delta, which
+# run faster merged (benchmarks/probes/probe_checked.py times the two).
 MERGE_US_PER_MEL_RANK = 0.02
 DELTA_GBS = 2600.0  # lora_delta on x + y read-modify-write, when its programs fill the GPU
 DELTA_TFLOPS = 250.0  # lora_delta's shrink + expand rate per rank column above 16
@@ -34,10 +34,10 @@ FUSED_BN = 256  # N tile of the fused kernel: the in-loop shrink costs RC/BN of 
 @dataclass(frozen=True)
 class Device:
     """The constants of one device. Per-layer GEMM terms as above; the step terms are the planner's: `attn_eff`
-    is flash attention's share of peak (fitted to the Flux steps of captured.json), `host_op_us` the eager
+    is flash attention's share of peak (fitted to Flux CUDA-graph steps, bench_captured), `host_op_us` the eager
     host time per aten op (Python modules of diffusers/transformers plus the dispatcher, fitted to the gap
-    between eager pipeline.json and captured.json SDXL steps), `host_cached_us` / `host_percall_us` what a
-    fused layer adds to nn.Linear's host time (pipeline.json: cached vs merged, per-call vs merged)."""
+    between eager (bench_pipeline) and CUDA-graph (bench_captured) SDXL steps), `host_cached_us` / `host_percall_us`
+    what a fused layer adds to nn.Linear's host time (bench_pipeline: cached vs merged, per-call vs merged)."""
 
     name: str
     source: str
@@ -64,8 +64,8 @@ class Device:
         return replace(self, **kw)
 
 
-H100 = Device("h100", "fitted: benchmarks/results/nvidia-h100-80gb-hbm3 (fused.json, fused_s10.json, "
-              "pipeline.json, captured.json, layer_host.json)")
+H100 = Device("h100", "fitted: an H100 SXM, bf16 (bench_fused, bench_pipeline, bench_captured; "
+              "benchmarks/README.md)")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The "triton+cuda" backend: each op from the backend measured faster for it, once the CUDA extension is built.
 
-Measured on an H100 (benchmarks/results/nvidia-h100-80gb-hbm3/cuda_backend.json, same calls, same tensors):
+Measured on an H100 (benchmarks/bench_cuda_backend.py, same calls, same tensors):
 - the per-call GEMM paths are the compiled extension's (cuBLAS with fp32 output for the shrink, beta=1 expand, the
   merged W' on tensor cores): lora_linear 0.075 vs 0.147 ms at SDXL attention sizes, 0.17 vs 0.24 ms at Flux
   sizes, lora_delta and lora_shrink ahead at every shape, and full-size eager steps without the merged-weight
@@ -9,7 +9,7 @@ Measured on an H100 (benchmarks/results/nvidia-h100-80gb-hbm3/cuda_backend.json,
   sizes; lora_merge_many walks a kept table of layers: what a slider move re-merges), and so do the per-row decode
   launches kept ready by eager decode layers (fdlora.layers.fastpath.decode) where the extension cannot bind the layer's
   whole call; where it can (prepare_linear_rows: base GEMM + per-row kernel in one C++ call, no Triton launcher
-  in Python), decode layers take that (Llama-3-8B decode steps, benchmarks/results/.../fullsize.json).
+  in Python), decode layers take that (Llama-3-8B decode steps, bench_fullsize).
 The registry picks this backend under `auto` only when the extension is already built (ahead of time with
 `FDLORA_BUILD_CUDA=1 pip install ...` or `fdlora env --build-cuda`, or by an earlier JIT build): choosing a backend
 never starts a build. Both halves implement the reference's semantics (fp32 accumulation, one rounding), and each

@@ -19,29 +19,19 @@ returns no gradient for them, nor for the scale.
 
 The layers call `train_linear` / `train_conv2d`: under torch.compile those are the registered ops; in eager they are a
 plain torch.autograd.Function over the reference's eager forward/backward pairs (the same math and device choice; see
-_Linear). torch.library's Python dispatch of a custom op and its autograd wrapper cost about 110 us of host time per
-layer per training step on a CPU host, twice PEFT's whole LoRA layer (session 20); eager SDXL training steps are
-host-bound (560 LoRA layers), so host time per layer is what sets fd-lora's step against PEFT's. The eager Function
-therefore returns y only, folds the leading dimensions itself (no reshape nodes in the graph), skips no-op casts,
-computes no grad_x for an input that needs none, and in fp32 runs 4 ops forward and 6 backward.
-benchmarks/probes/profile_train_host.py measures it against PEFT and a frozen nn.Linear: on a 2-CPU host, a layer's
-forward+backward on a 3-D fp32 input took 100 us against PEFT's 150 (147 before these changes; callgrind: 392k
-instructions against PEFT's 717k, 641k before), and with bf16 autocast through the CUDA half pair 132 us against 182.
-On CUDA each op that does device work is a launch, which CPU timings understate: the probe counts them. With a bf16
-base under bf16 autocast (SDXL's case) and q, k, v reading one fp32 norm output, a LoRA layer's step does 17 such ops
-on CPU (about 15 on CUDA, where the fp32 weight gradients need no cast) against PEFT's 23 and 7 without LoRA (21 before
-session 23: the in-place delta and grad_x, s B in one op, one shared cast of q/k/v's input); callgrind, bf16 base:
-504k instructions against PEFT's 907k (543k before). With a frozen nf4 base (bench_train's ViT case, `--base nf4`; it
-runs inside the Function through fdlora.layers.trainable.frozen_4bit, not bitsandbytes' Python layers), under bf16 autocast
-through the CUDA half pair: 350 us against PEFT's 450 and the frozen 4-bit layer's own 275 (408 before
-frozen_4bit), in 18 device ops on CPU against PEFT's 31 and the frozen layer's 14 (21 before; a bitsandbytes
-dequantization counted as one op, one launch on CUDA).
+_Linear), because torch.library's Python dispatch of a custom op costs more host time per layer than PEFT's whole
+LoRA layer, and eager half-precision steps of hundreds of LoRA layers are host-bound. The eager Function therefore
+returns y only, folds the leading dimensions itself (no reshape nodes in the graph), skips no-op casts, computes no
+grad_x for an input that needs none, and in fp32 runs 4 ops forward and 6 backward. A frozen nf4 base runs inside the
+Function through fdlora.layers.trainable.frozen_4bit, not bitsandbytes' Python layers.
 
-Session 28: the half pair reads A, s A, B and s B made ahead for the whole model once per forward pass
-(fdlora.layers.trainable.half_casts; `casts`), the scale folded into the saved h, so a layer runs 3 launches forward and 5
-backward; over a plain base with casts, `train_linear` calls the same pair as one C++ autograd Function
-(fdlora.kernels.host, where it builds), whose Python-free forward and backward took a CPU host's layer from 78-85 us
-to 58-65 us (PEFT 156) and the SDXL step on an H100 from 0.85x PEFT's to 0.69x (bench_train's `fd_own_casts` row).
+Which path runs: under half-precision autocast the half pair reads A, s A, B and s B made ahead for the whole model
+once per forward pass (fdlora.layers.trainable.half_casts; `casts`), the scale folded into the saved h: 3 launches
+forward and 5 backward per layer. Over a plain base with casts, `train_linear` calls the same pair as one C++
+autograd Function (fdlora.kernels.host, where it builds). On CUDA, from FUSED_MIN elements of u the backward takes
+grad_A and grad_u from one Triton pass over u (`half_backward`). benchmarks/probes/profile_train_host.py measures a
+layer's host time and device-op count against PEFT and a frozen nn.Linear; the measurements behind these choices
+are in benchmarks/README.md (Measurement history: training ops).
 """
 
 from __future__ import annotations
@@ -341,7 +331,7 @@ def half_backward(gy, u, h, W, As, Bs, scale, need_u=True):
     """The half pair's backward (lora_train.lora_train_linear_backward_half's signature) as an eager CUDA step runs
     it: from FUSED_MIN elements of u, with Triton, rank <= 64 and grad_u wanted, grad_A and grad_u in one pass over
     u (lora_backward_parts.half_backward_fused: the LoRA part of a Llama-3-8B layer's backward 0.53-0.55x the
-    PEFT-style path's against 0.59-0.61x, benchmarks/results/nvidia-h100-80gb-hbm3/probe_x_pass.json); else
+    PEFT-style path's against 0.59-0.61x on an H100, benchmarks/probes/probe_x_pass.py); else
     cuBLAS's GEMMs."""
     if need_u and _takes_fused(u, As.shape[0]):
         return _FUSED(gy, u, h, W, As, Bs, scale)

@@ -3,8 +3,8 @@
 H100 is fitted to our committed benchmarks (fdlora.kernels.costmodel.H100). The others scale it from datasheets
 (dense fp16/bf16 tensor TFLOP/s without sparsity, HBM/GDDR bandwidth) at the H100's measured efficiencies
 (cuBLAS ~ 790/989 of datasheet peak, streaming ~ 2500/3350 of datasheet bandwidth); say `fitted` only
-where we measured. CPU values are rough defaults (benchmarks/results/cpu/ holds only set_adapters
-timings): calibrate there.
+where we measured. CPU values are rough defaults (only set_adapters timings were measured on a CPU):
+calibrate there.
 A calibration JSON under ~/.cache/fdlora/plan/<name>.json is preferred over the table when present.
 """
 

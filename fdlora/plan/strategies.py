@@ -4,7 +4,7 @@ Strategies (each a cost on the LoRA-targeted Linear/Conv calls of the trace, the
 - merged:    fuse B A into W; steps run at base speed; a switch un-merges and re-merges (2 merges a layer);
              one blend per model, so it cannot serve several adapters in one batch;
 - dynamic:   fd-lora per-call; every call runs the dispatcher's best path (fdlora.kernels.costmodel.estimate);
-             switches are a device-side scale write (set_adapters ~0.3 ms, set_adapters.json);
+             switches are a device-side scale write (set_adapters ~0.3 ms on an H100);
 - cache:     fd-lora's merged-weight cache; calls run the cached W' (one GEMM), a switch re-merges stale
              layers from W; with `cache_budget_gib` the layers that fit are cached, the rest run per-call;
 - grouped:   per-prompt batches: one merged weight per distinct blend (G = adapters per batch), each
@@ -24,7 +24,7 @@ from .step import gpu_us, step_us
 from .trace import Op
 
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit codes plus one fp32 absmax per 64 weights
-SET_ADAPTERS_US = 300.0  # fd-lora set_adapters weight change (set_adapters.json: 0.31 ms with 700 layers)
+SET_ADAPTERS_US = 300.0  # fd-lora set_adapters weight change (0.31 ms with 700 layers on an H100)
 
 
 @dataclass

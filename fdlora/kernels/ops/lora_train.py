@@ -185,8 +185,8 @@ def lora_train_linear_backward_half(
     the GEMM itself on CUDA: 5 launches (6 with W), against 12 for `lora_train_linear_backward_blas`. With
     scale None, h is `lora_train_linear_half_cast`'s hs = s h, so grad_B = gy^T hs needs no product (4 launches).
     (Each piece's other forms, cuBLAS orientations and Triton kernels: fdlora.kernels.triton.train.lora_backward_parts;
-    none was faster per call on an H100, benchmarks/results/nvidia-h100-80gb-hbm3/sweep_train_backward_parts.json;
-    as GPU time some compositions were, sweep_train_backward_parts_graph.json, short of the target at two shapes.)
+    none was faster per call on an H100; as GPU time some compositions were, short of the target at two shapes:
+    benchmarks/probes/sweep_train_backward_parts.py.)
     `u_pass(g, u, As) -> (grad_u, grad_A)`: the two products over u in another form (lora_backward_parts.x_pass's
     one pass, which large layers take on CUDA)."""
     dt = u.dtype

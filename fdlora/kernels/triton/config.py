@@ -46,19 +46,19 @@ DELTA = {
         cfg(4, 3, BM=32, BN=128, BK=64, PREFETCH=False, NSPLIT=64),
         cfg(4, 3, BM=64, BN=128, BK=64, PREFETCH=True, NSPLIT=64),
         cfg(8, 3, BM=64, BN=256, BK=64, PREFETCH=True, NSPLIT=64),
-        # from benchmarks/probes/sweep_delta.py on an H100 (sweep_delta.json): 2 warps on 640-1280-wide SDXL rows,
+        # from benchmarks/probes/sweep_delta.py on an H100: 2 warps on 640-1280-wide SDXL rows,
         # a longer K step on 5120-deep ones, 64 rows x 256 columns unsplit for rank 64 on Flux
         cfg(2, 3, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),
-        cfg(2, 5, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),  # session 8: SDXL 5120->1280 0.76 -> 0.78
+        cfg(2, 5, BM=16, BN=128, BK=128, PREFETCH=True, NSPLIT=64),  # SDXL 5120->1280 (H100)
         cfg(4, 4, BM=32, BN=128, BK=256, PREFETCH=True, NSPLIT=64),
         cfg(8, 3, BM=64, BN=256, BK=128, PREFETCH=True, NSPLIT=1),
-        cfg(8, 3, BM=64, BN=128, BK=128, PREFETCH=True, NSPLIT=1),  # session 8: Flux 3072^2 4xr16 blend 66 -> 63 us
+        cfg(8, 3, BM=64, BN=128, BK=128, PREFETCH=True, NSPLIT=1),  # Flux 3072^2 4xr16 blend: 63 us (H100)
     ],
     "few": [
         cfg(4, 3, BM=16, BN=128, BK=128, PREFETCH=False, NSPLIT=32),
         cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=16),  # 4 stages: decode, 8 adapters by row
-        # session 8 (sweep_s8_decode.json): the same with the first y / B tiles loaded before the shrink and the
-        # N split's programs walking K from different starts: decode 8 by row +9.5 -> +9.2 us on the base GEMM
+        # the same with the first y / B tiles loaded before the shrink and the N split's programs walking K from
+        # different starts: decode, 8 adapters by row, +9.2 us on the base GEMM (H100, sweep_delta.py)
         cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=2, NSPLIT=16, WRAP=True),
         cfg(4, 4, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=8),
         cfg(4, 3, BM=16, BN=256, BK=256, PREFETCH=False, NSPLIT=4),
@@ -88,9 +88,9 @@ def configs(table: dict[str, list[triton.Config]], few: bool) -> list[triton.Con
 def tune_bench(fn, quantiles=None, reps: int = 10):
     """Autotune timing on GPU time alone: `fn` captured once in a CUDA graph, replayed `reps` times with L2 flushed
     before each (fdlora.testing.graph_ms). Triton's default times eager launches, and an eager launch of a kernel with
-    this many arguments costs more host time than a few-row kernel runs, so the choice among configs was noise
-    (session 26, Llama-3-8B q/k/v at 32 rows on one H100: two processes chose differently for 4 of 6 keys, and the
-    same grouped delta took 23.4 and 21.8 us). Graph repeats without the flush (triton.testing's do_bench_cudagraph)
+    this many arguments costs more host time than a few-row kernel runs, so the choice among configs would be noise
+    (Llama-3-8B q/k/v at 32 rows on one H100: two processes chose differently for 4 of 6 keys, and the same grouped
+    delta took 23.4 and 21.8 us). Graph repeats without the flush (triton.testing's do_bench_cudagraph)
     time a 2048-row x on a warm L2 and chose configs 10-30% slower when x comes from memory."""
     from ...testing import graph_ms
 

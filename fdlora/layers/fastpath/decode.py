@@ -4,7 +4,7 @@ Why: an eager decode step is host-bound (a 4-layer Llama-3-8B step spends ~10 ms
 ~6 ms of GPU work), so what a LoRA layer adds is its host time. Deriving a Triton launch (operand
 checks, tuning key, specialization, grid: ~60-90 us) costs more than the launch itself, and the
 cuBLAS forms are no cheaper: on the H100 host an mm with an fp32 output costs ~45 us of host time,
-and scale + cast + addmm_ add three more ops (measured, benchmarks/results/.../llm_profile_dense.json).
+and scale + cast + addmm_ add three more ops (measured: benchmarks/bench_llm.py --profile).
 So the layer keeps the whole call bound in C++ where the backend can (the CUDA extension's prepare_linear_rows:
 cuBLAS GEMM + the per-row kernel, one pybind call) and replays it from its hot path (fdlora.layers.fastpath.hot: a few
 compares per call while the model state is unchanged); else it keeps the per-row kernel's launch ready

@@ -20,7 +20,7 @@ vouch for:
 - the call itself: not traced by torch.compile, no autograd through it, the stream not being captured (compiled,
   trained and captured calls always take the full decision, which has paths for them). PyTorch captures CUDA graphs
   on side streams only, so a call on the default stream skips that driver query (0.7 us of the H100 host's 4.6 us
-  for these checks, session 16).
+  for these checks).
 
 What is kept (`keep`): a callable of x alone, with every other operand bound: F.linear on the merged weight W'
 (the merged-weight cache: the copy's release drops the hot entry with it, MergedWeight.hot), or the CUDA backend's

@@ -13,7 +13,7 @@ for a float activation and no activation quantization (`act_quant_kwargs` and `a
   `dequantize().to(x.dtype)` then the mm;
 - Float8Tensor: `matmul(x, dequantize())` (qdata in fp32 times the scale, cast to the weight's dtype), then `+ bias`.
 On full-size Flux-dev on an H100 base + delta was 1.160x (int8) / 1.115x (float8) the torchao base step for one
-adapter (issue 27, target 1.10). Here, per blend call:
+adapter (target 1.10). Here, per blend call:
 - int8 / float8 with a per-row or per-tensor scale and the Triton backend: one kernel reads q and the scale and writes
   W' with the LoRA added (fdlora.kernels.triton.merge.dequant_merge), replacing torchao's conversion (and, for int8, its
   scale and bias passes over y: F.linear adds the bias in the GEMM): always taken;

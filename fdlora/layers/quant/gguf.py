@@ -6,7 +6,7 @@
 Why: GGUFLinear.forward_native (diffusers' path wherever its optional CUDA kernels are not loaded) builds a full
 dequantized W for every call and runs F.linear on it. The regular quantized-base path (fdlora.layers.modules.fused: base(x)
 + the per-call delta) then re-reads x and reads and writes y on top: on full-size Flux-dev Q8_0 on an H100 that was
-1.149x the base step for one adapter (issue 27, target 1.10). Writing W' where diffusers writes W costs, per call:
+1.149x the base step for one adapter (target 1.10). Writing W' where diffusers writes W costs, per call:
 - Q8_0 with the Triton backend: nothing but a rank-r dot per tile of the one kernel that dequantizes
   (fdlora.kernels.triton.merge.gguf_merge), which also replaces diffusers' dequantization (several torch kernels and an
   fp16 intermediate): always taken;

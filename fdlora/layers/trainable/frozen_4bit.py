@@ -17,7 +17,7 @@ matmul_4bit, the gemm_4bit op's dispatch, MatMul4Bit. Double-quantized block sca
 kept for the backward (fp32: 1/16 byte a weight while the step's graph lives), and the backward dequantizes W straight
 into gy's dtype (the kernel rounds its fp32 product once either way) rather than into the stored dtype and then
 casting: 1 launch where MatMul4Bit's backward takes 4 (scales, offset, W, cast). Eager QLoRA steps of many small
-layers are host-bound (issue 23).
+layers are host-bound.
 
 Anything else runs the module itself (`forward` returns None for the saved state; `weight` then dequantizes as
 MatMul4Bit's backward does): forward hooks or a patched forward (accelerate's), a weight without its quant state

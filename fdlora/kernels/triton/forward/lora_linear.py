@@ -22,7 +22,7 @@ accumulator, then bias, then one cast. The op `fdlora::lora_linear` runs one of 
 shape, decided once in lora_linear_dispatch.py: the two fused forms above, cuBLAS + lora_delta,
 merged (lora_merge.py + cuBLAS) or the torch reference. On an H100 the Triton GEMM here runs at
 0.65-0.8 of cuBLAS, so the dispatch picks merged (many rows) or cuBLAS + delta (few rows) there.
-A Hopper TMA rewrite was measured and not adopted (benchmarks/probes/probe_tma_gemm.py, probe_tma.json,
+A Hopper TMA rewrite was measured and not adopted (benchmarks/probes/probe_tma_gemm.py,
 Triton 3.6, Flux shapes): persistent TMA tiles reach 0.84-0.94 of cuBLAS as a plain GEMM (best config per shape),
 and the in-loop shrink (a second, N=16 wgmma per K step) drops that to 0.67-0.73.
 

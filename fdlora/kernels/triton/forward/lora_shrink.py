@@ -112,8 +112,8 @@ SPLIT_KEEP = 4  # K-split partial sums lora_shrink_split hands over at most (it 
 def _wide(A: torch.Tensor) -> torch.Tensor:
     """A [S, R, K] read as one slot of rank S*R ([1, S*R, K], a view where the layout allows): with no slot to skip,
     h's columns are the same, and a row block's programs cover S*R columns 64 at a time instead of R per slot, so
-    x is read S*R/64 times, not S times (Llama-3-8B q/k/v's stacked shrink at 2048 rows: 32.7 -> 15.8 us on an H100,
-    benchmarks/results/nvidia-h100-80gb-hbm3/sweep_shared_shrink.json)."""
+    x is read S*R/64 times, not S times (Llama-3-8B q/k/v's stacked shrink at 2048 rows: 15.8 us on an H100
+    against 32.7 per slot, benchmarks/probes/sweep_shared_shrink.py)."""
     S, R, K = A.shape
     return A.view(1, S * R, K) if A.stride(0) == R * A.stride(1) else A
 
@@ -136,8 +136,8 @@ def lora_shrink_split(x, A, row_slot: torch.Tensor | None = None) -> torch.Tenso
     (fdlora.layers.modules.shared_shrink), one launch fewer. K is split in at most SPLIT_KEEP parts: the expand adds the partials one
     load after another in each program (decode's 16 made Llama-3-8B gate/up's two expands 48 vs 30 us on an H100),
     and at few rows fewer, longer parts beat more parts and a sum launch (Llama-3-8B q/k/v at 32 rows, shrink and
-    three expands: 22.1 us with 4 parts, 25.0 with 16 summed, benchmarks/results/nvidia-h100-80gb-hbm3/
-    sweep_shared_shrink_s26.json). Not a registered op itself: ShrinkGroup calls it eagerly.
+    three expands: 22.1 us with 4 parts, 25.0 with 16 summed, benchmarks/probes/
+    sweep_shared_shrink.py). Not a registered op itself: ShrinkGroup calls it eagerly.
 
     With row_slot (per-row mode) only h[m, row_slot[m]*R : +R] is written, for every m with a slot; the rest of h
     is left as torch.empty left it, so the consumer must read only columns whose row weight is nonzero, as

@@ -30,8 +30,8 @@ BLOCKS = {"gpu": dict(BN=64, BK=128, num_warps=4, num_stages=2),
           "interpret": dict(BN=16, BK=32, num_warps=4, num_stages=1)}
 # Tables whose every K is a multiple of 256 (Flux-dev: 3072, 12288, 15360) take twice the K tile: half the programs,
 # each moving 32 KiB of W. Flux-dev's whole-model merge on an H100 took 14.3 ms against 15.1 ms (a copy of the same
-# bytes: 11.4 ms; sweep_merge_many.json, bit-equal). Where K is not (SDXL's 640) the wider tile would mask a fifth of
-# its loads, so those keep 128.
+# bytes: 11.4 ms; bit-equal; benchmarks/probes/sweep_merge_many.py). Where K is not (SDXL's 640) the wider tile
+# would mask a fifth of its loads, so those keep 128.
 WIDE_BK = 256
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

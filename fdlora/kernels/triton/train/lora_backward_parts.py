@@ -19,10 +19,9 @@ sweep_train_backward_parts.py) picks per shape. g crosses between pieces either 
 as its fp32 partials [P, M, r], summed by the consuming kernel. The torch oracle is
 fdlora.kernels.ops.lora_train.lora_train_linear_backward. `half_backward_plan` composes the shipped cuBLAS
 half path (lora_train.lora_train_linear_backward_half) from one form per piece, for the sweep. On an H100 at
-bench_train's layer shapes no combination beat it timed per call (benchmarks/results/nvidia-h100-80gb-hbm3/
-sweep_train_backward_parts.json: Triton's launches are host-bound there); as GPU time the best per shape did
-(sweep_train_backward_parts_graph.json: 0.51 / 0.70 / 0.37 / 0.65x the torch path against the half path's 0.58 /
-0.76 / 0.45 / 0.73x), still short of the 0.6 target at two shapes. On a training path (session 28): `x_pass`, the gA
+bench_train's layer shapes no combination beats it timed per call (Triton's launches are host-bound there); as GPU
+time the best per shape does (0.51 / 0.70 / 0.37 / 0.65x the torch path against the half path's 0.58 / 0.76 /
+0.45 / 0.73x), still short of the 0.6 target at two shapes. On a training path: `x_pass`, the gA
 and gu pieces in one pass over u (u read once, grad_u written beside it), which eager CUDA steps of large layers run
 (`half_backward_fused`, chosen by fdlora.kernels.train_ops.half_backward).
 """
@@ -335,7 +334,7 @@ def half_backward_fused(
     """lora_train.lora_train_linear_backward_half (grad_u wanted) with grad_A and grad_u from one pass over u
     (`x_pass`): what eager CUDA steps run where u is large enough for GPU time to matter (train_ops). On an H100 at
     M = 8192, K = 4096 the pass takes 59 us against cuBLAS's 67-69 for the two GEMMs; at K = 14336, 175-180 against
-    182 (benchmarks/results/nvidia-h100-80gb-hbm3/probe_x_pass.json)."""
+    182 (benchmarks/probes/probe_x_pass.py)."""
     return lora_train_linear_backward_half(gy, u, h, W, As, Bs, scale, True, _fused_pass)
 
 
