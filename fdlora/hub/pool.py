@@ -17,7 +17,7 @@ On CUDA a load goes to the device in one transfer and reaches the banks in one l
 writer (fdlora.layers.storage.bulk) once that kernel is built for the device and dtype (`mark_bulk_ready`:
 fdlora.integrations.warmup builds it); before that, through torch copies from views of the device copy
 (~1,400 small copies for an SDXL LoRA, a few ms), so no load waits for a kernel build: building it before
-the first load took 0.66 s off that load on an H100 host (1.41 -> 0.75 s, benchmarks/bench_prefetch.py cold).
+the first load takes 0.66 s off that load on an H100 host (benchmarks/bench_prefetch.py, cold).
 """
 
 from __future__ import annotations

@@ -99,8 +99,8 @@ def _replay(st, device: torch.device) -> bool:
     if kept is None or kept[0] != (st.epoch, device, BUDGET.generation, st.mode):
         return False
     # Launched before the per-layer checks, so the GPU merges while the host checks: launched after them, the GPU
-    # idled through the loop (Flux-dev, 418 layers: the slider step paid ~5 ms more than its merge on the H100,
-    # session 21). Safe whatever the checks find: the calls hold every tensor they read or write (a weight replaced
+    # idled through the loop (Flux-dev, 418 layers: the slider step paid ~5 ms more than its merge on the
+    # H100). Safe whatever the checks find: the calls hold every tensor they read or write (a weight replaced
     # under a layer is still the old one there; the kernels take addresses afresh on each launch), and a failed
     # check leaves the keys stale, so the full pass merges those layers again.
     for call in kept[2]:
@@ -138,7 +138,7 @@ def _full(layer, device: torch.device) -> None:
     dropped = False  # every layer's per-prompt copies, released once in this pass
     for lay, m, w, _, _ in homeless:
         # per-prompt copies are regenerable and the blend serves every call: it goes first, taking this layer's
-        # copies, then every layer's (other layers' copies may hold the room: Llama-3-8B, session 16, after mixed-
+        # copies, then every layer's (other layers' copies may hold the room: on Llama-3-8B, after mixed-
         # adapter steps the large MLP layers found none and merged into scratch on every prefill call)
         if m._buffer(w) is None and lay.merged.groups:
             m.release_groups()
@@ -177,11 +177,11 @@ def refresh_groups(layer, W: torch.Tensor, blends: list[tuple[float, ...]]) -> l
     every missing or stale copy of those blends in every groupable layer of its model; None when the budget gives
     `layer` no copy of one of them. Copies go to the layers of most `benefit` first (Flux-dev's text-stream layers,
     512 tokens a sample, after the image stream's: at the default budget a per-prompt step ran at 1.057x base with
-    copies given smallest first, 1.023x in this order; fullsize.json). When room runs out, a layer's copies of other
+    copies given smallest first, 1.023x in this order; bench_fullsize). When room runs out, a layer's copies of other
     blends go first, then every layer's blend copy (idle while per-sample batches run, and regenerable: the mirror of
     `_full`, where the blend takes the per-prompt copies' room). Flux-dev, H100, default budget: after a blend step
     its copies held 16 of the 20 GiB, and a per-prompt step ran at 1.12x base; with that room, 1.06x
-    (probe_per_prompt.json)."""
+    (benchmarks/probes/probe_per_prompt.py)."""
     st = layer.state
     device = layer.bank.A.device
     live = [b for b in dict.fromkeys(blends) if any(b)]

@@ -59,7 +59,7 @@ from fdlora.layers.state import Mode
 ENABLED = True  # tests and benchmarks turn it off to compare with the ungrouped path
 # Per-row calls of at most this many rows (decode) take each member's own lora_delta_rows, one fused launch each:
 # such calls are launch-bound, and the group runs one launch more (shrink + n expands vs n). Llama-3-8B q/k/v at
-# 32 rows on an H100: grouped 32.5 vs separate 31.2 us (benchmarks/results/nvidia-h100-80gb-hbm3/shared_shrink.json,
+# 32 rows on an H100: grouped 32.5 vs separate 31.2 us (benchmarks/bench_shared_shrink.py,
 # rows-4xr16). The same bound as the kernels' few-rows range (fdlora.kernels.triton.config.FEW_ROWS).
 FEW_ROWS = 64
 
