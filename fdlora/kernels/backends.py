@@ -38,8 +38,10 @@ def _auto_extension() -> str | None:
     by `fdlora env --build-cuda`): choosing a backend never builds it, so no earlier call decides a layer's backend."""
     from .cuda import build
 
-    if build.status().library is None:
-        return "auto takes the CUDA extension only once it is built (`fdlora env --build-cuda`)"
+    st = build.status()
+    if st.library is None:
+        return str(st) if st.reason else ("not built yet: auto takes the CUDA extension only once it is built "
+                                          "(`fdlora env --build-cuda`)")
     return None
 
 

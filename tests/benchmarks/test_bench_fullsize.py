@@ -24,7 +24,8 @@ CASES = {
     "llama": ["peft_decode32_mixed4", "decode32_mixed4", "generate16_mixed4", "prefill2048_1", "decode32_nocache_1"],
 }
 ENV = ["device", "backend", "torch", "triton", "diffusers", "peft", "transformers", "git_sha"]
-ROW = ["model", "case", "ms", "base_ms", "x_base", "target", "peak_gib", "cache_gib", "checked", "notes", "backend"]
+ROW = ["model", "case", "ms", "base_ms", "x_base", "target", "peak_gib", "cache_gib", "checked", "notes", "backend",
+       "dispatch"]
 UNTARGETED = {"per_prompt_2_cache50"}  # rows that explain a target's bound (captured_* rows need a GPU)
 
 
@@ -54,6 +55,8 @@ def test_every_case_of_every_model_is_checked_and_merged(merged):
     for (model, case), row in rows.items():
         assert list(row) == ROW, (model, case)
         assert row["ms"] > 0 and row["base_ms"] > 0 and row["x_base"] > 0, (model, case, row)
+        if not case.startswith("peft_"):  # every fd-lora row says which path its layers took ({path [backend]: n})
+            assert row["dispatch"] and all(n > 0 for n in row["dispatch"].values()), (model, case, row["dispatch"])
         if case.startswith("peft_"):
             assert row["target"] is None
         elif case in UNTARGETED:
