@@ -1,3 +1,4 @@
+# Measures: host and GPU us per eager blend call without the merged-weight cache (BoundLinear) vs F.linear.
 """What one eager blend call without the merged-weight cache costs (fdlora_cuda.BoundLinear, the kept call of
 FusedLoraLinear._kept_linear) against F.linear at the SDXL and Flux layer shapes: host us per call (issued while a
 sleep kernel holds the GPU, so no launch waits on a full queue) and GPU us per call (CUDA events over back-to-back

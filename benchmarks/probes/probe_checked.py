@@ -1,3 +1,4 @@
+# Measures: the merged-weight cache's per-call cost vs cuBLAS in a CUDA graph (the cost model's merge terms).
 # Showed: the device-checked merge cache costs 1.013-1.058x cuBLAS at r16; refit merge cost. probe_checked.json
 """Probe: the merged-weight cache's per-call cost in a CUDA graph, interleaved so clock drift cancels.
 

@@ -1,3 +1,4 @@
+# Measures: a Flux-dev per-prompt step: layers on merged copies vs per-call kernels, GPU time by kernel.
 """Where a per-prompt step's time goes on the full-size Flux-dev transformer at the default merge budget
 (bench_fullsize's per_prompt_2: batch 2, adapter a0 for prompt 0, a1 for prompt 1): how many layers ran on
 per-blend merged copies and how many on the per-call kernels, and torch.profiler's kernels by GPU time for the

@@ -1,3 +1,4 @@
+# Measures: a two-stream chunked merge+GEMM per call vs merge + cuBLAS on the same shape.
 # Showed: a two-stream chunked merge+GEMM does not beat merge + cuBLAS (not adopted). probe_pipe_merge.json
 """Probe: merge-on-the-fly pipelined with the GEMM, per call, against cuBLAS on the same shape.
 

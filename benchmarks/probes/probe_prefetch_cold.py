@@ -1,3 +1,4 @@
+# Measures: where a cold first load_fd_lora spends host time beyond a later load (CPU profile).
 """Where a cold first `load_fd_lora` spends its host time beyond a later load (issue 26: 1.41 s on an H100 host,
 0.75 s after the shipped warmup, later loads 0.34 s; target <= 0.5 s), profiled on CPU.
 

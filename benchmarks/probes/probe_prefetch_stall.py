@@ -1,3 +1,4 @@
+# Measures: which piece of a background adapter load slows the serving steps (SDXL, GIL included).
 """Which part of a background adapter load slows the serving steps (issue 26: 1.87x on an H100 with the reader
 process, target 1.05x): step times of the full-size SDXL UNet (bench_prefetch's setup) while one background thread
 repeats one piece of what a prefetch does in the serving process, each piece alone:

@@ -1,3 +1,4 @@
+# Measures: where a slider step's extra host time goes (set_adapters, remerge replay) on SDXL / Flux-dev.
 """Where a slider step's extra host time goes on the full-size SDXL UNet or Flux-dev transformer (`--model flux`)
 (bench_fullsize's slider_every_step: the
 step after `set_adapters(['a0'], [w])`, every cached layer re-merged): host ms of set_adapters, of the replay

@@ -1,3 +1,4 @@
+# Measures: a Hopper TMA Triton GEMM, with and without the in-loop LoRA shrink, vs cuBLAS at Flux shapes.
 # Showed: a TMA Triton GEMM gets 0.84-0.94 of cuBLAS, 0.67-0.73 with LoRA: kept non-TMA. probe_tma.json
 """Probe: how close does a Hopper TMA GEMM in Triton get to cuBLAS on the Flux shapes, with and without
 an in-loop LoRA shrink (r16) and its expand in the epilogue? Decides whether lora_linear moves to TMA.

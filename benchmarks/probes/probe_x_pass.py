@@ -1,3 +1,4 @@
+# Measures: the one-pass grad_A + grad_u backward piece (x_pass) vs cuBLAS's two GEMMs, as GPU time.
 """The gA and gu pieces of the LoRA backward fused into one pass over u (lora_backward_parts.x_pass) against
 cuBLAS's two GEMMs, at bench_train's layer shapes, as GPU time (CUDA graph replays, L2 flushed); then the whole
 layer's backward (fd-lora's half path: g, grad_B, grad_A, grad_u, the base added by addmm_) with the best tile of

@@ -1,3 +1,4 @@
+# Measures: host time of one fused layer's eager forward per mode (the per-call microseconds).
 # Showed: an eager per-call fused layer costs 0.11-0.21 ms of host time (README known gap). layer_host.json
 """Host time of one fused layer's eager forward, per mode (GPU): where the per-call microseconds go.
 

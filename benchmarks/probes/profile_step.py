@@ -1,3 +1,4 @@
+# Measures: an eager denoiser step's host enqueue vs GPU time and per-op profile, merge cache on / off.
 # Showed: eager SDXL step host vs GPU time, merge cache on/off (why the cache). profile_sdxl_percall.json
 """Where an eager denoiser step with fd-lora spends its time: host enqueue vs GPU, per-op profile.
 

@@ -1,3 +1,4 @@
+# Measures: where a training step's time goes, fd-lora vs PEFT vs the floor (torch.profiler).
 """Where a training step's time goes, fd-lora vs PEFT (bench_train's cases): torch.profiler over `--steps` AdamW steps
 after a warm-up, top ops by self CUDA time and by self CPU time, and the step's wall time; then the same for the floor
 (bench_train's: the base alone, frozen, its input gradient flowing back from the first targeted block), so what the

@@ -1,3 +1,4 @@
+# Measures: every candidate delta-kernel config per shape (the DELTA tables in fdlora/kernels/triton/config.py).
 # Showed: the shipped delta-kernel configs (triton/config.py DELTA, split rule). sweep_delta*.json, sweep_s8*.json
 """Config sweep of the delta kernels: every candidate config timed on the GPU, per shape.
 

@@ -1,3 +1,4 @@
+# Measures: lora_merge_many on a full-size Flux-dev table against copy bandwidth (tiles, forms).
 # Asks: how close to copy bandwidth is lora_merge_many on a full-size Flux-dev table (a slider move); do strips, a
 # per-program layer table, the W add after the dot, or cuBLAS per layer get closer? Run 1 (session 21): strips and
 # the table lookup lose; shipped 1.29x copy (1 slot active), 1.56x (4). Run 2: best bit-equal BN64 BK256 1.25x / 1.64x,

@@ -1,3 +1,4 @@
+# Measures: where a shared q/k/v shrink's time goes: separate, grouped, wide-rank, K-split forms.
 """Where a shared shrink's time goes (bench_shared_shrink's q/k/v shapes, one adapter r16 in banks of 4 slots, blend):
 the separate deltas, the bench's grouped form (the stack over all 4 slots of each member), the form ShrinkGroup.delta
 runs in blend mode (the stack over the active slot only), that stack read as one wide-rank slot with its K-split

@@ -1,3 +1,4 @@
+# Measures: the LoRA backward per layer: PEFT-style torch vs cuBLAS half path vs two-pass Triton.
 """The LoRA part of a layer's backward at bench_train's layer shapes (M = 8192, r 16, bf16): the PEFT-style torch path,
 the shipped cuBLAS half path (lora_train_linear_backward_half), and the two-pass Triton kernels
 (fdlora.kernels.triton.train.lora_backward.backward_half) over a few launch shapes, each checked against the half path

@@ -1,3 +1,4 @@
+# Measures: each LoRA backward piece's candidate forms, then the best combination per shape.
 """Each piece of the LoRA backward at bench_train's layer shapes (M = 8192, r 16, bf16), every candidate implementation
 of it timed alone after a check against the shipped cuBLAS half path (lora_train_linear_backward_half), then the
 fastest combination per shape end to end against the PEFT-style torch path (bench_train.layer_microbench's measure).
