@@ -70,6 +70,11 @@ class UnusedKeysError(FormatError):
     """strict=True and the source has keys that were not used or were dropped; the message lists them and why."""
 
 
+class DeviceMemoryError(FdLoraError, MemoryError):
+    """Adapter banks that do not fit in device memory; names the bytes needed, the bytes free and the fix. The model
+    is left as it was before the call."""
+
+
 class ConfigError(FdLoraError, ValueError):
     """A config file that does not validate; the message names the key path, the bad value and what is allowed."""
 

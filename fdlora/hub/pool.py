@@ -74,7 +74,8 @@ class AdapterPool:
 
     @property
     def capacity(self) -> int:
-        return self.handle.state.slots.capacity
+        """Adapters resident at once: the handle's slot limit (its banks gain slots up to it as loads need them)."""
+        return self.handle.slot_limit
 
     def known(self) -> list[str]:
         return list(self._host)

@@ -26,10 +26,13 @@ class _Registry:
 
     def __setitem__(self, model: Any, handle: Any) -> None:
         model.__dict__[self.KEY] = handle
+        handle.held_by_model(True)  # the handle holds its model weakly from now on: no reference cycle
 
     def pop(self, model: Any, default: Any = None) -> Any:
         h = self.get(model, default)
-        getattr(model, "__dict__", {}).pop(self.KEY, None)
+        gone = getattr(model, "__dict__", {}).pop(self.KEY, None)
+        if gone is not None and getattr(gone, "model", None) is model:
+            gone.held_by_model(False)
         return h
 
 

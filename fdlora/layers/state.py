@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -170,16 +171,16 @@ class ScaleTable:
         self.live = tuple(torch.nonzero((blend != 0).reshape(-1, blend.shape[-1]).any(0)).flatten().tolist())
 
     def resize(self, layers: int, slots: int) -> None:
-        L0, S0 = self.shape
+        L0, S0 = min(layers, self.shape[0]), min(slots, self.shape[1])  # (smaller: a failed wrap or grow undone)
         with lasting():
             scaling = torch.zeros(layers, slots)
-            scaling[:L0, :S0] = self.scaling
+            scaling[:L0, :S0] = self.scaling[:L0, :S0]
             if self.weights.dim() == 1:
                 weights = torch.zeros(slots)
-                weights[:S0] = self.weights
+                weights[:S0] = self.weights[:S0]
             else:
                 weights = torch.zeros(layers, slots)
-                weights[:L0, :S0] = self.weights
+                weights[:L0, :S0] = self.weights[:L0, :S0]
         self.scaling, self.weights = scaling, weights
         self._device = {d: to_device(self.host(), d) for d in self._device}
         self._blend = None
@@ -188,9 +189,14 @@ class ScaleTable:
         self.token = object()
 
 
-_BOOKKEEPING = frozenset({"fast_pass", "merge_tables", "members", "_tokens", "_sample_host"})  # no output changes
+# attributes whose writes change no output
+_BOOKKEEPING = frozenset({"fast_pass", "merge_tables", "members", "_members", "_tokens", "_sample_host"})
 _VALUES = (bool, int, float, str, type(None), enum.Enum)  # compared by value in a state's token key, others by identity
 _TOKENS_KEPT = 8
+
+
+class LayerDict(dict):
+    """A dict of fused layers that can be referenced weakly (ModelState.members)."""
 
 
 class ModelState:
@@ -212,10 +218,28 @@ class ModelState:
         self._blend_rows: dict[tuple, torch.Tensor] = {}  # (rows, device, slot) -> row slots of blend_rows
         self._row_onehot: dict[torch.device, tuple] = {}  # device -> (row slots, their version, S, [M, S] weights)
         self.groups: dict[int, SampleGroups] = {}  # batch size -> how its samples group by blend (per-sample mode)
-        self.members: dict = {}  # path -> fused layer: the handle's own dict (the cache re-merges them all)
+        self.members = LayerDict()  # path -> fused layer: the handle's own dict (the cache re-merges them all)
         self.merge_tables: dict = {}  # (device, dtype, S, R) -> kept table of fdlora.layers.fastpath.remerge
         self.epoch = 0  # bumped by the handle whenever layers or banks change (wrap, load, delete, resize)
         self.fast_pass = None  # the last full refresh, replayed while only blend weights change (remerge)
+
+    @property
+    def members(self) -> dict:
+        """The handle's layers (path -> fused layer), held weakly: the layers hold this state, so a strong reference
+        back would make a cycle that only a garbage collection frees (with the model's weights and merged copies)."""
+        got = self.__dict__["_members"]()
+        return {} if got is None else got
+
+    @members.setter
+    def members(self, layers: LayerDict) -> None:
+        self.__dict__["_members"] = weakref.ref(layers)
+
+    def __getstate__(self) -> dict:  # copies and pickles carry the layers dict itself, held weakly on the other side
+        return {**self.__dict__, "_members": self.__dict__["_members"]()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.members = state["_members"] if state["_members"] is not None else LayerDict()
 
     def __setattr__(self, name: str, value) -> None:
         object.__setattr__(self, name, value)

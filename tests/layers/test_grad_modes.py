@@ -36,7 +36,8 @@ class StandIn:
 
     def replay(self, graph) -> None:
         run, out = graph
-        with torch.inference_mode(any(t.is_inference() for t in pytree.tree_leaves(out))):
+        inference = any(t.is_inference() for t in pytree.tree_leaves(out))
+        with torch.inference_mode() if inference else torch.no_grad():
             for dst, src in zip(pytree.tree_leaves(out), pytree.tree_leaves(run())):
                 dst.copy_(src)
 

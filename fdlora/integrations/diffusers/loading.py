@@ -52,10 +52,13 @@ class FdLoraLoading:
         component is validated before anything is written. The new adapter becomes the only active one,
         as with diffusers' `load_lora_weights`. Returns the load report (None for canonical input).
 
-        The first load into a component sets its capacity (`max_slots`, `max_rank`) and wraps the
-        architecture's table of targets (fdlora.integrations.diffusers.targets), plus `targets` (module-name
-        suffixes for the denoiser, or {component: suffixes}): later adapters within them load into
-        free slots without touching the module tree, so a compiled denoiser never recompiles.
+        The first load into a component sets its capacity (`max_slots`: adapters resident at once, DEFAULT_SLOTS
+        unless given; `max_rank`) and wraps the architecture's table of targets
+        (fdlora.integrations.diffusers.targets), plus `targets` (module-name suffixes for the denoiser, or
+        {component: suffixes}): later adapters within them load without touching the module tree. The banks hold
+        what is loaded: a slot per adapter up to `max_slots` and the largest rank loaded (unless `max_rank` is
+        given); a frozen or compiled denoiser gets the full capacity up front, so it never recompiles. Banks that do
+        not fit raise DeviceMemoryError with the pipeline as it was.
 
         The file's layout is read the way this pipeline's diffusers LoRA mixin reads it (its
         `lora_state_dict` converters; fdlora.integrations.diffusers.family). `load_into_transformer_2=True`
@@ -128,23 +131,29 @@ class FdLoraLoading:
                 return drain(self._fd_attach_steps(*whole, **again))
             stamp = self._fd_stamp(handles)
             yield
-        plans = []
+        plans, grown = [], []
         before = {c: dict(h.state.active) for c, h in handles.items()}  # an eviction below may deactivate
-        for comp, adapter in adapters.items():
-            model = modules[comp]
-            if trees[comp].peft:  # (the pool fits CLIP paths with or without `text_model.`)
-                self._fd_refuse_peft(comp)
-            h = handles.get(comp)
-            fresh = h is None
-            need = padded_rank(max(m.rank for m in adapter.modules.values()))
-            if fresh:
-                h = self._fd_new_handle(comp, model, max_slots, max_rank, need)
-            elif need > h.max_rank and not h.state.static:
-                logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
-                h.grow(max_rank=need)
-            pool = AdapterPool.of(h)
-            plans.append((comp, h, pool, fresh, (yield from pool.check_steps(
-                name, adapter, validate=validate, staged=staged.get(comp), every=every))))
+        try:
+            for comp, adapter in adapters.items():
+                model = modules[comp]
+                if trees[comp].peft:  # (the pool fits CLIP paths with or without `text_model.`)
+                    self._fd_refuse_peft(comp)
+                h = handles.get(comp)
+                fresh = h is None
+                need = padded_rank(max(m.rank for m in adapter.modules.values()))
+                if fresh:
+                    h = self._fd_new_handle(comp, model, max_slots, max_rank, need)
+                elif need > h.max_rank and not h.state.static:
+                    logger.info("fd-lora: growing %s rank capacity %d -> %d for %r", comp, h.max_rank, need, name)
+                    h.grow(max_rank=need)
+                    grown.append(h)
+                pool = AdapterPool.of(h)
+                plans.append((comp, h, pool, fresh, (yield from pool.check_steps(
+                    name, adapter, validate=validate, staged=staged.get(comp), every=every))))
+        except BaseException:  # banks grown for this load give the rank back (a refused load changes nothing)
+            for h in grown:
+                h.shrink()
+            raise
         if every and (self._fd_stamp(handles) != stamp  # checked against components that changed since, or
                       or any(plan.to_wrap for *_, (plan, host) in plans)):  # layers to wrap (as growing: at once)
             return drain(self._fd_attach_steps(*whole, **again))
@@ -157,7 +166,7 @@ class FdLoraLoading:
         notes = None
         if every:  # the writes made ahead, each for the slot commit will take while nothing changes
             stamp = self._fd_stamp(handles)
-            plans = [(comp, h, pool, fresh, (dataclasses.replace(plan, slot=h.state.slots.check_new(name)), host))
+            plans = [(comp, h, pool, fresh, (dataclasses.replace(plan, slot=h.free_slot(name)), host))
                      for comp, h, pool, fresh, (plan, host) in plans]
             ahead = []
             for comp, h, pool, fresh, (plan, host) in plans:
@@ -310,8 +319,15 @@ class FdLoraLoading:
     def _fd_new_handle(self, comp: str, model: nn.Module, max_slots: int | None, max_rank: int | None,
                        need: int) -> FdLoraHandle:
         """A component's handle as its first load makes it (not yet wrapping anything: `_fd_install`)."""
-        h = FdLoraHandle(model, max_slots=max_slots or DEFAULT_SLOTS, max_rank=max(max_rank or DEFAULT_RANK, need))
-        if _is_compiled(self.components[comp]):
+        compiled = _is_compiled(self.components[comp])
+        # The banks hold what is loaded: one slot (more as loads need them, up to max_slots or DEFAULT_SLOTS) at the
+        # first adapter's rank (grown by a later, larger one). A compiled component, or a prepare (need 0), gets the
+        # full capacity now: its banks must not change shape later.
+        lazy = not compiled and need > 0
+        rank = max_rank or (need if lazy else DEFAULT_RANK)
+        limit = max_slots or DEFAULT_SLOTS
+        h = FdLoraHandle(model, max_slots=1 if lazy else limit, max_rank=max(rank, need), slot_limit=limit)
+        if compiled:
             h.freeze()
         return h
 

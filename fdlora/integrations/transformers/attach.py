@@ -17,7 +17,7 @@ from fdlora.layers import FdLoraHandle, padded_rank, registry_of_models
 from fdlora.runtime.scope import lock_of
 from fdlora.runtime.session import session_of
 
-DEFAULT_SLOTS, DEFAULT_RANK = 4, 64
+DEFAULT_SLOTS = 4
 
 
 def ensure_handle(model: nn.Module, loads: Sequence[PeftLoad]) -> tuple[FdLoraHandle, bool]:
@@ -25,13 +25,17 @@ def ensure_handle(model: nn.Module, loads: Sequence[PeftLoad]) -> tuple[FdLoraHa
     need_rank = max(padded_rank(m.rank) for ld in loads for m in ld.adapter.modules.values())
     h = registry_of_models.get(model)
     if h is None:
-        h = FdLoraHandle(model, max_slots=max(DEFAULT_SLOTS, len(loads)), max_rank=max(DEFAULT_RANK, need_rank))
+        # rank capacity as loaded (grown by a later, larger adapter), not DEFAULT_RANK: banks take what they hold
+        # and slots as loaded, up to DEFAULT_SLOTS before a load grows them (freeze() allocates up to it)
+        h = FdLoraHandle(model, max_slots=len(loads), max_rank=need_rank, slot_limit=max(DEFAULT_SLOTS, len(loads)))
         registry_of_models[model] = h
         return h, True
-    free = len(h.state.slots.free())
-    if (need_rank > h.max_rank or free < len(loads)) and not h.state.static:  # a frozen model raises on add instead
-        slots = h.state.slots.capacity + max(0, len(loads) - free)
-        h.grow(max_slots=slots, max_rank=max(h.max_rank, need_rank))
+    free = len(h.state.slots.free()) + h.slot_limit - h.state.slots.capacity
+    if not h.state.static:  # a frozen model raises on add instead
+        if free < len(loads):
+            h.slot_limit += len(loads) - free  # the banks gain these slots as the adapters load
+        if need_rank > h.max_rank:
+            h.grow(max_rank=need_rank)
     return h, False
 
 

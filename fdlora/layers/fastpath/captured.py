@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -81,8 +83,7 @@ class StepGraphs:
                  mechanism: Any = None) -> None:
         if max_graphs < 1:
             raise FdLoraError(f"max_graphs={max_graphs}: give at least 1.")
-        self.module = module
-        self.eager = module.forward  # the bound forward in place before capture (class method or a hook's wrapper)
+        self._hold(module, module.forward)  # the forward in place before capture (class method or a hook's wrapper)
         self.clone_outputs = clone_outputs
         self.max_graphs = max_graphs
         first = next(iter(module.parameters()), None)
@@ -91,6 +92,30 @@ class StepGraphs:
         self.captures = 0  # graphs captured so far (tests and benchmarks count re-captures)
         self.eager_only: set[tuple] = set()  # signatures whose capture failed: eager from then on
         self.replays = 0
+
+    def _hold(self, module: nn.Module, eager: Callable) -> None:
+        """The module holds this runner (as its forward): it and its bound forward are held weakly here, so no
+        reference cycle keeps the model (and its static buffers) alive until a garbage collection."""
+        self._module = weakref.ref(module)
+        self._eager = (weakref.WeakMethod(eager) if isinstance(eager, types.MethodType) and eager.__self__ is module
+                       else lambda: eager)
+
+    def __getstate__(self) -> dict:  # copies carry the module and its forward, held weakly again on the other side
+        return {**self.__dict__, "_module": self.module, "_eager": self.eager}
+
+    def __setstate__(self, state: dict) -> None:
+        module, eager = state.pop("_module"), state.pop("_eager")
+        self.__dict__.update(state)
+        self._hold(module, eager)
+
+    @property
+    def module(self) -> nn.Module | None:
+        return self._module()
+
+    @property
+    def eager(self) -> Callable:
+        """The module's forward as it was before capture."""
+        return self._eager()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))

@@ -12,6 +12,7 @@ backend has no lora_merge_many (the torch reference, conv layers) merge one by o
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -109,8 +110,10 @@ def _replay(st, device: torch.device) -> bool:
     table = st.table
     # One pass: each layer that passes its check holds the new blend (its merge ran on these tensors) and takes the
     # new key; at the first failure the rest keep their old keys, so the full pass merges them again.
-    for lay, m, w, ptr, bank in items:
-        if m.buf is None or lay.base._parameters["weight"] is not w or w.data_ptr() != ptr or lay.bank is not bank:
+    for ref, m, w, ptr, bank in items:
+        lay = ref()
+        if (lay is None or m.buf is None or lay.base._parameters["weight"] is not w or w.data_ptr() != ptr
+                or lay.bank is not bank):
             return False
         if m.stamp is not None:
             m._mark_stale()
@@ -155,7 +158,7 @@ def _full(layer, device: torch.device) -> None:
         m = lay.merged
         if m.buf is not None and cacheable(lay, device):
             w = lay.base._parameters["weight"]
-            items.append((lay, m, w, w.data_ptr(), lay.bank))
+            items.append((weakref.ref(lay), m, w, w.data_ptr(), lay.bank))  # (weak: the layer holds the state)
             entries.append((lay, m, w, None, lay.scale_blend))
     st.fast_pass = ((st.epoch, device, BUDGET.generation, st.mode), items, _calls(st, entries, kept=True))
     PASS_HOLDERS.add(st)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -15,7 +17,14 @@ import torch
 from torch import nn
 
 from fdlora import env
-from fdlora.errors import CapacityError, CompiledModelError, DuplicateAdapterError, FdLoraError, TargetError
+from fdlora.errors import (
+    CapacityError,
+    CompiledModelError,
+    DeviceMemoryError,
+    DuplicateAdapterError,
+    FdLoraError,
+    TargetError,
+)
 from fdlora.hub.adapter import LoraAdapter, check_adapter_name
 from fdlora.hub.cache import Staged
 from fdlora.hub.formats import lycoris
@@ -24,8 +33,8 @@ from fdlora.layers.model import moe_targets as moe
 from fdlora.layers.modules import shared_shrink as shared
 from fdlora.layers.modules.fused import FusedLoraConv2d, FusedLoraLinear, _FusedLora, check_fits, spec_of
 from fdlora.layers.registry import registry_of_models
-from fdlora.layers.state import Mode, ModelState, lasting
-from fdlora.layers.storage.bank import AdapterBank, padded_rank
+from fdlora.layers.state import LayerDict, Mode, ModelState, lasting
+from fdlora.layers.storage.bank import AdapterBank, bank_bytes, padded_rank
 from fdlora.layers.storage.bank import arena as bank_arena
 from fdlora.layers.storage.bulk import Prepared, prepare
 from fdlora.steps import Steps, drain
@@ -70,8 +79,16 @@ class Writes:
 
 
 class FdLoraHandle:
+    """The handle of one injected model. A registered model holds its handle (fdlora.layers.registry), which then
+    holds the model weakly (strongly while unregistered: then nothing else may), and the model's state holds the
+    layers weakly (ModelState.members), so no reference cycle runs through the model: a deleted model gives its
+    memory (weights, banks, merged copies) back by reference counting alone, without waiting for a collection."""
+
     def __init__(self, model: nn.Module, max_slots: int = 4, max_rank: int = 64,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, slot_limit: int | None = None) -> None:
+        """`max_slots` slots are allocated now; with `slot_limit` above it, the banks gain a slot per load that finds
+        none free (until the limit; then an AdapterPool evicts, a direct load raises CapacityError), so they hold what
+        is loaded rather than the limit up front. `freeze()` allocates up to the limit (shapes never change after)."""
         if max_slots < 1 or max_rank < 1:
             raise CapacityError(f"max_slots ({max_slots}) and max_rank ({max_rank}) must be at least 1.")
         cap = env.max_rank_limit()
@@ -83,10 +100,35 @@ class FdLoraHandle:
         self.base_rank = self.max_rank  # the capacity asked for: delete_adapter shrinks back towards it
         self.dtype = dtype
         self.state = ModelState(0, max_slots)
-        self.layers: dict[str, _FusedLora] = {}
+        self.slot_limit = max(max_slots, slot_limit or 0)
+        self.layers: dict[str, _FusedLora] = LayerDict()
         self.state.members = self.layers
         self._originals: dict[str, nn.Module] = {}
         self._restored = False
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The injected model (None once it was deleted)."""
+        return self._model()
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._owner = model  # strong until the model holds this handle (held_by_model)
+
+    def held_by_model(self, held: bool) -> None:
+        """The registry stored this handle on its model (True) or took it off (False)."""
+        self._owner = None if held else self._model()
+
+    def __getstate__(self) -> dict:  # copies and pickles carry the model itself, held weakly again on the other side
+        return {**self.__dict__, "_model": self._model()}
+
+    def __setstate__(self, state: dict) -> None:
+        model = state.pop("_model")
+        state.setdefault("slot_limit", state["state"].slots.capacity)
+        state.setdefault("_owner", None)
+        self.__dict__.update(state)
+        self._model = weakref.ref(model) if model is not None else _gone
 
     # --- module swapping -----------------------------------------------------------------------
     def wrap(self, paths: Sequence[str]) -> list[_FusedLora]:
@@ -96,21 +138,29 @@ class FdLoraHandle:
         if not new:
             return []
         self._reshapeable("wrap more modules")
-        L0 = len(self.layers)
+        L0, S = len(self.layers), self.state.slots.capacity
         self.state.epoch += 1
-        self.state.table.resize(L0 + len(new), self.state.slots.capacity)
+        self.state.table.resize(L0 + len(new), S)
         made = []
         modules = self._modules()
-        with bank_arena():  # the new banks as views of a few zeroed buffers: ~4 allocations per layer saved
-            for i, path in enumerate(new):
-                layer = moe.make(self.model, path, self.state, L0 + i, self.max_rank, self.dtype, modules)  # MoE
-                if layer is None:
-                    base = modules.get(path)
-                    if base is None:
-                        raise TargetError(f"{path!r} is not a module of this model.")
-                    cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
-                    layer = cls(base, self.state, L0 + i, path, self.max_rank, self.dtype)
-                made.append(layer)
+        try:
+            with bank_arena():  # the new banks as views of a few zeroed buffers: ~4 allocations per layer saved
+                for i, path in enumerate(new):
+                    layer = moe.make(self.model, path, self.state, L0 + i, self.max_rank, self.dtype, modules)  # MoE
+                    if layer is None:
+                        base = modules.get(path)
+                        if base is None:
+                            raise TargetError(f"{path!r} is not a module of this model.")
+                        cls = FusedLoraConv2d if isinstance(base, nn.Conv2d) else FusedLoraLinear
+                        layer = cls(base, self.state, L0 + i, path, self.max_rank, self.dtype)
+                    made.append(layer)
+        except BaseException as e:  # nothing swapped yet: the table back to the wrapped layers
+            self.state.table.resize(L0, S)
+            for layer in self.layers.values():
+                layer.rebind()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise self._no_room(f"wrapping {len(new)} modules", new, modules, S, self.max_rank) from e
+            raise
         done = []
         try:  # all or nothing: an error or Ctrl-C between two swaps puts the swapped modules back
             for layer in made:
@@ -198,7 +248,7 @@ class FdLoraHandle:
             adapter.check_finite(name)
         if to_wrap:
             self._reshapeable(f"wrap {len(to_wrap)} more modules for {what}")
-        return LoadPlan(name, self.state.slots.check_new(name) if slot else -1, adapter, to_wrap)
+        return LoadPlan(name, self.free_slot(name) if slot else -1, adapter, to_wrap)
 
     def _check_module(self, path: str, m, what: str, modules: dict[str, nn.Module] | None, cap: int) -> bool:
         """Raise if module `path` cannot take LoRA `m`; True if it still has to be wrapped. `modules`: the model's
@@ -235,12 +285,20 @@ class FdLoraHandle:
     def commit(self, plan: LoadPlan, *, activate: bool = True) -> int:
         """Carry out a `plan` from `plan()`: wrap, write the banks, register the name. A plan carrying its writes
         (`writes_steps`, made for its slot) launches them if every bank is still where they were made for."""
-        free = self.state.slots.check_new(plan.name)  # the name is still new and a slot is free
+        free = self.free_slot(plan.name)  # the name is still new and a slot is free (or one more can be made)
         if plan.slot < 0:  # planned without a slot (a pool made room after checking)
             plan = dataclasses.replace(plan, slot=free)
         elif plan.slot in self.state.slots.by_name.values():
             raise CapacityError(f"slot {plan.slot} of the plan for {plan.name!r} was taken since; plan again.")
-        wrapped = self.wrap(plan.to_wrap)
+        S0 = self.state.slots.capacity
+        if plan.slot >= S0:  # the banks gain the slot (DeviceMemoryError if they cannot: nothing changed then)
+            self._resize(plan.slot + 1, self.max_rank)
+        try:
+            wrapped = self.wrap(plan.to_wrap)
+        except BaseException:
+            if self.state.slots.capacity != S0:
+                self._resize(S0, self.max_rank)
+            raise
         try:
             writes = plan.writes
             if not (writes is not None and writes.slot == plan.slot and not wrapped
@@ -252,6 +310,8 @@ class FdLoraHandle:
             for layer in wrapped:
                 self._unwrap(layer.path)
             shared.regroup(self.model, self.layers)
+            if self.state.slots.capacity != S0:
+                self._resize(S0, self.max_rank)
             raise
         self.state.epoch += 1
         self.state.slots.by_name[plan.name] = plan.slot
@@ -280,6 +340,15 @@ class FdLoraHandle:
         bulk = None if plan.staged is None else (yield from prepare(writes, plan.staged, every))
         ahead = (yield from hot.rekey_steps(self.state, self.layers.values(), every)) if rekey else None
         return Writes(slot, torch.tensor(rows, dtype=torch.long), scales, bulk, writes, ahead)
+
+    def free_slot(self, name: str) -> int:
+        """The slot a new adapter `name` takes: the first free one, else the one a growth adds (under `slot_limit`,
+        not frozen); raises if the name is taken or no slot can be had."""
+        slots = self.state.slots
+        slots.check_name(name)
+        if len(slots.by_name) >= slots.capacity and slots.capacity < self.slot_limit and not self.state.static:
+            return slots.capacity
+        return slots.check_new(name)
 
     def _unmatched_hint(self, adapter: LoraAdapter) -> str:
         missing = [p for p in adapter.modules if p not in self.layers]
@@ -430,7 +499,10 @@ class FdLoraHandle:
     # --- capacity ------------------------------------------------------------------------------
     def freeze(self) -> None:
         """Promise static buffers (torch.compile, CUDA graphs): no host-side shortcuts, no reallocation. Blend-mode
-        nn.Linear layers then use the merged-weight cache through fdlora::merged_linear, checked on the device."""
+        nn.Linear layers then use the merged-weight cache through fdlora::merged_linear, checked on the device.
+        Banks still below `slot_limit` get their slots now (later loads find them; shapes never change after)."""
+        if not self.state.static and self.state.slots.capacity < self.slot_limit:
+            self._resize(self.slot_limit, self.max_rank)
         self.state.static = True
 
     def unfreeze(self) -> None:
@@ -442,6 +514,7 @@ class FdLoraHandle:
         """Raise slot and/or rank capacity, keeping loaded adapters (not on a frozen model)."""
         self._reshapeable("grow the banks")
         S = max(max_slots or 0, self.state.slots.capacity)
+        self.slot_limit = max(self.slot_limit, S)
         cap = env.max_rank_limit()
         if (max_rank or 0) > cap:
             raise CapacityError(f"cannot grow to rank {max_rank}: above the rank limit {cap}; raise it "
@@ -449,9 +522,20 @@ class FdLoraHandle:
         self._resize(S, max(padded_rank(max_rank or 1), self.max_rank))
 
     def _resize(self, S: int, R: int) -> None:
+        """Every bank to S slots at rank capacity R, one bank at a time (each bank's old buffers go as its new ones
+        come: the peak is one bank more, not all of them twice). Out of device memory, the banks already resized go
+        back and DeviceMemoryError names what was needed."""
         self.state.epoch += 1
-        for layer in self.layers.values():
-            layer.bank.resize(S, R)
+        S0, R0, done = self.state.slots.capacity, self.max_rank, []
+        try:
+            for layer in self.layers.values():
+                layer.bank.resize(S, R)
+                done.append(layer)
+        except torch.OutOfMemoryError as e:
+            for layer in done:
+                layer.bank.resize(S0, R0)
+            raise self._no_room(f"resizing the banks to {S} slots x rank {R}", list(self.layers), None, S, R,
+                                now=(S0, R0)) from e
         self.state.table.resize(len(self.layers), S)
         self.state.slots.capacity = S
         self.max_rank = R
@@ -459,6 +543,36 @@ class FdLoraHandle:
             layer.rebind()
             layer.select_backend()
         self._write_weights()
+
+    def _no_room(self, what: str, paths: list[str], modules: dict | None, S: int, R: int,
+                 now: tuple[int, int] | None = None) -> DeviceMemoryError:
+        """The error for banks that did not fit: the bytes they need (beyond what the banks hold now), what is free,
+        and what to change."""
+        need, device = 0, None
+        for path in paths:
+            layer = self.layers.get(path)
+            if layer is not None:
+                bank = layer.bank
+                need += bank.nbytes_at(S, R) - (bank.nbytes_at(*now) if now else 0)
+                device = device or bank.A.device
+                continue
+            spec = spec_of(modules[path]) if modules is not None and path in modules else None
+            if spec is not None:
+                base = modules[path]
+                w = next(iter(base.parameters()), None)
+                dtype = self.dtype or (w.dtype if w is not None and w.is_floating_point() else torch.float32)
+                need += bank_bytes(S, R, math.prod(spec.a_shape), spec.out_features, dtype)
+                device = device or (w.device if w is not None else None)
+        free = ""
+        if device is not None and device.type == "cuda":
+            free = f", {torch.cuda.mem_get_info(device)[0] / 2**30:.2f} GiB free"
+        at = f" on {device}" if device is not None else ""
+        return DeviceMemoryError(
+            f"out of device memory {what}: the adapter banks need {need / 2**30:.2f} GiB more{at}{free} ({S} slots "
+            f"x rank {R} per layer, {len(paths)} layers). The model is as it was before this call. Load with fewer "
+            f"slots or a lower rank capacity (load_fd_lora(..., max_slots=N, max_rank=R) or fdlora.inject(..., "
+            "max_slots=N, max_rank=R) on a fresh model; each slot holds one adapter), delete adapters you no longer "
+            "use, or free device memory (other models, torch.cuda.empty_cache()).")
 
     def _reshapeable(self, what: str) -> None:
         if self.state.static:
@@ -477,6 +591,10 @@ class FdLoraHandle:
         return (f"FdLoraHandle({type(self.model).__name__}, layers={len(self.layers)}, "
                 f"slots={self.state.slots.capacity}, rank_capacity={self.max_rank}, backends={backends}, "
                 f"adapters={self.list_adapters()}, active={self.active_adapters()})")
+
+
+def _gone() -> None:
+    return None
 
 
 def _all_of(problems: list[FdLoraError], what: str, hint: str) -> FdLoraError:

@@ -131,7 +131,7 @@ class ShrinkGroup:
     """Layers that read one input: their stacked A, and the h of the input being served."""
 
     def __init__(self, members: list) -> None:
-        self.members = members
+        self._members = [weakref.ref(m) for m in members]  # weak: each member holds the group (no reference cycle)
         self._stack: Stack | None = None
         self._h: tuple | None = None  # (key, x's weak ref, h [P, M, n*S*R] fp32, ids served, per-row weights [M, S])
         self.shrinks = 0  # shrinks run and expands served (tests and benchmarks read them)
@@ -139,22 +139,31 @@ class ShrinkGroup:
         for m in members:
             m.__dict__["shrink_group"] = self
 
+    @property
+    def members(self) -> list:
+        """The member layers (held weakly: each holds this group as `shrink_group`)."""
+        return [r() for r in self._members]
+
     def __getstate__(self) -> dict:  # copies and pickles carry the members, not the caches (a weak reference, ids)
-        return {**self.__dict__, "_stack": None, "_h": None}
+        return {**self.__dict__, "_members": self.members, "_stack": None, "_h": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._members = [weakref.ref(m) for m in state["_members"]]
 
     def __repr__(self) -> str:
         return f"ShrinkGroup({', '.join(m.path for m in self.members)})"
 
-    def _stacked(self, layer, lo: int, hi: int | None, by_row: bool = False) -> Stack | None:
+    def _stacked(self, layer, members: list, lo: int, hi: int | None, by_row: bool = False) -> Stack | None:
         """The members' stacked A over slots lo:hi (hi None: up to the last one used), refreshed when any bank
         changed; None when the members cannot share a shrink now (different backends, devices, dtypes or bank
         shapes, more than the backend takes). Member-major unless `by_row` (lo 0) and the slot-major stack fits the
         backend's rank bound. The per-call cost is the key: bank versions and addresses (a write bumps the version, a
         move or resize changes the address)."""
         backend = layer.selection.backend
-        if any(m.selection.backend is not backend for m in self.members):
+        if any(m.selection.backend is not backend for m in members):
             return None
-        banks = [m.__dict__["bank"] for m in self.members]
+        banks = [m.__dict__["bank"] for m in members]
         key = (backend, lo, hi, by_row, *[(b.version, b._buffers["A"].data_ptr()) for b in banks])
         got = self._stack
         if got is not None and got.key == key:
@@ -208,7 +217,8 @@ class ShrinkGroup:
             lo, hi = min(live), max(live) + 1
         ops = layer._ops
         split = getattr(ops, "lora_shrink_split", None)  # K-split partials the expand adds (Triton): no sum launch
-        stack = self._stacked(layer, lo, hi, by_row=row_slot is not None and split is not None)
+        members = self.members
+        stack = self._stacked(layer, members, lo, hi, by_row=row_slot is not None and split is not None)
         if stack is None:
             return False
         A, lo, hi, R = stack.A, stack.lo, stack.hi, stack.R
@@ -228,7 +238,7 @@ class ShrinkGroup:
             scale, gw = layer._weights(x, M)
         else:
             scale, gw = layer.scale_unit, got[4]
-        at, bank, h = stack.columns[next(i for i, m in enumerate(self.members) if m is layer)], layer.bank, got[2]
+        at, bank, h = stack.columns[next(i for i, m in enumerate(members) if m is layer)], layer.bank, got[2]
         if stack.by_row:
             h = h.unflatten(-1, (S, A.shape[1]))[..., at:at + R]  # [P, M, S, R]: this member's columns of each slot
         else:
@@ -238,7 +248,7 @@ class ShrinkGroup:
         if bank._buffers["bias"] is not None:
             layer._add_bias(y2, scale, gw, row_slot)
         got[3].add(id(layer))
-        if len(got[3]) == len(self.members):
+        if len(got[3]) == len(members):
             self._h = None  # every member served: give the memory back
         return True
 

@@ -21,6 +21,7 @@ on CUDA each was an allocator call and a memset launch).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 
@@ -86,6 +87,12 @@ def padded_rank(r: int) -> int:
     return max(RANK_ALIGN, -(-r // RANK_ALIGN) * RANK_ALIGN)
 
 
+def bank_bytes(slots: int, rank: int, a_numel: int, out_features: int, dtype: torch.dtype) -> int:
+    """Bytes of a bank of `slots` slots at rank capacity `rank` (A, B and the ranks; not a lora bias or DoRA's
+    magnitudes), for a layer whose A rows hold `a_numel` elements."""
+    return slots * padded_rank(rank) * (a_numel + out_features) * dtype.itemsize + slots * 4
+
+
 class AdapterBank(nn.Module):
     def __init__(
         self,
@@ -126,6 +133,13 @@ class AdapterBank(nn.Module):
     @property
     def rank_capacity(self) -> int:
         return self.A.shape[1]
+
+    def nbytes_at(self, slots: int, rank: int) -> int:
+        """Bytes this bank would hold at `slots` slots and rank capacity `rank`."""
+        a_numel = math.prod(self.A.shape[2:])
+        extra = 0 if self.bias is None else slots * self.B.shape[0] * self.B.element_size()
+        extra += 0 if self.magnitude is None else slots * self.B.shape[0] * 4
+        return bank_bytes(slots, rank, a_numel, self.B.shape[0], self.A.dtype) + extra
 
     def extent(self) -> tuple[int, int]:
         """(slots up to the last used one, padded max live rank): the part of the bank that is not zero."""
@@ -276,35 +290,37 @@ class AdapterBank(nn.Module):
         self.mark(slot, 0)
 
     def resize(self, slots: int, rank: int) -> None:
-        """Reallocate to `slots` (at least the current count) and rank capacity `rank`, keeping every loaded slot
-        (not while compiled or captured). The rank may shrink, down to the largest live rank, to give memory back."""
+        """Reallocate to `slots` slots and rank capacity `rank`, keeping every loaded slot (not while compiled or
+        captured). Slots may go down to the last used one and the rank to the largest live one, to give memory back.
+        Atomic: a failed allocation (torch.OutOfMemoryError) leaves the bank as it was."""
         R, S0, R0 = padded_rank(rank), self.slots, self.rank_capacity
-        if slots < S0 or R < max(self.host_ranks, default=0):
+        if any(self.used[slots:]) or R < max(self.host_ranks, default=0):
             raise ValueError(f"resize to {slots} slots x rank {R} would drop loaded adapters ({S0} slots, live ranks "
                              f"{self.host_ranks}).")
-        keep = min(R, R0)
+        keep, S1 = min(R, R0), min(slots, S0)
         with lasting():  # every buffer made before any is replaced: a failed allocation leaves the bank as it was
             A = self.A.new_zeros(slots, R, *self.A.shape[2:])
             B = self.B.new_zeros(self.B.shape[0], slots, R)
             ranks = self.ranks.new_zeros(slots)
             bias = None if self.bias is None else self.bias.new_zeros(slots, self.bias.shape[1])
             mag = None if self.magnitude is None else self.magnitude.new_zeros(slots, self.magnitude.shape[1])
-            A[:S0, :keep] = self.A[:, :keep]
-            B[:, :S0, :keep] = self.B[:, :, :keep]
-            ranks[:S0] = self.ranks
+            A[:S1, :keep] = self.A[:S1, :keep]
+            B[:, :S1, :keep] = self.B[:, :S1, :keep]
+            ranks[:S1] = self.ranks[:S1]
             if bias is not None:
-                bias[:S0] = self.bias
+                bias[:S1] = self.bias[:S1]
             if mag is not None:
-                mag[:S0] = self.magnitude
+                mag[:S1] = self.magnitude[:S1]
         self.A, self.B, self.ranks = A, B, ranks
         self.__dict__.pop("_addresses", None)
         if bias is not None:
             self.bias = bias
         if mag is not None:
             self.magnitude = mag
-        self.dora_eps = self.dora_eps + [None] * (slots - S0)
-        self.used = self.used + [False] * (slots - S0)
-        self.host_ranks = self.host_ranks + [0] * (slots - S0)
-        self.slot_version = [v + 1 for v in self.slot_version] + [0] * (slots - S0)
+        grown = [0] * (slots - S0)
+        self.dora_eps = self.dora_eps[:slots] + [None] * (slots - S0)
+        self.used = self.used[:slots] + [False] * (slots - S0)
+        self.host_ranks = self.host_ranks[:slots] + grown
+        self.slot_version = [v + 1 for v in self.slot_version[:slots]] + grown
         self.version += 1
         self.dversion.add_(1)
