@@ -41,4 +41,5 @@ __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "l
            "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups", "prepare_linear",
            "prepare_linear_rows", "prepare_merge", "prepare_merge_many"]
 
-NOT_IMPLEMENTED = {"lora_conv_delta": "conv LoRA runs on the torch or cuda backend (the registry routes conv layers there)"}
+NOT_IMPLEMENTED = {"lora_conv_delta": "conv LoRA runs on the torch or cuda backend "
+                                      "(the registry routes conv layers there)"}

@@ -9,8 +9,8 @@ The math is fdlora.kernels.ops.lora_train (u = the LoRA input, x or dropout(x); 
 saves only u and h = u A^T (fp32) for the backward, never the delta or the base output. Every op has a fake kernel, so
 torch.compile traces a whole training step through them (no graph break). On CUDA the linear backward of half-precision
 activations runs as four cuBLAS GEMMs in their dtype (lora_train_linear_backward_blas), or with
-FDLORA_TRAIN_BACKWARD=triton the two-pass kernels of fdlora.kernels.triton.train.lora_backward (one pass over gy for g and
-grad_B, one over u for grad_u and grad_A; 1.8-3.4x slower than the GEMMs on an H200 at Llama-3-8B shapes, so not the
+FDLORA_TRAIN_BACKWARD=triton the two-pass kernels of fdlora.kernels.triton.train.lora_backward (one pass over gy for g
+and grad_B, one over u for grad_u and grad_A; 1.8-3.4x slower than the GEMMs on an H200 at Llama-3-8B shapes, so not the
 default); everywhere else the torch reference runs. The backend is a device property of the op, not chosen per call:
 the layers never branch on it.
 
@@ -288,7 +288,8 @@ def train_linear(x: Tensor, u: Tensor | None, y0: Tensor | None, W: Tensor | Non
                  B: Tensor, scale: Tensor, casts: tuple[Tensor, ...] | None = None) -> Tensor:
     """y [..., N] of fdlora::lora_train_linear for x [..., K] (u like x, y0 like y): the registered op (on the
     leading dimensions folded) while torch.compile traces, its eager Function otherwise. `casts`: A, s A, B, s B
-    made ahead in the activations' dtype (fdlora.layers.trainable.half_casts; the eager half-precision pair reads them)."""
+    made ahead in the activations' dtype (fdlora.layers.trainable.half_casts; the eager half-precision pair reads
+    them)."""
     if torch.compiler.is_compiling():
         K = x.shape[-1]
         y = torch.ops.fdlora.lora_train_linear(x.reshape(-1, K), None if u is None else u.reshape(-1, K),
@@ -354,8 +355,8 @@ def train_linear_over(base, run, x: Tensor, u: Tensor | None, A: Tensor, B: Tens
                       casts: tuple[Tensor, ...] | None = None) -> Tensor:
     """base(x) + the LoRA part, for a frozen `base` module whose input gradient is gy W, and `run` computing both as
     the module does: run.forward(x) -> (base(x), saved), run.weight(saved, dtype) -> W [N, K] (a bitsandbytes 4-bit
-    layer: fdlora.layers.trainable.frozen_4bit). In eager the base runs inside the Function (see _Linear): no graph node and no
-    backward of its own, the delta added into its output in place, grad_x in one tensor. Under torch.compile:
+    layer: fdlora.layers.trainable.frozen_4bit). In eager the base runs inside the Function (see _Linear): no graph node
+    and no backward of its own, the delta added into its output in place, grad_x in one tensor. Under torch.compile:
     base(x) through its own autograd and the registered op, as for any outside base."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return train_linear(x, u, base(x), None, None, A, B, scale)

@@ -13,9 +13,9 @@ Linear, with u the LoRA branch input (x, or dropout(x) as PEFT applies it) and s
 Nothing else is saved: not the delta, not the base output. Conv2d (LoCon, PEFT's layout: A a conv with the base's
 kernel, stride and padding, B a 1x1 conv) is the same algebra with A applied as a convolution. These functions are
 the test oracle, the benchmark baseline and the backend on every device without the Triton kernels
-(fdlora.kernels.triton.train.lora_backward); fdlora.kernels.train_ops registers them as torch.library ops. The `_half` and
-`_uniform` forward/backward pairs are what eager steps run (fdlora.kernels.train_ops._Linear): the same products with
-fewer ops per call, the forward keeping what its backward reuses.
+(fdlora.kernels.triton.train.lora_backward); fdlora.kernels.train_ops registers them as torch.library ops. The `_half`
+and `_uniform` forward/backward pairs are what eager steps run (fdlora.kernels.train_ops._Linear): the same products
+with fewer ops per call, the forward keeping what its backward reuses.
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def lora_train_linear_half_cast(
 def half_casts(A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # A, s A, B, s B in dtype
     """What `lora_train_linear_half_cast` (s A, B) and its backward (A, s B) read, each product in A's / B's
-    precision rounded once. fdlora.layers.trainable.half_casts makes the same tensors for all layers of a model at once."""
+    precision rounded once. fdlora.layers.trainable.half_casts makes the same tensors for all layers of a model at
+    once."""
     return _to(A, dtype), _scaled(A, scale, dtype), _to(B, dtype), _scaled(B, scale, dtype)
 
 

@@ -182,7 +182,7 @@ _warned_short: set[int] = set()
 def memory_short(args: tuple) -> bool:
     """True when the device of the first CUDA tensor in `args` has less than AUTOTUNE_MIN_FREE bytes to give (the
     driver's free memory plus what torch's allocator holds unused): the first launch of a shape then runs the first
-    config instead of autotuning, whose timing buffers would raise out-of-memory inside a step that fits (issue: a
+    config instead of autotuning, whose timing buffers would raise out-of-memory inside a step that fits (the rule: a
     step that diffusers+PEFT runs must run). Warns once per device."""
     t = next((a for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
     if t is None:

@@ -20,8 +20,8 @@ captured or compiled and keep the traced ops), CUDA, a backend with `prepare_del
   and every adapter one weight (PEFT's adapter_names; ModelState.sample_rows), which is per-row mode
   with per-layer scales alpha/r * weight.
 A per-row call of more than shared.FEW_ROWS rows on a layer in a shrink group (q/k/v, gate/up: per-row prefill)
-runs its base and then the group's delta (fdlora.layers.modules.shared_shrink: x read once for the group) when the group may serve
-it, the kept launch otherwise.
+runs its base and then the group's delta (fdlora.layers.modules.shared_shrink: x read once for the group) when the group
+may serve it, the kept launch otherwise.
 Anything else (blends per sample, prefill) takes the regular paths; where no launch can be kept (autograd,
 tracing modes) or the inputs' alignment keeps changing, the per-row op runs as a plain call after RETRIES.
 """
@@ -65,7 +65,8 @@ def forward(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor |
         scale = scales[layer.index]
     bank = layer.bank
     A, B, ranks = bank._buffers["A"], bank._buffers["B"], bank._buffers["ranks"]
-    group = layer.__dict__.get("shrink_group")  # per-row prefill: one shrink for q/k/v (fdlora.layers.modules.shared_shrink)
+    # per-row prefill: one shrink for q/k/v (fdlora.layers.modules.shared_shrink)
+    group = layer.__dict__.get("shrink_group")
     if group is not None and not (st.mode is Mode.ROWS and group.takes_rows(layer, x, M)):
         group = None
     if group is None and not (args or kwargs or torch._C._cuda_isCurrentStreamCapturing()):

@@ -92,8 +92,8 @@ def get(layer, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None
 
 
 def rearm(st, layers) -> None:
-    """After a blend-weight change re-merged these layers' buffers in place (fdlora.layers.fastpath.remerge's replay: the
-    slider path), their entries that compute on those buffers are valid again under the new token: a slider moved
+    """After a blend-weight change re-merged these layers' buffers in place (fdlora.layers.fastpath.remerge's replay:
+    the slider path), their entries that compute on those buffers are valid again under the new token: a slider moved
     every step then costs each layer no full decision."""
     token = st.table.token
     for m in layers:

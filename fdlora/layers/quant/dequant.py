@@ -4,10 +4,11 @@
     y  = F.linear(x, W', bias)
 
 Why: some quantized bases build a float W for every call anyway, then run a float matmul on it; the regular
-quantized-base path (fdlora.layers.modules.fused: base(x) + the per-call delta) then re-reads x and reads and writes y on top.
-Writing W' where the base writes W makes the LoRA nearly free. Two families: diffusers' GGUFLinear (fdlora.layers.quant.gguf,
-the first; it uses this module's rule, gate and kept launch) and torchao's weight-only tensors, here. torchao 0.18,
-for a float activation and no activation quantization (`act_quant_kwargs` and `act_pre_scale` None):
+quantized-base path (fdlora.layers.modules.fused: base(x) + the per-call delta) then re-reads x and reads and writes y
+on top. Writing W' where the base writes W makes the LoRA nearly free. Two families: diffusers' GGUFLinear
+(fdlora.layers.quant.gguf, the first; it uses this module's rule, gate and kept launch) and torchao's weight-only
+tensors, here. torchao 0.18, for a float activation and no activation quantization (`act_quant_kwargs` and
+`act_pre_scale` None):
 - Int8Tensor, per-row or per-tensor scale: `mm(x, qdata.t().to(x.dtype)) * scale.to(x.dtype)`, then `+= bias`: the
   whole int8 weight converted per call, then a pass over y for the scale and one for the bias; per-group scales:
   `dequantize().to(x.dtype)` then the mm;
@@ -25,10 +26,10 @@ x @ q, then the product with the scale: the outputs differ by the compute dtype'
 
 When (`forward`, from FusedLoraLinear.forward, blend mode only; `eager_blend` is the shared gate): an eager call (not
 compiling, not frozen, not being captured in a CUDA graph, no autograd through x or the bank) with some adapter
-active, no lora bias in the bank (DoRA slots never get here: fdlora.layers.modules.dora serves them), on a base that no hook
-manages (accelerate's `_hf_hook`, diffusers' `_diffusers_hook`, module forward hooks) and that is not offloaded
-(fdlora.layers.storage.offload); here also a plain nn.Linear (a subclass may compute otherwise) and x in the weight's dtype
-and on its device. Per-sample and per-row calls, and anything else, take the regular paths. Nothing is kept: the
+active, no lora bias in the bank (DoRA slots never get here: fdlora.layers.modules.dora serves them), on a base that no
+hook manages (accelerate's `_hf_hook`, diffusers' `_diffusers_hook`, module forward hooks) and that is not offloaded
+(fdlora.layers.storage.offload); here also a plain nn.Linear (a subclass may compute otherwise) and x in the weight's
+dtype and on its device. Per-sample and per-row calls, and anything else, take the regular paths. Nothing is kept: the
 merged-weight cache never holds a dequantized copy (fdlora.layers.quant.quantized says why).
 
 torchao is never imported here: its tensors are recognized by type name (fdlora.layers.quant.quantized) and read through

@@ -4,9 +4,9 @@
     y  = F.linear(x, W', bias.to(compute_dtype))
 
 Why: GGUFLinear.forward_native (diffusers' path wherever its optional CUDA kernels are not loaded) builds a full
-dequantized W for every call and runs F.linear on it. The regular quantized-base path (fdlora.layers.modules.fused: base(x)
-+ the per-call delta) then re-reads x and reads and writes y on top: on full-size Flux-dev Q8_0 on an H100 that was
-1.149x the base step for one adapter (target 1.10). Writing W' where diffusers writes W costs, per call:
+dequantized W for every call and runs F.linear on it. The regular quantized-base path (fdlora.layers.modules.fused:
+base(x) + the per-call delta) then re-reads x and reads and writes y on top: on full-size Flux-dev Q8_0 on an H100 that
+was 1.149x the base step for one adapter (target 1.10). Writing W' where diffusers writes W costs, per call:
 - Q8_0 with the Triton backend: nothing but a rank-r dot per tile of the one kernel that dequantizes
   (fdlora.kernels.triton.merge.gguf_merge), which also replaces diffusers' dequantization (several torch kernels and an
   fp16 intermediate): always taken;
@@ -14,14 +14,14 @@ dequantized W for every call and runs F.linear on it. The regular quantized-base
   in-place addmm_ of the blend (the live slots' ranks side by side, B scaled): ~2*N*K elements read and written,
   against ~M*K + 2*M*N for the delta, so taken only where it moves fewer bytes (`merge_pays`).
 Nothing is kept: W' lives for the call, as diffusers' W does; the merged-weight cache never holds a dequantized
-copy (fdlora.layers.quant.quantized says why). Measured on an H100 (benchmarks/bench_quantized.py, full-size Flux-dev Q8_0,
-bf16, r16): the step runs at 0.81-0.90x the GGUF base's for one adapter and 0.83x for a 4-blend, below the base
+copy (fdlora.layers.quant.quantized says why). Measured on an H100 (benchmarks/bench_quantized.py, full-size Flux-dev
+Q8_0, bf16, r16): the step runs at 0.81-0.90x the GGUF base's for one adapter and 0.83x for a 4-blend, below the base
 because the kernel also replaces diffusers' dequantization (~5x faster without the LoRA, ~3.4x with one r16); the
 LoRA itself adds ~50% to the dequantizing kernel (+25 us at 3072 x 12288), not to the step's GEMMs.
 
-When (`forward`, from FusedLoraLinear.forward, blend mode only): the eager blend calls of fdlora.layers.quant.dequant (the
-gate, the byte rule and the kept launch shared with torchao's weight-only bases), on a base that diffusers would run
-through forward_native (its module-level `ops` is None, or the weight or input is not on CUDA). Per-sample and
+When (`forward`, from FusedLoraLinear.forward, blend mode only): the eager blend calls of fdlora.layers.quant.dequant
+(the gate, the byte rule and the kept launch shared with torchao's weight-only bases), on a base that diffusers would
+run through forward_native (its module-level `ops` is None, or the weight or input is not on CUDA). Per-sample and
 per-row calls, and anything else, take the regular paths.
 
 This is the one module of fdlora.layers that reads diffusers, lazily and only for a base that already is diffusers'

@@ -340,7 +340,8 @@ def run_path(path: str, x, W, bias, A, B, scale, group_weight, ranks) -> torch.T
     return y
 
 
-def lora_linear(x, W, bias, A, B, scale, group_weight, ranks) -> torch.Tensor:  # the contract's op: fdlora.kernels.ops.lora_linear
+# the contract's op: fdlora.kernels.ops.lora_linear
+def lora_linear(x, W, bias, A, B, scale, group_weight, ranks) -> torch.Tensor:
     check_linear(x, W, bias, A, B, scale, group_weight, ranks)
     M, K = C.dims(x)  # plain ints: the plan and the launch are per concrete shape
     N = C.dims(W)[0]

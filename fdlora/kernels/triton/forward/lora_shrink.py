@@ -15,8 +15,8 @@ Per row (row_slot, per-row mode's one slot per row, -1 = none): row m is compute
 
 Program (i, s, chunk, split) loads only the x rows of block i whose slot is s, so each x row is read by one
 program per rank chunk, and a program whose block holds no such row exits at once (as lora_delta_rows does).
-fdlora.layers.modules.shared_shrink stacks the members' A slot-major for it ([S, n*R, K]: slot s holds every member's A_s),
-so that one launch computes, per row, only the n*R columns its slot needs instead of S*n*R.
+fdlora.layers.modules.shared_shrink stacks the members' A slot-major for it ([S, n*R, K]: slot s holds every member's
+A_s), so that one launch computes, per row, only the n*R columns its slot needs instead of S*n*R.
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ def _partials(x: torch.Tensor, A: torch.Tensor, row_slot: torch.Tensor | None, m
 
 def lora_shrink_split(x, A, row_slot: torch.Tensor | None = None) -> torch.Tensor:
     """lora_shrink without the sum of its K-split partials: for a caller that hands h straight to lora_expand_add
-    (fdlora.layers.modules.shared_shrink), one launch fewer. K is split in at most SPLIT_KEEP parts: the expand adds the partials one
-    load after another in each program (decode's 16 made Llama-3-8B gate/up's two expands 48 vs 30 us on an H100),
-    and at few rows fewer, longer parts beat more parts and a sum launch (Llama-3-8B q/k/v at 32 rows, shrink and
+    (fdlora.layers.modules.shared_shrink), one launch fewer. K is split in at most SPLIT_KEEP parts: the expand adds the
+    partials one load after another in each program (decode's 16 made Llama-3-8B gate/up's two expands 48 vs 30 us on an
+    H100), and at few rows fewer, longer parts beat more parts and a sum launch (Llama-3-8B q/k/v at 32 rows, shrink and
     three expands: 22.1 us with 4 parts, 25.0 with 16 summed, benchmarks/probes/
     sweep_shared_shrink.py). Not a registered op itself: ShrinkGroup calls it eagerly.
 

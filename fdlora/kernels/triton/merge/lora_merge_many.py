@@ -110,8 +110,8 @@ class MergeTable:
 
     def launch(self, entries: list[tuple[torch.Tensor, ...]], kept: bool = False) -> None:
         """kept: `entries` is a list its caller keeps and launches again only while no bank, copy or scale row was
-        replaced or resized (fdlora.layers.fastpath.remerge's slider replay, under its epoch and budget-generation key), so a
-        relaunch compares only the weights' addresses (a `.data` swap): 1 address per layer instead of 5."""
+        replaced or resized (fdlora.layers.fastpath.remerge's slider replay, under its epoch and budget-generation key),
+        so a relaunch compares only the weights' addresses (a `.data` swap): 1 address per layer instead of 5."""
         out0, _, A0, _, _ = entries[0]
         S, R, _ = A0.shape
         blocks = BLOCKS["interpret" if C.INTERPRET else "gpu"]

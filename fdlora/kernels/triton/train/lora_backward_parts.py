@@ -11,8 +11,8 @@
 
 Each piece reads its big operand once (gy, u) or writes it once (grad_u) and reduces over rows into per-group partial
 sums instead of atomics (deterministic, no memset). Why not one loop per program over the reduced axis, as the
-two-pass kernels of fdlora.kernels.triton.train.lora_backward do: there each program walks 1-2 steps of a [BM, BN] tile and
-stores a partial per step, so loads are never in flight ahead of the dots (the pass over gy ran at 0.2 TB/s on an
+two-pass kernels of fdlora.kernels.triton.train.lora_backward do: there each program walks 1-2 steps of a [BM, BN] tile
+and stores a partial per step, so loads are never in flight ahead of the dots (the pass over gy ran at 0.2 TB/s on an
 H100). Here a program either loops over enough row blocks for the software pipeline (num_stages) to keep loads in
 flight, or has no loop and relies on many resident programs instead; the sweep (benchmarks/probes/
 sweep_train_backward_parts.py) picks per shape. g crosses between pieces either summed once ([M, r] in u's dtype) or
