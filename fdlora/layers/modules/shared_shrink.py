@@ -189,8 +189,8 @@ class ShrinkGroup:
         return None
 
     def takes_rows(self, layer, x: torch.Tensor, M: int) -> bool:
-        """Whether eager decode on CUDA (fdlora.layers.fastpath.decode) should give a per-row call of M rows up to the group
-        instead of its own one-launch path: more rows than FEW_ROWS, and `may_serve`."""
+        """Whether eager decode on CUDA (fdlora.layers.fastpath.decode) should give a per-row call of M rows up to the
+        group instead of its own one-launch path: more rows than FEW_ROWS, and `may_serve`."""
         return M > FEW_ROWS and self.may_serve(layer, x)
 
     @staticmethod
