@@ -106,7 +106,7 @@ def sd15():
 def test_banks_hold_what_is_loaded_and_grow_with_it(sd15):
     """A first r4 load allocates one slot at rank 16 (the padded rank), not the default 4 slots x rank 64; each
     later load adds its slot (an r32 one the rank) up to the capacity, after which the pool evicts; freeze()
-    allocates the capacity, and loads into a frozen model keep the shapes."""
+    allocates the capacity (4 slots x rank 64), and loads into a frozen model keep the shapes."""
     from support.tiny import unet_inputs
 
     sd15.load_fd_lora(_adapter_dict(sd15, 1, 4), "small")
@@ -128,8 +128,11 @@ def test_banks_hold_what_is_loaded_and_grow_with_it(sd15):
     fresh = tiny_sd15()
     fresh.load_fd_lora(_adapter_dict(sd15, 2, 32), "big")
     fdlora.handle(fresh.unet).freeze()
-    assert {(la.bank.slots, la.bank.rank_capacity) for la in fdlora.handle(fresh.unet).layers.values()} == {(4, 32)}
+    frozen = fdlora.handle(fresh.unet)
+    assert {(la.bank.slots, la.bank.rank_capacity) for la in frozen.layers.values()} == {(4, 64)}  # the capacity
     fresh.load_fd_lora(_adapter_dict(sd15, 5, 4), "more2")
+    fresh.load_fd_lora(_adapter_dict(sd15, 6, 48), "wide")  # fits the frozen banks: no reshape
+    assert {(la.bank.slots, la.bank.rank_capacity) for la in frozen.layers.values()} == {(4, 64)}
     fresh.set_adapters(["big", "more2"], [0.5, 0.8])
     with torch.no_grad():
         torch.testing.assert_close(fresh.unet(**x).sample, want, rtol=1e-5, atol=1e-5)
@@ -221,12 +224,12 @@ def test_cuda_banks_that_do_not_fit_raise_and_change_nothing():
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(dev).total_memory
     cap = torch.cuda.memory_reserved(dev) + (48 << 20)  # room for less than one bank at 8 slots x rank 256 (64 MiB)
-    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+    torch.cuda.set_per_process_memory_fraction(cap / total, torch.cuda.current_device())
     try:
         with pytest.raises(DeviceMemoryError, match="8 slots x rank 256"):
             h.grow(max_slots=8, max_rank=256)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     assert {p: (la.bank.A.shape, la.bank.B.shape) for p, la in h.layers.items()} == shapes
     assert h.state.slots.capacity == 2 and h.max_rank == 16
     with torch.no_grad():
