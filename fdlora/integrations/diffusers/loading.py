@@ -326,7 +326,8 @@ class FdLoraLoading:
         lazy = not compiled and need > 0
         rank = max_rank or (need if lazy else DEFAULT_RANK)
         limit = max_slots or DEFAULT_SLOTS
-        h = FdLoraHandle(model, max_slots=1 if lazy else limit, max_rank=max(rank, need), slot_limit=limit)
+        h = FdLoraHandle(model, max_slots=1 if lazy else limit, max_rank=max(rank, need), slot_limit=limit,
+                         frozen_rank=max(max_rank or DEFAULT_RANK, need))
         if compiled:
             h.freeze()
         return h

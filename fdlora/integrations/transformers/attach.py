@@ -17,7 +17,7 @@ from fdlora.layers import FdLoraHandle, padded_rank, registry_of_models
 from fdlora.runtime.scope import lock_of
 from fdlora.runtime.session import session_of
 
-DEFAULT_SLOTS = 4
+DEFAULT_SLOTS, DEFAULT_RANK = 4, 64
 
 
 def ensure_handle(model: nn.Module, loads: Sequence[PeftLoad]) -> tuple[FdLoraHandle, bool]:
@@ -27,7 +27,8 @@ def ensure_handle(model: nn.Module, loads: Sequence[PeftLoad]) -> tuple[FdLoraHa
     if h is None:
         # rank capacity as loaded (grown by a later, larger adapter), not DEFAULT_RANK: banks take what they hold
         # and slots as loaded, up to DEFAULT_SLOTS before a load grows them (freeze() allocates up to it)
-        h = FdLoraHandle(model, max_slots=len(loads), max_rank=need_rank, slot_limit=max(DEFAULT_SLOTS, len(loads)))
+        h = FdLoraHandle(model, max_slots=len(loads), max_rank=need_rank, slot_limit=max(DEFAULT_SLOTS, len(loads)),
+                         frozen_rank=max(DEFAULT_RANK, need_rank))  # (what freeze() allocates: compiled shapes)
         registry_of_models[model] = h
         return h, True
     free = len(h.state.slots.free()) + h.slot_limit - h.state.slots.capacity

@@ -85,10 +85,12 @@ class FdLoraHandle:
     memory (weights, banks, merged copies) back by reference counting alone, without waiting for a collection."""
 
     def __init__(self, model: nn.Module, max_slots: int = 4, max_rank: int = 64,
-                 dtype: torch.dtype | None = None, slot_limit: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, slot_limit: int | None = None,
+                 frozen_rank: int | None = None) -> None:
         """`max_slots` slots are allocated now; with `slot_limit` above it, the banks gain a slot per load that finds
         none free (until the limit; then an AdapterPool evicts, a direct load raises CapacityError), so they hold what
-        is loaded rather than the limit up front. `freeze()` allocates up to the limit (shapes never change after)."""
+        is loaded rather than the limit up front. `freeze()` allocates up to the limit and to rank `frozen_rank` (if
+        above max_rank): a frozen model's shapes never change, so its loads need that room in place."""
         if max_slots < 1 or max_rank < 1:
             raise CapacityError(f"max_slots ({max_slots}) and max_rank ({max_rank}) must be at least 1.")
         cap = env.max_rank_limit()
@@ -101,6 +103,7 @@ class FdLoraHandle:
         self.dtype = dtype
         self.state = ModelState(0, max_slots)
         self.slot_limit = max(max_slots, slot_limit or 0)
+        self.frozen_rank = padded_rank(max(max_rank, frozen_rank or 0))
         self.layers: dict[str, _FusedLora] = LayerDict()
         self.state.members = self.layers
         self._originals: dict[str, nn.Module] = {}
@@ -501,8 +504,9 @@ class FdLoraHandle:
         """Promise static buffers (torch.compile, CUDA graphs): no host-side shortcuts, no reallocation. Blend-mode
         nn.Linear layers then use the merged-weight cache through fdlora::merged_linear, checked on the device.
         Banks still below `slot_limit` get their slots now (later loads find them; shapes never change after)."""
-        if not self.state.static and self.state.slots.capacity < self.slot_limit:
-            self._resize(self.slot_limit, self.max_rank)
+        frozen_rank = max(self.max_rank, self.__dict__.get("frozen_rank", 0))
+        if not self.state.static and (self.state.slots.capacity < self.slot_limit or self.max_rank < frozen_rank):
+            self._resize(max(self.slot_limit, self.state.slots.capacity), frozen_rank)
         self.state.static = True
 
     def unfreeze(self) -> None:
