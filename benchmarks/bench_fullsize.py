@@ -624,10 +624,14 @@ def llm(r: Run) -> None:
 
 
 # --- report --------------------------------------------------------------------------------------------------------
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:  # the Llama rows need no diffusers
+        return None
+
+
 def environment(r: Run) -> dict:
-    import diffusers
-    import peft
-    import transformers
 
     try:
         import triton
@@ -641,8 +645,8 @@ def environment(r: Run) -> dict:
 
     linear = registry.select(registry.Problem(r.dev.type, r.dtype, "linear", 16, 4))
     return {"device": torch.cuda.get_device_name() if r.dev.type == "cuda" else "cpu (smoke: timings meaningless)",
-            "backend": str(linear), "torch": torch.__version__, "triton": triton_v, "diffusers": diffusers.__version__,
-            "peft": peft.__version__, "transformers": transformers.__version__, "git_sha": sha}
+            "backend": str(linear), "torch": torch.__version__, "triton": triton_v, "diffusers": _version("diffusers"),
+            "peft": _version("peft"), "transformers": _version("transformers"), "git_sha": sha}
 
 
 def write(path: Path, env: dict, rows: list[dict]) -> None:
