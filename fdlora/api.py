@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -133,9 +134,5 @@ def dispatch_counts(model: nn.Module) -> dict[str, int]:
     logs each decision as it is made."""
     from .layers.modules.fused import _FusedLora
 
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        if isinstance(m, _FusedLora):
-            path = m.dispatch_path()
-            counts[path] = counts.get(path, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    counts = collections.Counter(m.dispatch_path() for m in model.modules() if isinstance(m, _FusedLora))
+    return dict(counts.most_common())
