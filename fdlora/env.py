@@ -51,12 +51,14 @@ DISPATCH_VAR = "FDLORA_DISPATCH"
 def dispatch_measure() -> bool:
     """`FDLORA_DISPATCH`: "auto" (default: the cost model of fdlora.kernels.triton.forward.lora_linear_dispatch, kept
     to the cuBLAS-based paths on a GPU it was not calibrated on), "model" (every path the model knows, on any GPU)
-    or "measure" (as "model", and the first eager call of an ambiguous layer shape times the close candidates)."""
+    or "measure" (as "model", and the first eager call of an ambiguous layer shape times the close candidates);
+    "cublas": the per-call cuBLAS forms (fdlora.layers.fastpath.percall) for every eager call."""
     return os.environ.get(DISPATCH_VAR, "auto").strip().lower() == "measure"
 
 
 def dispatch_mode() -> str:
-    """`FDLORA_DISPATCH` as set: auto | model | measure."""
+    """`FDLORA_DISPATCH` as set: auto | model | measure | cublas (the per-call cuBLAS forms of
+    fdlora.layers.fastpath.percall for every eager call, on any GPU or the CPU)."""
     return os.environ.get(DISPATCH_VAR, "auto").strip().lower() or "auto"
 
 

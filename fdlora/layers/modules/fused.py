@@ -21,7 +21,7 @@ from fdlora import env
 from fdlora.errors import AdapterShapeError, FdLoraError
 from fdlora.hub.adapter import ModuleLora
 from fdlora.kernels import registry
-from fdlora.layers.fastpath import decode, hot, remerge
+from fdlora.layers.fastpath import decode, hot, percall, remerge
 from fdlora.layers.fastpath import merged as _merged
 from fdlora.layers.fastpath.merged import MergedWeight, blend_key, merged_key
 from fdlora.layers.modules import dora
@@ -503,6 +503,10 @@ class FusedLoraLinear(_FusedLora):
             y = self._grouped_forward(x)
             if y is not None:
                 self._took("per-prompt copies", x)
+                return y
+        if not skip and not (args or kwargs) and mode is not Mode.OFF:
+            y = percall.forward(self, x)  # eager CUDA on a GPU the dispatch is conservative on: cuBLAS forms
+            if y is not None:
                 return y
         route = self.__dict__.get("_dequant")
         y = route.family.forward(self, x) if route and not (skip or args or kwargs) else None
