@@ -1,0 +1,77 @@
+"""Which objects keep a deleted fused model's CUDA memory alive (tests/layers/test_release.py's scenario): after
+`del model` with the collector off, list the live large CUDA tensors and, for each, the chain of referrers that
+holds it (types and, for dicts, the keys that point at the next link)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import torch
+
+import fdlora
+
+
+def chain(obj, depth: int = 8, seen=None) -> list[str]:
+    seen = seen if seen is not None else set()
+    out = []
+    frontier = [(obj, 0, "")]
+    while frontier and len(out) < 40:
+        o, d, pre = frontier.pop()
+        if d >= depth:
+            continue
+        for r in gc.get_referrers(o):
+            if id(r) in seen or r is frontier or isinstance(r, type(sys._getframe())) or r is globals():
+                continue
+            seen.add(id(r))
+            what = type(r).__qualname__
+            if isinstance(r, dict):
+                keys = [k for k, v in r.items() if v is o][:3]
+                what += f" keys={keys}"
+            elif isinstance(r, (list, tuple)):
+                what += f" len={len(r)}"
+            out.append(f"{pre}{what}")
+            frontier.append((r, d + 1, pre + "  "))
+    return out
+
+
+def main(captured: bool) -> None:
+    dev = torch.device("cuda")
+    torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)
+    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()
+    start = torch.cuda.memory_allocated(dev)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)]).to(dev)
+    paths = [str(i) for i in range(4)]
+    h = fdlora.inject(model, paths, max_slots=2, max_rank=16)
+    g = torch.Generator().manual_seed(0)
+    for name in ("a", "b"):
+        h.add_adapter(fdlora.LoraAdapter({p: fdlora.ModuleLora(torch.randn(8, 4096, generator=g) / 64,
+                                                               torch.randn(4096, 8, generator=g) / 64)
+                                          for p in paths}), name)
+    h.set_adapters(["a", "b"], [0.6, 0.4])
+    del h
+    if captured:
+        fdlora.capture_steps(model)
+    x = torch.randn(8, 4096, device=dev)
+    with torch.inference_mode():
+        for _ in range(4):
+            model(x)
+    torch.cuda.synchronize()
+    print("paths:", fdlora.dispatch_counts(model))
+    layer0 = weakref.ref(model[0])
+    del model, x
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated(dev) - start
+    print(f"captured={captured}: held {held / 2**20:.0f} MiB after del")
+    if layer0() is not None:
+        print("layer 0 is alive; its referrers:")
+        print("\n".join(chain(layer0(), depth=5)))
+    gc.enable()
+
+
+if __name__ == "__main__":
+    main("captured" in sys.argv)
