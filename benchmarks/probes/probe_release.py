@@ -61,15 +61,18 @@ def main(captured: bool) -> None:
             model(x)
     torch.cuda.synchronize()
     print("paths:", fdlora.dispatch_counts(model))
-    layer0 = weakref.ref(model[0])
+    layer0, whole = weakref.ref(model[0]), weakref.ref(model)
     del model, x
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     held = torch.cuda.memory_allocated(dev) - start
     print(f"captured={captured}: held {held / 2**20:.0f} MiB after del")
-    if layer0() is not None:
+    if whole() is not None:
+        print("the model is alive; its referrers:")
+        print("\n".join(chain(whole(), depth=7)))
+    elif layer0() is not None:
         print("layer 0 is alive; its referrers:")
-        print("\n".join(chain(layer0(), depth=5)))
+        print("\n".join(chain(layer0(), depth=7)))
     gc.enable()
 
 

@@ -3,7 +3,8 @@
 Eager steps of full-size models are host-bound on the H200 host (an SDXL UNet base step spends more host time
 than GPU time), so a LoRA layer's cost is mostly the host time of what it launches. A torch op costs a few
 microseconds of host time; a Triton launch derived in Python costs several times that. So on a GPU the dispatcher
-is conservative on (fdlora.kernels.costmodel.profile; `FDLORA_DISPATCH=cublas` asks for these forms on every GPU),
+is conservative on, with a backend that has no C++ bound forms (the CUDA extension's BoundLinear / BoundRows replace
+a layer's whole call by one C++ call: cheaper still), (fdlora.kernels.costmodel.profile; `FDLORA_DISPATCH=cublas` asks for these forms on every GPU),
 eager calls of a plain nn.Linear compute the LoRA with cuBLAS alone, in one of two forms:
 
 - scratch: W'_g = W + B diag(s_g) A for each of the G weight sets (one addmm, or one baddbmm for per-sample
@@ -55,7 +56,7 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     (not an eager CUDA call on a plain nn.Linear without a LoRA bias in the bank's dtype, or not wanted here)."""
     st, base, bank = layer.state, layer.base, layer.bank
     W = base._parameters["weight"]
-    if (not wanted(x) or st.static or type(base) is not nn.Linear or not layer._plain
+    if (not wanted(x) or hasattr(layer._ops, "prepare_linear_rows") or st.static or type(base) is not nn.Linear or not layer._plain
             or layer.__dict__.get("offloaded") or bank._buffers["bias"] is not None or x.dtype is not W.dtype
             or (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad))
             or torch.compiler.is_compiling() or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
