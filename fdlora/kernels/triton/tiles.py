@@ -56,6 +56,41 @@ def pack_block(
 
 
 @triton.jit
+def row_block(
+    scale_ptr, gw_ptr, ranks_ptr, M, S, R, rows_per_group, ssc, sgg, sgs,
+    HAS_RANKS: tl.constexpr, S_PAD: tl.constexpr, BM: tl.constexpr,
+):
+    """This program's BM rows (int64, block program_id(0)) and pack_block's packed rank axis over them:
+    (rows, row_on, end, width, rk, sc, total)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_in = rows < M
+    rows = rows.to(tl.int64)
+    row_on, end, width, rk, sc, total = pack_block(
+        scale_ptr, gw_ptr, ranks_ptr, rows, row_in, S, R, rows_per_group, ssc, sgg, sgs, HAS_RANKS, S_PAD)
+    return rows, row_on, end, width, rk, sc, total
+
+
+@triton.jit
+def rank_tiers(run_pass: tl.constexpr, args, rest, RMAX: tl.constexpr):
+    """run_pass(*args, RC, FITS) with the narrowest rank tile RC of 16, 32 and RMAX that holds `rest` packed columns.
+
+    Every tier is compiled with the kernel, so a narrow live rank runs narrow tiles and a change of the bank's live
+    ranks never recompiles. FITS: RC was chosen because `rest` fits in it (no columns are left for a later pass);
+    False where RMAX forced the tier.
+    """
+    if RMAX == 16:
+        run_pass(*args, 16, False)
+    elif rest <= 16:
+        run_pass(*args, 16, True)
+    elif RMAX == 32:
+        run_pass(*args, 32, False)
+    elif rest <= 32:
+        run_pass(*args, 32, True)
+    else:
+        run_pass(*args, RMAX, False)
+
+
+@triton.jit
 def packed_columns(c0, end, width, rk, sc, S_PAD: tl.constexpr, RC: tl.constexpr):
     """Packed columns c0..c0+RC -> (slot [RC], rank row [RC], valid [RC], slot scale [RC]).
 
@@ -75,6 +110,13 @@ def packed_columns(c0, end, width, rk, sc, S_PAD: tl.constexpr, RC: tl.constexpr
     r = tl.max_contiguous(tl.multiple_of(j - start, 16), 16)
     ok = tl.max_constancy(r < live, 16)  # past the last slot nothing hits: live = 0
     return tl.max_constancy(tl.where(ok, slot, 0), 16), r, ok, scj
+
+
+@triton.jit
+def row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs):
+    """w [BM, RC] fp32: group_weight[row's group, slot] of each row and packed column, 0 off the live ones."""
+    grp = rows // rows_per_group
+    return tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=row_on[:, None] & ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -115,14 +157,14 @@ def first_tiles(
     y_ptr, b_ptr,
     rows, row_on,  # [BM] int64 row index, rows to update
     slot, r, ok,  # [RC]
-    N, n_first, sym, syn, sbn, sbs, sbr,
+    N, sym, syn, sbn, sbs, sbr,
     BM: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """With EARLY, the y tile [BM, BN] and B tile [RC, BN] that the N sweep starts at, loaded before the shrink
-    so that their latency overlaps its K loop (decode: a program has one N tile, and this load was the
+    """With EARLY, the y tile [BM, BN] and B tile [RC, BN] that this program's N sweep starts at, loaded before the
+    shrink so that their latency overlaps its K loop (decode: a program has one N tile, and this load was the
     last dependent one on its path); else zeros that expand_add_tiles ignores."""
     if EARLY:
-        nn = n_first + tl.arange(0, BN)
+        nn = tl.program_id(1) * BN + tl.arange(0, BN)
         n_in = nn < N
         y0 = tl.load(y_ptr + rows[:, None] * sym + nn[None, :] * syn, mask=row_on[:, None] & n_in[None, :], other=0.0)
         b0 = tl.load(b_ptr + slot.to(tl.int64)[:, None] * sbs + r[:, None] * sbr + nn[None, :].to(tl.int64) * sbn,
@@ -140,16 +182,19 @@ def expand_add_tiles(
     y0, b0,  # first_tiles: the first N tile's y and B when PREFETCH == 2
     rows, row_on,  # [BM] int64 row index, rows to update
     slot, r, ok,  # [RC]
-    N, n_first, n_step, sym, syn, sbn, sbs, sbr,
+    N, sym, syn, sbn, sbs, sbr,
     BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """y[rows, n] += h @ B[n, slot, r]^T for the N tiles n_first, n_first + n_step, ... (fp32 add, one cast).
+    """y[rows, n] += h @ B[n, slot, r]^T for this program's N tiles (fp32 add, one cast): grid axis 1 splits the N
+    sweep, program j taking tiles j, j + num_programs(1), ...
 
     PREFETCH (1 or 2) loads the next y tile before adding into the current one: the y stream is what
     bounds this loop, and the compiler's pipeliner only prefetches dot operands, not the accumulator.
     PREFETCH == 2 also takes the first y and B tiles from first_tiles (loaded before the shrink) and
     prefetches B one tile ahead too.
     """
+    n_first = tl.program_id(1) * BN
+    n_step = tl.num_programs(1) * BN
     y_row = y_ptr + rows * sym  # [BM]
     b_col = b_ptr + slot.to(tl.int64) * sbs + r * sbr  # [RC]
     nn = n_first + tl.arange(0, BN)

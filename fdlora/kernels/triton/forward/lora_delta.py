@@ -14,7 +14,6 @@ Idea: the "fuse shrink and expand, keep h on chip" half of DESIGN.md, after Puni
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -23,27 +22,34 @@ from fdlora.kernels.triton import config as C
 from fdlora.kernels.triton.forward.delta_dispatch import delta_plan
 from fdlora.kernels.triton.forward.lora_expand_add import launch_expand_add
 from fdlora.kernels.triton.forward.lora_shrink import launch_shrink
-from fdlora.kernels.triton.tiles import expand_add_tiles, first_tiles, pack_block, packed_columns, shrink_tile
+from fdlora.kernels.triton.tiles import (
+    expand_add_tiles,
+    first_tiles,
+    packed_columns,
+    rank_tiers,
+    row_block,
+    row_weights,
+    shrink_tile,
+)
 
 
 @triton.jit
 def _pass(
-    y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr,
-    rows, row_on, end, width, rk, sc, c0,
+    c0, y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr,
+    rows, row_on, end, width, rk, sc,
     K, N, rows_per_group, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs,
-    S_PAD: tl.constexpr, RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    S_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, WRAP: tl.constexpr,
+    RC: tl.constexpr, FITS: tl.constexpr,
 ):
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
-                         BM, BN, RC, PREFETCH == 2)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr, BM, BN, RC, PREFETCH == 2)
     h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE,
                     WRAP)
-    grp = rows // rows_per_group
-    w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=row_on[:, None] & ok[None, :], other=0.0)
+    w = row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
-    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
-                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr,
+                     BN, UPCAST, IEEE, PREFETCH)
 
 
 def lora_delta_kernel(
@@ -60,33 +66,12 @@ def lora_delta_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
     WRAP: tl.constexpr = False,
 ):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    row_in = rows < M
-    rows = rows.to(tl.int64)
-    row_on, end, width, rk, sc, total = pack_block(
-        scale_ptr, gw_ptr, ranks_ptr, rows, row_in, S, R, rows_per_group, ssc, sgg, sgs, True, S_PAD)
+    rows, row_on, end, width, rk, sc, total = row_block(
+        scale_ptr, gw_ptr, ranks_ptr, M, S, R, rows_per_group, ssc, sgg, sgs, True, S_PAD, BM)
     for c0 in range(0, total, RMAX):
-        rest = total - c0  # tiers: a narrow live rank runs narrow tiles (no recompile, all compiled once)
-        if RMAX == 16:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH, WRAP)
-        elif rest <= 16:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH, WRAP)
-        elif RMAX == 32:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH, WRAP)
-        elif rest <= 32:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH, WRAP)
-        else:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, K, N, rows_per_group,
-                  sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, BK,
-                  UPCAST, IEEE, PREFETCH, WRAP)
+        rank_tiers(_pass, (c0, y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, K, N,
+                           rows_per_group, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs,
+                           S_PAD, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP), total - c0, RMAX)
 
 
 _KERNELS = C.kernels(lora_delta_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX", "S_PAD"], restore_value=["y_ptr"])

@@ -13,33 +13,32 @@ each live A_s is streamed by its own programs. Idea: Punica / S-LoRA SGMV, fused
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from fdlora.kernels.ops import OPS
 from fdlora.kernels.triton import config as C
-from fdlora.kernels.triton.tiles import expand_add_tiles, first_tiles, shrink_tile
+from fdlora.kernels.triton.tiles import expand_add_tiles, first_tiles, rank_tiers, shrink_tile
 
 
 @triton.jit
 def _pass(
-    y_ptr, x_ptr, a_ptr, b_ptr,
-    rows, row_on, s, live, c0, sc,
+    c0, y_ptr, x_ptr, a_ptr, b_ptr,
+    rows, row_on, s, live, sc,
     K, N, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr,
-    RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, WRAP: tl.constexpr,
+    RC: tl.constexpr, FITS: tl.constexpr,
 ):
     r = tl.multiple_of(c0, 16) + tl.arange(0, RC)
     ok = tl.max_constancy(r < live, 16)  # live is a whole number of 16-row granules (bank zero padding)
     slot = s + 0 * r
-    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
-                         BM, BN, RC, PREFETCH == 2)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr, BM, BN, RC, PREFETCH == 2)
     h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST, IEEE,
                     WRAP)  # WRAP: the N split's programs of one slot walk K from different starts
     h = (h * sc).to(b_ptr.dtype.element_ty)
-    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
-                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr,
+                     BN, UPCAST, IEEE, PREFETCH)
 
 
 def lora_delta_rows_kernel(
@@ -64,22 +63,8 @@ def lora_delta_rows_kernel(
     sc = tl.load(scale_ptr + s * ssc)
     live = tl.where((sc != 0) & (tl.max(row_on.to(tl.int32), axis=0) > 0), (tl.load(ranks_ptr + s) + 15) // 16 * 16, 0)
     for c0 in range(0, live, RMAX):
-        rest = live - c0
-        if RMAX == 16:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
-        elif rest <= 16:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 16, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
-        elif RMAX == 32:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
-        elif rest <= 32:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, 32, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
-        else:
-            _pass(y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, c0, sc, K, N, sym, syn, sxm, sxk,
-                  sas, sar, sak, sbn, sbs, sbr, RMAX, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP)
+        rank_tiers(_pass, (c0, y_ptr, x_ptr, a_ptr, b_ptr, rows, row_on, s, live, sc, K, N, sym, syn, sxm, sxk,
+                           sas, sar, sak, sbn, sbs, sbr, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP), live - c0, RMAX)
 
 
 _KERNELS = C.kernels(lora_delta_rows_kernel, C.DELTA, key=["M_BUCKET", "K", "N", "RMAX"], restore_value=["y_ptr"])
@@ -90,9 +75,10 @@ KEEP = (0, 1, 4, 5)  # y, x, scale, row_slot: the arguments a kept launch takes 
 
 def launch_rows(y, x, A, B, scale, row_slot, ranks, keep: bool = False,
                 config: triton.Config | None = None) -> C.Prepared | None:
-    """Launch lora_delta_rows (operands and shapes as fdlora.kernels.ops); with `keep`, also return the launch kept ready for repeats on other y, x, scale
-    and row_slot of the same shapes, strides and dtypes (a C.Prepared called as ready(y, x, scale, row_slot)),
-    or None (not launched to a compiled kernel yet: the autotuner's first call, the interpreter, tracing)."""
+    """Launch lora_delta_rows (operands and shapes as fdlora.kernels.ops); with `keep`, also return the launch kept
+    ready for repeats on other y, x, scale and row_slot of the same shapes, strides and dtypes (a C.Prepared called
+    as ready(y, x, scale, row_slot)), or None (not launched to a compiled kernel yet: the autotuner's first call,
+    the interpreter, tracing)."""
     C.check_operands("lora_delta_rows", y, x, A, B, scale=scale, row_slot=row_slot, ranks=ranks)
     M, N = C.dims(y)
     S, R, K = C.dims(A)
@@ -121,7 +107,7 @@ def launch_rows(y, x, A, B, scale, row_slot, ranks, keep: bool = False,
     )
 
 
-def lora_delta_rows(y, x, A, B, scale, row_slot, ranks) -> None:  # the contract's op: fdlora.kernels.ops.lora_delta_rows
+def lora_delta_rows(y, x, A, B, scale, row_slot, ranks) -> None:  # the contract's op: ops.lora_delta_rows
     launch_rows(y, x, A, B, scale, row_slot, ranks)
 
 

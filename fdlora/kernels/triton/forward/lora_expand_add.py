@@ -21,23 +21,29 @@ import triton.language as tl
 
 from fdlora.kernels.ops import OPS
 from fdlora.kernels.triton import config as C
-from fdlora.kernels.triton.tiles import expand_add_tiles, first_tiles, pack_block, packed_columns
+from fdlora.kernels.triton.tiles import (
+    expand_add_tiles,
+    first_tiles,
+    packed_columns,
+    rank_tiers,
+    row_block,
+    row_weights,
+)
 
 
 @triton.jit
 def _pass(
-    y_ptr, h_ptr, b_ptr, gw_ptr,
-    rows, row_on, end, width, rk, sc, c0,
+    c0, y_ptr, h_ptr, b_ptr, gw_ptr,
+    rows, row_on, end, width, rk, sc,
     N, P, rows_per_group, sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs,
-    S_PAD: tl.constexpr, RC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROW_W: tl.constexpr,
+    S_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROW_W: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+    RC: tl.constexpr, FITS: tl.constexpr,
 ):
     slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN, sym, syn, sbn, sbs, sbr,
-                         BM, BN, RC, PREFETCH == 2)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr, BM, BN, RC, PREFETCH == 2)
     m = row_on[:, None] & ok[None, :]
-    grp = rows // rows_per_group
-    w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=m, other=0.0)
+    w = row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs)
     if ROW_W:  # weights differ by row: a packed slot's columns may be unwritten for the rows at weight 0
         m = m & (w != 0)
     hp = h_ptr + rows[:, None] * shm + (slot.to(tl.int64) * shs + r.to(tl.int64) * shc)[None, :]
@@ -45,8 +51,8 @@ def _pass(
     for p in range(0, P):
         h += tl.load(hp + p * shp, mask=m, other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
-    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, tl.program_id(1) * BN,
-                     tl.num_programs(1) * BN, sym, syn, sbn, sbs, sbr, BN, UPCAST, IEEE, PREFETCH)
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr,
+                     BN, UPCAST, IEEE, PREFETCH)
 
 
 def lora_expand_add_kernel(
@@ -63,33 +69,12 @@ def lora_expand_add_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
     WRAP: tl.constexpr = False,  # a DELTA-table flag of the kernels with a shrink; nothing to walk here
 ):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    row_in = rows < M
-    rows = rows.to(tl.int64)
-    row_on, end, width, rk, sc, total = pack_block(
-        scale_ptr, gw_ptr, ranks_ptr, rows, row_in, S, R, rows_per_group, ssc, sgg, sgs, HAS_RANKS, S_PAD)
+    rows, row_on, end, width, rk, sc, total = row_block(
+        scale_ptr, gw_ptr, ranks_ptr, M, S, R, rows_per_group, ssc, sgg, sgs, HAS_RANKS, S_PAD, BM)
     for c0 in range(0, total, RMAX):
-        rest = total - c0
-        if RMAX == 16:
-            _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, rows_per_group,
-                  sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, ROW_W, UPCAST, IEEE,
-                  PREFETCH)
-        elif rest <= 16:
-            _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, rows_per_group,
-                  sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 16, BM, BN, ROW_W, UPCAST, IEEE,
-                  PREFETCH)
-        elif RMAX == 32:
-            _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, rows_per_group,
-                  sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, ROW_W, UPCAST, IEEE,
-                  PREFETCH)
-        elif rest <= 32:
-            _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, rows_per_group,
-                  sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, 32, BM, BN, ROW_W, UPCAST, IEEE,
-                  PREFETCH)
-        else:
-            _pass(y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, c0, N, P, rows_per_group,
-                  sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, RMAX, BM, BN, ROW_W, UPCAST, IEEE,
-                  PREFETCH)
+        rank_tiers(_pass, (c0, y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, N, P, rows_per_group,
+                           sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, BM, BN, ROW_W, UPCAST, IEEE,
+                           PREFETCH), total - c0, RMAX)
 
 
 _KERNELS = C.kernels(lora_expand_add_kernel, C.DELTA, key=["M_BUCKET", "N", "RMAX", "S_PAD"], restore_value=["y_ptr"])

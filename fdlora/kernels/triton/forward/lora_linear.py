@@ -43,7 +43,7 @@ from fdlora.kernels.triton import config as C
 from fdlora.kernels.triton.forward import lora_linear_dispatch as D
 from fdlora.kernels.triton.forward.lora_shrink import launch_shrink
 from fdlora.kernels.triton.merge.lora_merge import launch_merge
-from fdlora.kernels.triton.tiles import mma, pack_block, packed_columns, shrink_tile
+from fdlora.kernels.triton.tiles import mma, pack_block, packed_columns, rank_tiers, row_weights, shrink_tile
 
 
 def _cfg(warps: int, stages: int, BM: int, BN: int, BK: int, group: int = 8, persistent: int = 0) -> triton.Config:
@@ -84,8 +84,7 @@ def _expand(
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """acc + ((h * w) cast to the dot dtype) @ B[cols, slot, r]^T, w = row weight * slot scale in fp32."""
-    grp = rows // rows_per_group
-    w = tl.load(gw_ptr + grp[:, None] * sgg + slot[None, :] * sgs, mask=row_on[:, None] & ok[None, :], other=0.0)
+    w = row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs)
     hs = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
     bt = tl.load(b_ptr + slot.to(tl.int64)[:, None] * sbs + r[:, None] * sbr + cols[None, :] * sbn,
                  mask=ok[:, None], other=0.0)  # [RC, BN]
@@ -98,11 +97,12 @@ def _tile(
     pid_m, pid_n, row_on, end, width, rk, sc, total,
     M, K, N, R, P, rows_per_group,
     sym, syn, sxm, sxk, swn, swk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs, shp, shm, shc,
-    S_PAD: tl.constexpr, RC: tl.constexpr, PRE: tl.constexpr, MORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    S_PAD: tl.constexpr, PRE: tl.constexpr, MORE: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr, FITS: tl.constexpr,
 ):
-    """One [BM, BN] tile of y: GEMM K loop (+ in-loop shrink), expand, bias, one cast."""
+    """One [BM, BN] tile of y: GEMM K loop (+ in-loop shrink), expand, bias, one cast. MORE (in-loop): live rank
+    may exceed RC columns; FITS: it does not."""
     rows = pid_m * BM + tl.arange(0, BM)
     row_in = rows < M
     rows = rows.to(tl.int64)
@@ -154,7 +154,7 @@ def _tile(
             a_p += BK * sak
         acc = _expand(acc, h, b_ptr, gw_ptr, rows, row_on, slot, r, ok, scj, cols_ld,
                       rows_per_group, sbn, sbs, sbr, sgg, sgs, UPCAST, IEEE)
-        if MORE:  # live rank beyond RC columns: shrink again from x (L2-resident by now)
+        if MORE and not FITS:  # live rank beyond RC columns: shrink again from x (L2-resident by now)
             for c0 in range(RC, total, RC):
                 slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
                 h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak,
@@ -188,31 +188,16 @@ def _one_tile(
     row_in = rows < M
     row_on, end, width, rk, sc, total = pack_block(
         scale_ptr, gw_ptr, ranks_ptr, rows.to(tl.int64), row_in, S, R, rows_per_group, ssc, sgg, sgs, True, S_PAD)
-    # tiers: a narrow live rank runs a narrow h (all tiers compiled once; no recompile on a switch)
-    if PRE:
+    # (the operands go inline: a tuple assigned to a name would turn its constexprs into tensors)
+    if PRE:  # h comes precomputed, all RMAX columns of it
         _tile(y_ptr, x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, gw_ptr, h_ptr, pid_m, pid_n, row_on, end, width, rk, sc,
               total, M, K, N, R, P, rows_per_group, sym, syn, sxm, sxk, swn, swk, sas, sar, sak, sbn, sbs, sbr,
-              sgg, sgs, shp, shm, shc, S_PAD, RMAX, True, False, HAS_BIAS, EVEN_K, UPCAST, IEEE, BM, BN, BK)
-    elif RMAX == 16:
-        _tile(y_ptr, x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, gw_ptr, h_ptr, pid_m, pid_n, row_on, end, width, rk, sc,
-              total, M, K, N, R, P, rows_per_group, sym, syn, sxm, sxk, swn, swk, sas, sar, sak, sbn, sbs, sbr,
-              sgg, sgs, shp, shm, shc, S_PAD, 16, False, MORE, HAS_BIAS, EVEN_K, UPCAST, IEEE, BM, BN, BK)
-    elif total <= 16:
-        _tile(y_ptr, x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, gw_ptr, h_ptr, pid_m, pid_n, row_on, end, width, rk, sc,
-              total, M, K, N, R, P, rows_per_group, sym, syn, sxm, sxk, swn, swk, sas, sar, sak, sbn, sbs, sbr,
-              sgg, sgs, shp, shm, shc, S_PAD, 16, False, False, HAS_BIAS, EVEN_K, UPCAST, IEEE, BM, BN, BK)
-    elif RMAX == 32:
-        _tile(y_ptr, x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, gw_ptr, h_ptr, pid_m, pid_n, row_on, end, width, rk, sc,
-              total, M, K, N, R, P, rows_per_group, sym, syn, sxm, sxk, swn, swk, sas, sar, sak, sbn, sbs, sbr,
-              sgg, sgs, shp, shm, shc, S_PAD, 32, False, MORE, HAS_BIAS, EVEN_K, UPCAST, IEEE, BM, BN, BK)
-    elif total <= 32:
-        _tile(y_ptr, x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, gw_ptr, h_ptr, pid_m, pid_n, row_on, end, width, rk, sc,
-              total, M, K, N, R, P, rows_per_group, sym, syn, sxm, sxk, swn, swk, sas, sar, sak, sbn, sbs, sbr,
-              sgg, sgs, shp, shm, shc, S_PAD, 32, False, False, HAS_BIAS, EVEN_K, UPCAST, IEEE, BM, BN, BK)
-    else:
-        _tile(y_ptr, x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, gw_ptr, h_ptr, pid_m, pid_n, row_on, end, width, rk, sc,
-              total, M, K, N, R, P, rows_per_group, sym, syn, sxm, sxk, swn, swk, sas, sar, sak, sbn, sbs, sbr,
-              sgg, sgs, shp, shm, shc, S_PAD, RMAX, False, MORE, HAS_BIAS, EVEN_K, UPCAST, IEEE, BM, BN, BK)
+              sgg, sgs, shp, shm, shc, S_PAD, True, False, HAS_BIAS, EVEN_K, UPCAST, IEEE, BM, BN, BK, RMAX, True)
+    else:  # a narrow live rank runs a narrow h (all tiers compiled once; no recompile on a switch)
+        rank_tiers(_tile, (y_ptr, x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, gw_ptr, h_ptr, pid_m, pid_n, row_on, end,
+                           width, rk, sc, total, M, K, N, R, P, rows_per_group, sym, syn, sxm, sxk, swn, swk, sas,
+                           sar, sak, sbn, sbs, sbr, sgg, sgs, shp, shm, shc, S_PAD, False, MORE, HAS_BIAS, EVEN_K,
+                           UPCAST, IEEE, BM, BN, BK), total, RMAX)
 
 
 def lora_linear_kernel(
