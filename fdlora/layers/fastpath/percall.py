@@ -3,8 +3,7 @@
 Eager steps of full-size models are host-bound on the H200 host (an SDXL UNet base step spends more host time
 than GPU time), so a LoRA layer's cost is mostly the host time of what it launches. A torch op costs a few
 microseconds of host time; a Triton launch derived in Python costs several times that. So on a GPU the dispatcher
-is conservative on, with a backend that has no C++ bound forms (the CUDA extension's BoundLinear / BoundRows replace
-a layer's whole call by one C++ call: cheaper still), (fdlora.kernels.costmodel.profile; `FDLORA_DISPATCH=cublas` asks for these forms on every GPU),
+is conservative on (fdlora.kernels.costmodel.profile; `FDLORA_DISPATCH=cublas` asks for these forms on every GPU),
 eager calls of a plain nn.Linear compute the LoRA with cuBLAS alone, in one of two forms:
 
 - scratch: W'_g = W + B diag(s_g) A for each of the G weight sets (one addmm, or one baddbmm for per-sample
@@ -17,7 +16,9 @@ The form is the one with less extra traffic (`scratch_wins`): scratch for diffus
 and short text inputs. Both run every row of every mode (blend, per-sample, per-row) in at most four launches,
 and depend on nothing but the shapes and the model state (never on what ran before). The factors (the selected
 slots of A and of B scaled by each slot's alpha/r and weight) are made once per model state and bank version and
-kept as the layer's hot path (fdlora.layers.fastpath.hot) with every operand bound.
+kept as the layer's hot path (fdlora.layers.fastpath.hot) with every operand bound. Where the CUDA extension is
+built, the scratch forms are bound in C++ (BoundScratch, BoundSamples: one pybind call per layer, the ATen ops
+issued from C++), and the delta forms are the extension's own (BoundLinear, BoundRows).
 """
 
 from __future__ import annotations
@@ -56,21 +57,25 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     (not an eager CUDA call on a plain nn.Linear without a LoRA bias in the bank's dtype, or not wanted here)."""
     st, base, bank = layer.state, layer.base, layer.bank
     W = base._parameters["weight"]
-    if (not wanted(x) or hasattr(layer._ops, "prepare_linear_rows") or st.static or type(base) is not nn.Linear or not layer._plain
+    if (not wanted(x) or st.static or type(base) is not nn.Linear or not layer._plain
             or layer.__dict__.get("offloaded") or bank._buffers["bias"] is not None or x.dtype is not W.dtype
             or (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad))
             or torch.compiler.is_compiling() or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
         return None
     K, N = layer.in_features, layer.out_features
     M = x.numel() // K
+    ops = layer._ops
+    bound = hasattr(ops, "prepare_linear_rows")  # the CUDA extension: its delta forms are bound in C++ already
     if st.mode is Mode.BLEND:
+        if bound and not scratch_wins(M, K, N, 1):
+            return None  # BoundLinear / BoundRows (fdlora.layers.modules.fused, fdlora.layers.fastpath.decode)
         fn, path = _blend(layer, W, base.bias, M, K, N)
     elif st.mode is Mode.SAMPLES:
-        got = _samples(layer, x, W, base.bias, M, K, N)
+        got = _samples(layer, x, W, base.bias, M, K, N, bound)
         if got is None:
             return None
         fn, path = got
-    elif st.mode is Mode.ROWS:
+    elif st.mode is Mode.ROWS and not bound:
         if st.row_slot(x.device).shape[0] != M:
             return None  # the regular path raises the clear error
         fn, path = _rows(layer, W, base.bias, K, N)
@@ -102,6 +107,10 @@ def _blend(layer, W: torch.Tensor, bias: torch.Tensor | None, M: int, K: int, N:
         return functools.partial(F.linear, weight=W, bias=bias), "base only"
     A, Bs = _factors(layer, slots, layer.scale_blend[slots])
     if scratch_wins(M, K, N, 1):
+        prepare = getattr(layer._ops, "prepare_scratch", None)
+        run = prepare(W, bias, A, Bs) if prepare is not None else None
+        if run is not None:
+            return run, "cublas scratch (C++)"
         return (lambda x: F.linear(x, torch.addmm(W, Bs, A), bias)), "cublas scratch"
     At, Bt = A.t(), Bs.t()
 
@@ -113,9 +122,11 @@ def _blend(layer, W: torch.Tensor, bias: torch.Tensor | None, M: int, K: int, N:
     return delta, "cublas delta"
 
 
-def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, M: int, K: int, N: int):
+def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, M: int, K: int, N: int,
+             bound: bool):
     """Per-sample blends: one merged temporary per sample (baddbmm) and one batched GEMM over the samples for
-    many rows per sample; else the delta with each sample's weights on its rows."""
+    many rows per sample; else the delta with each sample's weights on its rows (None where the backend binds its
+    own delta forms in C++)."""
     st = layer.state
     gw = st.group_weight(x.shape[0], M, x.device)  # [G, S]
     if gw is None or M % gw.shape[0]:
@@ -132,6 +143,10 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
         n = len(slots)
         Bg = (B1.view(N, n, -1)[None] * gw[:, idx].to(B1.dtype)[:, None, :, None]).reshape(G, N, -1)
         Ag, Wg = A.expand(G, *A.shape), W.expand(G, N, K)
+        prepare = getattr(layer._ops, "prepare_samples", None)
+        run = prepare(W, bias, Ag, Bg, rows) if prepare is not None else None
+        if run is not None:
+            return run, "cublas per-sample scratch (C++)"
 
         def per_sample(x: torch.Tensor) -> torch.Tensor:
             Wp = torch.baddbmm(Wg, Bg, Ag)  # [G, N, K]: each sample's W'
@@ -140,6 +155,8 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
             return y.view(*x.shape[:-1], N)
 
         return per_sample, "cublas per-sample scratch"
+    if bound:
+        return None
     A, Bs = _factors(layer, slots, unit)
     At, Bt, R = A.t(), Bs.t(), A.shape[0] // len(slots)
     wsel = gw[:, idx]  # [G, n] (a gather: set_sample_weights gives a new spec a new state token)
