@@ -15,6 +15,10 @@ import fdlora
 
 def chain(obj, depth: int = 8, seen=None) -> list[str]:
     seen = seen if seen is not None else set()
+    f = sys._getframe()
+    while f is not None:  # this probe's own frames hold what they inspect
+        seen.add(id(f))
+        f = f.f_back
     out = []
     frontier = [(obj, 0, "")]
     while frontier and len(out) < 40:
@@ -22,17 +26,26 @@ def chain(obj, depth: int = 8, seen=None) -> list[str]:
         if d >= depth:
             continue
         for r in gc.get_referrers(o):
-            if id(r) in seen or r is frontier or isinstance(r, type(sys._getframe())) or r is globals():
+            if id(r) in seen or r is frontier or r is globals() or (isinstance(r, tuple) and r and r[0] is o
+                                                                      and len(r) == 3 and isinstance(r[1], int)):
                 continue
             seen.add(id(r))
             what = type(r).__qualname__
-            if isinstance(r, dict):
+            leaf = False
+            if isinstance(r, dict) and "__builtins__" in r:
+                what, leaf = f"globals of {r.get('__name__')} keys={[k for k, v in r.items() if v is o][:3]}", True
+            elif isinstance(r, dict):
                 keys = [k for k, v in r.items() if v is o][:3]
                 what += f" keys={keys}"
             elif isinstance(r, (list, tuple)):
                 what += f" len={len(r)}"
+            elif isinstance(r, type(sys._getframe())):
+                what += f" {r.f_code.co_name} {r.f_code.co_filename}:{r.f_lineno}"
             out.append(f"{pre}{what}")
-            frontier.append((r, d + 1, pre + "  "))
+            if len(out) >= 60:
+                break
+            if not (leaf or isinstance(r, (type(sys), type(chain)))):
+                frontier.append((r, d + 1, pre + "  "))
     return out
 
 
