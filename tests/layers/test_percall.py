@@ -11,6 +11,7 @@ from torch import nn
 
 import fdlora
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
+from fdlora.kernels.registry import use_backend
 from fdlora.layers.fastpath import percall
 
 CUDA = torch.cuda.is_available()
@@ -74,9 +75,12 @@ CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"),
 
 @pytest.fixture(autouse=True)
 def cublas(monkeypatch):
+    """The torch forms: FDLORA_DISPATCH=cublas, no merged copies, and on CUDA the Triton backend (the CUDA
+    extension's backends bind these forms in C++: test_bound_forms)."""
     monkeypatch.setenv("FDLORA_DISPATCH", "cublas")
     fdlora.set_merge_cache(0)
-    yield
+    with use_backend("triton" if CUDA else "auto"):
+        yield
     fdlora.set_merge_cache("auto")
 
 
@@ -134,3 +138,32 @@ def test_rule_prefers_fewer_extra_bytes():
     assert not percall.scratch_wins(154, 2048, 640, 1)  # cross-attention on the text (77 tokens x 2)
     assert not percall.scratch_wins(32, 4096, 4096, 1)  # LLM decode
     assert not percall.scratch_wins(8192, 640, 640, 64)  # many samples of few rows each
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_bound_forms():
+    """BoundScratch and BoundSamples (the CUDA extension) against float64, where the extension is built."""
+    from fdlora.kernels.cuda import build
+
+    if build.status().library is None:
+        pytest.skip(f"the CUDA extension is not built: {build.status()}")
+    from fdlora.kernels.cuda import ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    G, rows, R = 3, 40, 16
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * s).half()
+
+    W, bias, A, Bs = rnd(N, K, s=0.1), rnd(N), rnd(R, K, s=0.2), rnd(N, R, s=0.2)
+    x = rnd(2, rows, K)
+    y = ops.prepare_scratch(W, bias, A, Bs)(x)
+    d = [t.double() for t in (W, bias, A, Bs, x)]
+    ref = d[4] @ (d[0] + d[3] @ d[2]).t() + d[1]
+    assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    Ag, Bg, x = rnd(G, R, K, s=0.2), rnd(G, N, R, s=0.2), rnd(G, rows, K)
+    y = ops.prepare_samples(W, bias, Ag, Bg, rows)(x)
+    ref = torch.stack([x[i].double() @ (d[0] + Bg[i].double() @ Ag[i].double()).t() + d[1] for i in range(G)])
+    assert y.shape == (G, rows, N)
+    assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
