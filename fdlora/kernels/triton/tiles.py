@@ -120,6 +120,35 @@ def row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs):
 
 
 @triton.jit
+def weight_tile(N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Program program_id(0)'s BN x BK tile of a weight [N, K] (tiles in row-major order): rows nn [BN] int64 and
+    their mask, columns kk [BK] and theirs."""
+    n_k = tl.cdiv(K, BK)
+    nn = (tl.program_id(0) // n_k) * BN + tl.arange(0, BN)
+    kk = (tl.program_id(0) % n_k) * BK + tl.arange(0, BK)
+    n_in = nn < N
+    k_in = kk < K
+    return nn.to(tl.int64), n_in, kk, k_in
+
+
+@triton.jit
+def merge_columns(
+    acc,  # [BN, BK] fp32 tile of W'
+    nn, n_in, kk, k_in,  # [BN] int64 rows and mask, [BK] columns and mask
+    slot, r, ok, wj,  # [RC] packed columns and their fp32 weight
+    a_ptr, b_ptr, sas, sar, sak, sbn, sbs, sbr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """acc + (B[nn, slot, r] * wj, cast to A's dtype) @ A[slot, r, kk]: RC packed rank columns merged into W'."""
+    slot64 = slot.to(tl.int64)
+    bt = tl.load(b_ptr + nn[:, None] * sbn + slot64[None, :] * sbs + r[None, :] * sbr,
+                 mask=n_in[:, None] & ok[None, :], other=0.0)  # [BN, RC]
+    at = tl.load(a_ptr + slot64[:, None] * sas + r[:, None] * sar + kk[None, :] * sak,
+                 mask=ok[:, None] & k_in[None, :], other=0.0)  # [RC, BK]
+    return mma((bt.to(tl.float32) * wj[None, :]).to(a_ptr.dtype.element_ty), at, acc, UPCAST, IEEE)
+
+
+@triton.jit
 def shrink_tile(
     x_ptr, a_ptr,
     rows, row_on,  # [BM] int64 row index, rows to compute

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fdlora.kernels.triton import config as C
-from fdlora.kernels.triton.tiles import mma, pack_block, packed_columns
+from fdlora.kernels.triton.tiles import merge_columns, pack_block, packed_columns, weight_tile
 
 BLOCKS = {"gpu": dict(BN=64, BK=128, num_warps=4, num_stages=2),
           "interpret": dict(BN=16, BK=32, num_warps=4, num_stages=1)}
@@ -50,12 +50,8 @@ def lora_tile(
                                               True, S_PAD)
     for c0 in range(0, total, RC):
         slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-        slot64 = slot.to(tl.int64)
-        bt = tl.load(b_ptr + nn[:, None] * sbn + slot64[None, :] * sbs + r[None, :] * sbr,
-                     mask=n_in[:, None] & ok[None, :], other=0.0)  # [BN, RC]
-        at = tl.load(a_ptr + slot64[:, None] * sas + r[:, None] * sar + kk[None, :] * sak,
-                     mask=ok[:, None] & k_in[None, :], other=0.0)  # [RC, BK]
-        acc = mma((bt.to(tl.float32) * scj[None, :]).to(a_ptr.dtype.element_ty), at, acc, UPCAST, IEEE)
+        acc = merge_columns(acc, nn, n_in, kk, k_in, slot, r, ok, scj, a_ptr, b_ptr, sas, sar, sak, sbn, sbs, sbr,
+                            UPCAST, IEEE)
     return acc
 
 
@@ -74,12 +70,7 @@ def dequant_merge_kernel(
     S_PAD: tl.constexpr, RC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, LORA: tl.constexpr,
 ):
-    n_k = tl.cdiv(K, BK)
-    nn = (tl.program_id(0) // n_k) * BN + tl.arange(0, BN)
-    kk = (tl.program_id(0) % n_k) * BK + tl.arange(0, BK)
-    n_in = nn < N
-    k_in = kk < K
-    nn = nn.to(tl.int64)
+    nn, n_in, kk, k_in = weight_tile(N, K, BN, BK)
     m = n_in[:, None] & k_in[None, :]
     q = tl.load(q_ptr + nn[:, None] * sqn + kk[None, :] * sqk, mask=m).to(tl.float32)  # exact; masked lanes unused
     d = tl.load(qs_ptr + nn * sqs, mask=n_in, other=0.0).to(tl.float32)  # [BN]
@@ -134,16 +125,22 @@ def dequant_merge(
     replays with a new `out` for a fraction of this call's host time (operand checks, Triton's binder)."""
     N, K, sqs = check(Wq, qscale, A, B)
     S, R, _ = A.shape
-    if out is None:
-        out = torch.empty(N, K, device=Wq.device, dtype=dtype)
-    blocks = blocks or BLOCKS["interpret" if C.INTERPRET else "gpu"]
-    C.check_blocks([], RC=C.MIN_BLOCK, BN=blocks["BN"], BK=blocks["BK"])
-    grid = (C.cdiv(N, blocks["BN"]) * C.cdiv(K, blocks["BK"]),)
+    out, grid, flags = prepare(Wq, A, N, K, dtype, out, lora, blocks or BLOCKS["interpret" if C.INTERPRET else "gpu"])
     args = (out, Wq, qscale, A, B, scale, group_weight, ranks, N, K, S, R,
             out.stride(0), out.stride(1), Wq.stride(0), Wq.stride(1), sqs, A.stride(0), A.stride(1), A.stride(2),
             B.stride(0), B.stride(1), B.stride(2), scale.stride(0), group_weight.stride(1))
-    flags = dict(S_PAD=C.slot_pad(S), RC=C.MIN_BLOCK, **C.dot_flags(A.dtype), **blocks, LORA=lora)
     return launch(dequant_merge_kernel, grid, args, flags, keep)
+
+
+def prepare(Wq: torch.Tensor, A: torch.Tensor, N: int, K: int, dtype: torch.dtype, out: torch.Tensor | None,
+            lora: bool, blocks: dict) -> tuple[torch.Tensor, tuple[int], dict]:
+    """A merge launch's output (`out`, or a new [N, K] in `dtype`), grid (one program per BN x BK tile of W') and
+    constexpr flags. Shared with gguf_merge."""
+    if out is None:
+        out = torch.empty(N, K, device=Wq.device, dtype=dtype)
+    C.check_blocks([], RC=C.MIN_BLOCK, BN=blocks["BN"], BK=blocks["BK"])
+    grid = (C.cdiv(N, blocks["BN"]) * C.cdiv(K, blocks["BK"]),)
+    return out, grid, dict(S_PAD=C.slot_pad(A.shape[0]), RC=C.MIN_BLOCK, **C.dot_flags(A.dtype), **blocks, LORA=lora)
 
 
 def launch(kernel, grid, args: tuple, flags: dict, keep: bool):

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fdlora.kernels.triton import config as C
-from fdlora.kernels.triton.merge.dequant_merge import check_bank, launch, lora_tile
+from fdlora.kernels.triton.merge.dequant_merge import check_bank, launch, lora_tile, prepare
 
 QK = 32  # values per Q8_0 block
 QBYTES = 34  # bytes per Q8_0 block: fp16 d, then QK int8
@@ -110,15 +110,11 @@ def gguf_q8_0_merge(
     H100 host), which is more than the kernel runs at 3072 x 3072 (~17 us with r16)."""
     N, K = check(Wq, A, B)
     S, R, _ = A.shape
-    if out is None:
-        out = torch.empty(N, K, device=Wq.device, dtype=dtype)
     blocks = blocks or BLOCKS["interpret" if C.INTERPRET else "gpu"]
     if blocks["BK"] % QK:
         raise C.FdLoraError(f"gguf_merge: BK={blocks['BK']} must cover whole Q8_0 blocks (a multiple of {QK}).")
-    C.check_blocks([], RC=C.MIN_BLOCK, BN=blocks["BN"], BK=blocks["BK"])
-    grid = (C.cdiv(N, blocks["BN"]) * C.cdiv(K, blocks["BK"]),)
+    out, grid, flags = prepare(Wq, A, N, K, dtype, out, lora, blocks)
     args = (out, Wq, A, B, scale, group_weight, ranks, N, K, S, R,
             out.stride(0), out.stride(1), Wq.stride(0), A.stride(0), A.stride(1), A.stride(2), B.stride(0),
             B.stride(1), B.stride(2), scale.stride(0), group_weight.stride(1))
-    flags = dict(S_PAD=C.slot_pad(S), RC=C.MIN_BLOCK, **C.dot_flags(A.dtype), **blocks, LORA=lora)
     return launch(gguf_q8_0_merge_kernel, grid, args, flags, keep)

@@ -33,7 +33,7 @@ from torch.library import wrap_triton
 
 from fdlora.kernels.ops.lora_merge import new_stamp  # noqa: F401  (the stamp format both backends share)
 from fdlora.kernels.triton import config as C
-from fdlora.kernels.triton.tiles import mma, pack_block, packed_columns
+from fdlora.kernels.triton.tiles import merge_columns, pack_block, packed_columns, weight_tile
 
 BLOCKS = {"gpu": dict(BN=64, BK=128, num_warps=4, num_stages=2), "interpret": dict(BN=16, BK=32, num_warps=4,
                                                                                    num_stages=1)}
@@ -67,12 +67,7 @@ def lora_merge_kernel(
     else:
         stale = g >= 0
     if stale:
-        n_k = tl.cdiv(K, BK)
-        nn = (tl.program_id(0) // n_k) * BN + tl.arange(0, BN)
-        kk = (tl.program_id(0) % n_k) * BK + tl.arange(0, BK)
-        n_in = nn < N
-        k_in = kk < K
-        nn = nn.to(tl.int64)
+        nn, n_in, kk, k_in = weight_tile(N, K, BN, BK)
         grp = g + 0 * tl.arange(0, 16)  # every "row" of the pack is group g
         _, end, width, rk, sc, total = pack_block(
             scale_ptr, gw_ptr, ranks_ptr, grp.to(tl.int64), grp >= 0, S, R, 1, ssc, sgg, sgs, True, S_PAD)
@@ -81,12 +76,8 @@ def lora_merge_kernel(
         for c0 in range(0, total, RC):
             slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
             wj = tl.load(gw_ptr + g * sgg + slot * sgs, mask=ok, other=0.0) * scj  # [RC] fp32
-            slot64 = slot.to(tl.int64)
-            bt = tl.load(b_ptr + nn[:, None] * sbn + slot64[None, :] * sbs + r[None, :] * sbr,
-                         mask=n_in[:, None] & ok[None, :], other=0.0)  # [BN, RC]
-            at = tl.load(a_ptr + slot64[:, None] * sas + r[:, None] * sar + kk[None, :] * sak,
-                         mask=ok[:, None] & k_in[None, :], other=0.0)  # [RC, BK]
-            acc = mma((bt.to(tl.float32) * wj[None, :]).to(a_ptr.dtype.element_ty), at, acc, UPCAST, IEEE)
+            acc = merge_columns(acc, nn, n_in, kk, k_in, slot, r, ok, wj, a_ptr, b_ptr, sas, sar, sak, sbn, sbs, sbr,
+                                UPCAST, IEEE)
         op = out_ptr + g * sog + nn[:, None] * son + kk[None, :] * sok
         tl.store(op, acc.to(out_ptr.dtype.element_ty), mask=n_in[:, None] & k_in[None, :])
         if STAMPED:  # every program read the stamp before counting itself done: the last one may rewrite it

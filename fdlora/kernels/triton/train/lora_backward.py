@@ -32,6 +32,24 @@ MAX_RANK = 64  # rank columns kept in registers next to a [BM, BN] tile; wider r
 
 
 @triton.jit
+def _block(M, R, RP: tl.constexpr, BM: tl.constexpr):
+    """This program's row block and the rank columns: rows [BM] int64 and their mask, rr [RP] and theirs."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = rows < M
+    rows = rows.to(tl.int64)
+    rr = tl.arange(0, RP)
+    rk = rr < R
+    return rows, rm, rr, rk
+
+
+@triton.jit
+def _span(L, per):
+    """This program's range [lo, hi) of a length-L axis split into `per`-long ranges along grid axis 1."""
+    lo = tl.program_id(1) * per
+    return lo, tl.minimum(L, lo + per)
+
+
+@triton.jit
 def _gy_pass_kernel(
     gy_ptr,  # [M, N]
     bs_ptr,  # [N, r]  (s B, gy's dtype; fp32 when IEEE)
@@ -42,16 +60,11 @@ def _gy_pass_kernel(
     sgm, sgn, sbn, sbr, shm, shr,
     RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rm = rows < M
-    rows = rows.to(tl.int64)
-    rr = tl.arange(0, RP)
-    rk = rr < R
+    rows, rm, rr, rk = _block(M, R, RP, BM)
     h = tl.load(h_ptr + rows[:, None] * shm + rr[None, :] * shr, mask=rm[:, None] & rk[None, :], other=0.0)
     h = h.to(tl.float32) if IEEE else h.to(gy_ptr.dtype.element_ty)
     acc = tl.zeros((BM, RP), dtype=tl.float32)
-    n_lo = tl.program_id(1) * n_per
-    n_hi = tl.minimum(N, n_lo + n_per)
+    n_lo, n_hi = _span(N, n_per)
     for n0 in range(n_lo, n_hi, BN):
         cols = n0 + tl.arange(0, BN)
         cm = cols < n_hi
@@ -80,18 +93,13 @@ def _u_pass_kernel(
     RP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_BASE: tl.constexpr, NEED_U: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rm = rows < M
-    rows = rows.to(tl.int64)
-    rr = tl.arange(0, RP)
-    rk = rr < R
+    rows, rm, rr, rk = _block(M, R, RP, BM)
     gm = rm[:, None] & rk[None, :]
     g = tl.zeros((BM, RP), dtype=tl.float32)
     for p in range(0, NS):
         g += tl.load(gp_ptr + (p * M + rows)[:, None] * R + rr[None, :], mask=gm, other=0.0)
     g = g if IEEE else g.to(u_ptr.dtype.element_ty)  # the rounding of a GEMM writing g in u's dtype
-    k_lo = tl.program_id(1) * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
+    k_lo, k_hi = _span(K, k_per)
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + tl.arange(0, BK)
         km = ks < k_hi

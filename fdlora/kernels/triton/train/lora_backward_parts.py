@@ -227,6 +227,12 @@ class Tile:
     def name(self) -> str:
         return f"{self.BM}x{self.BL}-w{self.warps}-s{self.stages}-f{self.fill}" + ("-t" if self.trans else "")
 
+    def launch(self, L: str, r: int, dtype: torch.dtype) -> dict:
+        """A piece's launch keywords for this shape: BM, its column block `L` ("BN" or "BK") = BL, RP (rank r padded),
+        IEEE (fp32 operands: no tf32), warps and stages."""
+        return {"BM": self.BM, L: self.BL, "RP": _rp(r), "IEEE": dtype == torch.float32, "num_warps": self.warps,
+                "num_stages": self.stages}
+
     @staticmethod
     def parse(name: str) -> Tile:
         m = re.fullmatch(r"(\d+)x(\d+)-w(\d+)-s(\d+)-f(\d+)(-t)?", name)
@@ -256,6 +262,16 @@ def _parts(g: torch.Tensor) -> torch.Tensor:
     return g if g.dim() == 3 else g.unsqueeze(0)
 
 
+def _launch_tile(tile: Tile | None) -> Tile:
+    return tile or (INTERPRETED if C.INTERPRET else Tile())
+
+
+def _g_operand(g: torch.Tensor, tile: Tile | None) -> tuple[Tile, torch.Tensor, int, int, int]:
+    """(launch shape, g as [P, M, r] partials, P, M, r) of a piece that reads g."""
+    gp = _parts(g)
+    return (_launch_tile(tile), gp, *gp.shape)
+
+
 def grad_u(
     g: torch.Tensor,  # [M, r] (u's dtype) or [P, M, r] fp32 partials
     As: torch.Tensor,  # [r, K]
@@ -263,15 +279,13 @@ def grad_u(
     add: bool = False,
     tile: Tile | None = None,
 ) -> torch.Tensor:  # out
-    t = tile or (INTERPRETED if C.INTERPRET else Tile())
-    gp = _parts(g)
-    P, M, r = gp.shape
+    t, gp, P, M, r = _g_operand(g, tile)
     K = As.shape[1]
     if M == 0 or K == 0:
         return out
     _grad_u_kernel[(triton.cdiv(M, t.BM) * triton.cdiv(K, t.BL),)](
-        gp, As, out, M, K, r, P, *gp.stride(), *As.stride(), *out.stride(), RP=_rp(r), BM=t.BM, BK=t.BL, ADD=add,
-        ROUND=g.dim() == 3, IEEE=out.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+        gp, As, out, M, K, r, P, *gp.stride(), *As.stride(), *out.stride(), ADD=add, ROUND=g.dim() == 3,
+        **t.launch("BK", r, out.dtype))
     return out
 
 
@@ -280,15 +294,13 @@ def grad_a_partials(
     u: torch.Tensor,  # [M, K]
     tile: Tile | None = None,
 ) -> torch.Tensor:  # [G, r, K] fp32: g^T u's partial per row group
-    t = tile or (INTERPRETED if C.INTERPRET else Tile())
-    gp = _parts(g)
-    P, M, r = gp.shape
+    t, gp, P, M, r = _g_operand(g, tile)
     K = u.shape[1]
     G, per = _rows_per(M, K, t, u)
     out = torch.empty(G, r, K, dtype=torch.float32, device=u.device)
     _grad_a_kernel[(G * triton.cdiv(K, t.BL),)](
-        gp, u, out, M, K, r, P, per, *gp.stride(), *u.stride(), RP=_rp(r), BM=t.BM, BK=t.BL, TRANS=t.trans,
-        ROUND=g.dim() == 3, IEEE=u.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+        gp, u, out, M, K, r, P, per, *gp.stride(), *u.stride(), TRANS=t.trans, ROUND=g.dim() == 3,
+        **t.launch("BK", r, u.dtype))
     return out
 
 
@@ -310,7 +322,7 @@ def x_pass(
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # grad_u = g As [M, K] (u's dtype), grad_A = g^T u [r, K] fp32
     """The gA and gu pieces in one pass (`_x_pass_kernel`): u read once, grad_u written beside it."""
-    t = tile or (INTERPRETED if C.INTERPRET else Tile())
+    t = _launch_tile(tile)
     M, K = u.shape
     r = g.shape[1]
     out = torch.empty(M, K, dtype=u.dtype, device=u.device)
@@ -319,8 +331,8 @@ def x_pass(
     G, per = _rows_per(M, K, t, u)
     parts = torch.empty(G, r, K, dtype=torch.float32, device=u.device)
     _x_pass_kernel[(G * triton.cdiv(K, t.BL),)](
-        g, u, As, out, parts, M, K, r, per, *g.stride(), *u.stride(), *As.stride(), *out.stride(), RP=_rp(r),
-        BM=t.BM, BK=t.BL, IEEE=u.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+        g, u, As, out, parts, M, K, r, per, *g.stride(), *u.stride(), *As.stride(), *out.stride(),
+        **t.launch("BK", r, u.dtype))
     return out, (parts[0] if G == 1 else parts.sum(0))
 
 
@@ -348,7 +360,7 @@ def gy_partials(
     Bs: torch.Tensor,  # [N, r] (s B)
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # g's partials [NB, M, r], gy^T h's partials [G, N, r], fp32
-    t = tile or (INTERPRETED if C.INTERPRET else Tile())
+    t = _launch_tile(tile)
     M, N = gy.shape
     r = Bs.shape[1]
     nb = triton.cdiv(N, t.BL)
@@ -356,8 +368,8 @@ def gy_partials(
     gp = torch.empty(nb, M, r, dtype=torch.float32, device=gy.device)
     gbp = torch.empty(G, N, r, dtype=torch.float32, device=gy.device)
     _gy_kernel[(G * nb,)](
-        gy, Bs, h, gp, gbp, M, N, r, per, *gy.stride(), *Bs.stride(), *h.stride(), RP=_rp(r), BM=t.BM, BN=t.BL,
-        TRANS=t.trans, IEEE=gy.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+        gy, Bs, h, gp, gbp, M, N, r, per, *gy.stride(), *Bs.stride(), *h.stride(), TRANS=t.trans,
+        **t.launch("BN", r, gy.dtype))
     return gp, gbp
 
 
