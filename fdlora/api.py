@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdlora.layers.model.handle import SampleSpec
+from fdlora.layers.model.activation import SampleSpec
 from fdlora.layers.model.targets import Targets
 from fdlora.runtime.scope import lock_of
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from fdlora.errors import FdLoraError
 from fdlora.layers import registry_of_models
-from fdlora.layers.model.handle import SampleSpec
+from fdlora.layers.model.activation import SampleSpec
 from fdlora.runtime.scope import lock_of
 from fdlora.runtime.session import session_of
 

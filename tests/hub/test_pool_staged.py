@@ -18,7 +18,7 @@ from fdlora.hub import AdapterPool, LoraAdapter, ModuleLora, pack_adapters
 from fdlora.hub import pool as pool_module
 from fdlora.hub.cache import stage
 from fdlora.layers import FdLoraHandle
-from fdlora.layers.model import handle as handle_module
+from fdlora.layers.model import loading as loading_module
 
 PATHS = ("a", "b", "c")
 
@@ -48,8 +48,8 @@ def kernel_calls(monkeypatch):
     """Calls of the bulk writer; nothing marked built to start with."""
     monkeypatch.setattr(pool_module, "_bulk_ready", set())
     calls = []
-    prepare = handle_module.prepare  # (the writes from a device copy: fdlora.layers.storage.bulk)
-    monkeypatch.setattr(handle_module, "prepare", lambda *a: (calls.append(a), prepare(*a))[1])
+    prepare = loading_module.prepare  # (the writes from a device copy: fdlora.layers.storage.bulk)
+    monkeypatch.setattr(loading_module, "prepare", lambda *a: (calls.append(a), prepare(*a))[1])
     return calls
 
 

@@ -93,7 +93,8 @@ def _unit(layer: nn.Module, name: str) -> float:
 
 
 def _magnitude(layer: nn.Module, name: str):
-    """DoRA's magnitude vector m [N] of adapter `name` in a PEFT LoraLayer, or None (fdlora.layers.modules.dora serves it)."""
+    """DoRA's magnitude vector m [N] of adapter `name` in a PEFT LoraLayer, or None (fdlora.layers.modules.dora
+    serves it)."""
     if not layer.use_dora.get(name, False):
         return None
     return layer.lora_magnitude_vector[name].weight.detach().reshape(-1)
@@ -181,7 +182,7 @@ def _read(root: nn.Module) -> tuple[dict[str, _Live], list[str], bool, dict[str,
 
 class LayerWeights(dict):
     """Block-wise blend weights read off PEFT layers: layer path -> weight, called with a layer's path by
-    `set_adapters` (fdlora.layers.model.handle); 1.0 for layers the adapter does not touch (their scale is 0)."""
+    `set_adapters` (fdlora.layers.model.activation); 1.0 for layers the adapter does not touch (their scale is 0)."""
 
     def __call__(self, path: str) -> float:
         return self.get(path, 1.0)

@@ -333,7 +333,8 @@ class FusedLoraExperts(nn.Module):
 
 def delta_weight(layer: ExpertLora, slot_weights: torch.Tensor) -> torch.Tensor:
     """sum_s w_s * B_{e,s} A_{e,s} for every expert e, in fp32, shaped like the parameter ([E, N, K], or [E, K, N]
-    for transposed experts). `slot_weights` [S] holds w_s * alpha / r (merging: fdlora.integrations.transformers.save)."""
+    for transposed experts). `slot_weights` [S] holds w_s * alpha / r (merging:
+    fdlora.integrations.transformers.save)."""
     S, R = layer.bank.extent()
     A = layer.bank.A[:, :S, :R].float()  # [E, S, R, K]
     B = layer.bank.B[:, :, :S, :R].float()  # [E, N, S, R]
@@ -346,7 +347,8 @@ def delta_weight(layer: ExpertLora, slot_weights: torch.Tensor) -> torch.Tensor:
 def param_target(model: nn.Module, path: str, modules: Mapping[str, nn.Module] | None = None
                  ) -> tuple[nn.Module, str] | None:
     """(experts module, parameter name) if `path` names an expert parameter fd-lora serves, else None. `modules`:
-    the model's modules by path, when the caller has them (fdlora.layers.model.handle looks up every target of a load)."""
+    the model's modules by path, when the caller has them (fdlora.layers.model.loading looks up every target of a
+    load)."""
     parent, _, param = path.rpartition(".")
     if modules is not None:
         module = modules.get(parent)
