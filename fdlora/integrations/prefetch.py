@@ -16,8 +16,8 @@ event. FDLORA_PREFETCH_READER=thread keeps the read in this process (and its per
 Only then does it publish, under the lock a generation holds from start to end (fdlora.runtime.scope.lock_of):
 the adapter objects are built over views of the block, and the attach step of `load_fd_lora` runs: shapes
 checked against the model, room made, the banks' write tables made, then the banks written from the device copy in
-one launch of the bulk writer (fdlora.layers.storage.bulk; torch copies until fdlora.integrations.warmup built it) and the
-name registered. It does so in pieces (fdlora.steps): it holds the lock for at most ~1.5 ms at a time
+one launch of the bulk writer (fdlora.layers.storage.bulk; torch copies until fdlora.integrations.warmup built it) and
+the name registered. It does so in pieces (fdlora.steps): it holds the lock for at most ~1.5 ms at a time
 (`background.SLICE_S`) and lets go of it between pieces, so the generation waiting for the lock waits for one piece,
 not for the whole publication (~25 ms of Python for an SDXL LoRA on an H100 host, which made the step it landed on
 about a third slower). Nothing changes in the pipeline before the last piece, which writes the banks and registers

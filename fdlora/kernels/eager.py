@@ -1,5 +1,6 @@
 """What both kernel backends (triton/ops.py, cuda/ops.py) need to call their kernels directly from eager code, and
-the CUDA-graph capture that the dispatcher's timings and fd-lora's captured steps (fdlora.layers.fastpath.captured) share."""
+the CUDA-graph capture that the dispatcher's timings and fd-lora's captured steps (fdlora.layers.fastpath.captured)
+share."""
 
 from __future__ import annotations
 

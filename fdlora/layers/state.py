@@ -126,7 +126,8 @@ class ScaleTable:
         self._device: dict[torch.device, torch.Tensor] = {}
         self._lock = CopyableLock()
         self.version = 0  # bumped on every device write
-        self.token = object()  # replaced on every change of this table or of its model's state (fdlora.layers.fastpath.hot)
+        # replaced on every change of this table or of its model's state (fdlora.layers.fastpath.hot)
+        self.token = object()
         # the blend row's own version and the slots it weighs: what a blend's merged copies key on (layers.merged).
         # A load or delete in a slot the blend gives weight 0 changes neither, so publishing a prefetched adapter
         # does not re-merge every layer of a serving model.
@@ -247,8 +248,8 @@ class ModelState:
             self._retoken()
 
     def _retoken(self) -> None:
-        """The token layers' hot paths (fdlora.layers.fastpath.hot) key on, after an attribute write: the token this exact
-        state had before when it is one of the last few (the same values and the same objects: a per-call
+        """The token layers' hot paths (fdlora.layers.fastpath.hot) key on, after an attribute write: the token this
+        exact state had before when it is one of the last few (the same values and the same objects: a per-call
         `adapter_names` spec entered and left every step, identical specs reusing their objects, set_sample_weights),
         else a new one. The entries hold the objects they name, so no id is reused while it is remembered."""
         d = self.__dict__
@@ -291,7 +292,8 @@ class ModelState:
         A layer whose input has batch size B uses the entry for B; several entries let one call serve
         the differently sized batches of one pipeline run (prompts, images per prompt, CFG halves).
         Same-shaped entries are rewritten in place, so compiled graphs stay valid. The same weights as the current
-        ones change nothing (a per-call spec repeated every step keeps the layers' hot paths: fdlora.layers.fastpath.hot).
+        ones change nothing (a per-call spec repeated every step keeps the layers' hot paths:
+        fdlora.layers.fastpath.hot).
         """
         host = {b: gw.detach().to("cpu", torch.float32, copy=True) for b, gw in by_batch.items()}
         last = self.__dict__.get("_sample_host")
@@ -342,7 +344,8 @@ class ModelState:
 
     def blend_rows(self, rows: int, device: torch.device) -> torch.Tensor | None:
         """[rows] int32, every row on the one active adapter's slot, when blend mode has exactly one adapter
-        active (eager decode without the merged-weight cache runs it as per-row: fdlora.layers.fastpath.decode); else None."""
+        active (eager decode without the merged-weight cache runs it as per-row: fdlora.layers.fastpath.decode); else
+        None."""
         if len(self.active) != 1 or not self.enabled:
             return None
         slot = self.slots.by_name[next(iter(self.active))]
@@ -371,9 +374,9 @@ class ModelState:
 
     def row_onehot(self, device: torch.device, slots: int) -> torch.Tensor:
         """[M, slots] fp32, 1 where row m's adapter is slot s: the per-row weights every member of a ShrinkGroup
-        (fdlora.layers.modules.shared_shrink) expands with. Built once for as long as the row slots stay what they are (the same
-        tensor, by identity, at the same version: set_row_slot writes in place or makes a new one), not once per
-        group and step: two launches fewer per group (Llama-3-8B has 64 groups, q/k/v and gate/up in 32 layers).
+        (fdlora.layers.modules.shared_shrink) expands with. Built once for as long as the row slots stay what they are
+        (the same tensor, by identity, at the same version: set_row_slot writes in place or makes a new one), not once
+        per group and step: two launches fewer per group (Llama-3-8B has 64 groups, q/k/v and gate/up in 32 layers).
         Eager only (ShrinkGroup never runs compiled): the version check reads a tensor's version counter."""
         rs = self.row_slot(device)
         got = self._row_onehot.get(device)
@@ -403,8 +406,8 @@ class ModelState:
     @contextlib.contextmanager
     def gathered(self, weights: torch.Tensor | None) -> Iterator[None]:
         """Within the block, layers see inputs whose rows are the tokens with slot weights `weights` [n, S] (a
-        routed expert's token group: fdlora.layers.modules.moe_routed), as per-sample weights with one sample per row. None
-        (blend / off) changes nothing."""
+        routed expert's token group: fdlora.layers.modules.moe_routed), as per-sample weights with one sample per row.
+        None (blend / off) changes nothing."""
         if weights is None:
             yield
             return

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.costmodel import H100, Device
 from ..errors import ConfigError
+from ..kernels.costmodel import H100, Device
 
 _PEAK, _BW = 790.0 / 989.0, 2500.0 / 3350.0  # H100 SXM measured / datasheet
 

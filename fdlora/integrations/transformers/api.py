@@ -69,7 +69,8 @@ def convert_live(model: nn.Module) -> nn.Module:
 def from_peft(peft_model: nn.Module, trainable: bool = False) -> nn.Module:
     """Convert a live PeftModel / LoraModel (or a model with PEFT LoRA layers) to fd-lora, in place.
 
-    `trainable=True` keeps its adapters trainable instead (fdlora.integrations.transformers.trainable.convert.trainable_from_peft: fd-lora's
+    `trainable=True` keeps its adapters trainable instead
+    (fdlora.integrations.transformers.trainable.convert.trainable_from_peft: fd-lora's
     trainable layers with the same values, modules_to_save and active set; `fdlora.trainable_parameters(model)` is
     what an optimizer gets).
 

@@ -16,8 +16,8 @@ what its adapters give as a blend alone, applied in slot order (the order they w
 freed an earlier slot).
 
 g_s is computed once per (slot, c_s, bank write, weight edit) and kept. In eager blend mode on a plain nn.Linear /
-nn.Conv2d base with room in the merged-weight cache (fdlora.layers.fastpath.merged: its budget, its key), a call is one base
-GEMM on W' = W + `delta_weight` (what fusing adds), re-merged here in torch when the blend, the bank or W changes:
+nn.Conv2d base with room in the merged-weight cache (fdlora.layers.fastpath.merged: its budget, its key), a call is one
+base GEMM on W' = W + `delta_weight` (what fusing adds), re-merged here in torch when the blend, the bank or W changes:
 DoRA at merged speed. Every other call (per-sample and per-row batches, no room, a lora bias, compiled or frozen
 models, autograd) costs the base GEMM plus the low-rank products of the active slots, eagerly in fp32 (no kernels).
 Layers with a DoRA slot never join the kernels' model-wide re-merge (fdlora.layers.fastpath.remerge.cacheable).

@@ -226,7 +226,7 @@ class AdapterBank(nn.Module):
         marked = []
         for bank, slot, m in writes:
             if (m.bias is not None or bank.bias is not None or m.magnitude is not None or bank.magnitude is not None
-                    or type(bank).write is not AdapterBank.write):  # other layouts (fdlora.layers.modules.moe_experts) write alone
+                    or type(bank).write is not AdapterBank.write):  # other layouts (moe_experts) write alone
                 bank.write(slot, m)
                 continue
             r, prev, dev = m.rank, bank.host_ranks[slot], bank.A.device

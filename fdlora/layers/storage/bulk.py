@@ -84,7 +84,8 @@ def prepare(writes: list[tuple[AdapterBank, int, ModuleLora]], staged: Staged, e
             yield
         A, B = m.A, m.B
         if kernel is not None and type(bank) is AdapterBank and m.bias is None and m.magnitude is None:
-            # (another layout, fdlora.layers.modules.moe_experts, a LoRA bias or DoRA, which bank.write keeps: the torch path)
+            # (another layout, fdlora.layers.modules.moe_experts, a LoRA bias or DoRA, which bank.write keeps: the torch
+            # path)
             a0, a_step, b0, b_step, n, b_row, k0, k_step, dtype, bank_dev = bank.addresses()
             buffers, r = bank._buffers, A.shape[0]
             if (bank_dev == dev and buffers["bias"] is None and buffers["magnitude"] is None

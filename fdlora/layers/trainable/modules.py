@@ -8,10 +8,10 @@ adapters then stay active as a fixed, frozen blend under the new one. A plain fr
 whole (base GEMM, LoRA and grad_x = gy W + LoRA part in one op call each way); any other base runs its own forward
 (and its own backward for grad_x, e.g. bitsandbytes' dequantizing one) and the op adds the LoRA part in fp32. A
 frozen 4-bit bitsandbytes base runs inside the op's eager Function instead (fdlora.kernels.train_ops.train_linear_over,
-the base computed as bitsandbytes computes it, without its Python layers: fdlora.layers.trainable.frozen_4bit): the delta is
-added into its output in place and grad_x = gy W + the LoRA part comes out of one in-place GEMM pair, W dequantized in
-the backward as bitsandbytes' own backward does, so neither a copy of the base output nor a second [M, K] input
-gradient and their sum are made.
+the base computed as bitsandbytes computes it, without its Python layers: fdlora.layers.trainable.frozen_4bit): the
+delta is added into its output in place and grad_x = gy W + the LoRA part comes out of one in-place GEMM pair, W
+dequantized in the backward as bitsandbytes' own backward does, so neither a copy of the base output nor a second [M, K]
+input gradient and their sum are made.
 
 Why not a trainable slot inside the AdapterBank (DESIGN.md's sketch): bank slots are zero-padded, rank-16-aligned
 buffers shared by every adapter of a layer, sized for serving; an optimizer needs exactly [r, K] / [N, r]
