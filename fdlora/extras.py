@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,10 +54,34 @@ def missing(module: str, feature: str, extra: str | None = None) -> MissingExtra
     return MissingExtraError(f"{feature} needs {root}, which is not installed: {hint(root, extra)}", name=root)
 
 
+def detached_import(module: str) -> Any:
+    """`import module`, run on a thread of its own the first time. Some libraries keep a frame of their own import (a
+    registration that records where it was made, a kept traceback), and a frame keeps its callers' frames and their
+    locals: imported under a call that holds a user's model (`inject`, a load), the model and its GPU memory would
+    stay for the life of the process. A thread's frames have no such callers."""
+    got = sys.modules.get(module)
+    if got is not None:
+        return got
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["module"] = importlib.import_module(module)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"fdlora-import-{module}", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box.pop("error")
+    return box["module"]
+
+
 def require(module: str, feature: str) -> Any:
     """`import module`, or raise MissingExtraError naming the extra that installs it."""
     try:
-        return importlib.import_module(module)  # the optional extra the caller named
+        return detached_import(module)  # the optional extra the caller named
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in EXTRA_OF:
             raise missing(e.name, feature) from None

@@ -75,8 +75,8 @@ CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"),
 
 @pytest.fixture(autouse=True)
 def cublas(monkeypatch):
-    """The torch forms: FDLORA_DISPATCH=cublas, no merged copies, and on CUDA the Triton backend (the CUDA
-    extension's backends bind these forms in C++: test_bound_forms)."""
+    """The torch forms: FDLORA_DISPATCH=cublas, no merged copies, and on CUDA the Triton backend (with the CUDA
+    extension's backends, its bound forms take the host-limited calls: tests/kernels/test_cuda_backend.py)."""
     monkeypatch.setenv("FDLORA_DISPATCH", "cublas")
     fdlora.set_merge_cache(0)
     with use_backend("triton" if CUDA else "auto"):
@@ -112,6 +112,27 @@ def test_per_sample(device, dtype, rows):
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("specs", [["a0", {"a1": 0.5, "a2": 1.5}, None, "a2"], ["a0", "a1", "a0", "a1"]],
+                         ids=["runs", "periodic (CFG)"])
+def test_per_blend_scratch_where_the_gpu_is_the_limit(device, dtype, specs, monkeypatch):
+    """GEMMs above GPU_BOUND_FLOPS: one addmm per distinct blend, one GEMM per run (a strided batched one per
+    position of a periodic batch)."""
+    monkeypatch.setattr(percall, "GPU_BOUND_FLOPS", 0)
+    net = build(device, dtype)
+    rows = 512
+    x = torch.randn(4, rows, K, device=device, dtype=dtype)
+    slot = {"a0": 0, "a1": 1, "a2": 2}
+    w = torch.zeros(4, 3)
+    for i, sp in enumerate(specs):
+        for n, v in ({} if sp is None else {sp: 1.0} if isinstance(sp, str) else sp).items():
+            w[i, slot[n]] = v
+    with fdlora.per_sample(net, specs):
+        paths = check(net, x, w.repeat_interleave(rows, 0), dtype)
+        check(net, x, w.repeat_interleave(rows, 0), dtype)
+    assert "per-blend scratch" in next(iter(paths)), paths
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_per_row_and_rows_rewritten(device, dtype):
     net = build(device, dtype)
     x = torch.randn(6, K, device=device, dtype=dtype)
@@ -139,31 +160,3 @@ def test_rule_prefers_fewer_extra_bytes():
     assert not percall.scratch_wins(32, 4096, 4096, 1)  # LLM decode
     assert not percall.scratch_wins(8192, 640, 640, 64)  # many samples of few rows each
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_bound_forms():
-    """BoundScratch and BoundSamples (the CUDA extension) against float64, where the extension is built."""
-    from fdlora.kernels.cuda import build
-
-    if build.status().library is None:
-        pytest.skip(f"the CUDA extension is not built: {build.status()}")
-    from fdlora.kernels.cuda import ops
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    G, rows, R = 3, 40, 16
-
-    def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * s).half()
-
-    W, bias, A, Bs = rnd(N, K, s=0.1), rnd(N), rnd(R, K, s=0.2), rnd(N, R, s=0.2)
-    x = rnd(2, rows, K)
-    y = ops.prepare_scratch(W, bias, A, Bs)(x)
-    d = [t.double() for t in (W, bias, A, Bs, x)]
-    ref = d[4] @ (d[0] + d[3] @ d[2]).t() + d[1]
-    assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
-    Ag, Bg, x = rnd(G, R, K, s=0.2), rnd(G, N, R, s=0.2), rnd(G, rows, K)
-    y = ops.prepare_samples(W, bias, Ag, Bg, rows)(x)
-    ref = torch.stack([x[i].double() @ (d[0] + Bg[i].double() @ Ag[i].double()).t() + d[1] for i in range(G)])
-    assert y.shape == (G, rows, N)
-    assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()

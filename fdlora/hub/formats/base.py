@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import AdapterShapeError, FormatError, UnsupportedFeatureError
+from ...extras import detached_import
 from ..adapter import ModuleLora
 
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -183,6 +184,7 @@ def _classify_other(key: str, out: Converted, where: str) -> None:
 # --- LoraConfig semantics --------------------------------------------------------------------
 def config_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The LoraConfig fields of `config` this peft knows (others are ignored); raises on unsupported variants."""
+    import_peft()
     from peft import LoraConfig
 
     peft_type = str(getattr(config.get("peft_type"), "value", config.get("peft_type")) or "LORA").upper()
@@ -199,6 +201,7 @@ def config_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
 def config_rules(config: dict[str, Any], where: str) -> tuple[AlphaRule, Callable[[str], int | None],
                                                              Callable[[str], str | None]]:
     """(alpha of a module, rank the config expects, why a module is not targeted) under PEFT's own matching."""
+    import_peft()
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
     from peft.utils.other import get_pattern_key
@@ -258,9 +261,10 @@ def _verdicts(targeting: str) -> dict[str, str | None]:
 
 def import_peft() -> None:
     """Import the PEFT modules `config_fields` / `config_rules` take LoraConfig's semantics from (seconds, once per
-    process): a caller timing a conversion imports them first, so the conversion's time is the conversion's."""
-    import peft.tuners.tuners_utils  # noqa: F401
-    import peft.utils.other  # noqa: F401
+    process; on a thread of its own: fdlora.extras.detached_import): a caller timing a conversion imports them first,
+    so the conversion's time is the conversion's."""
+    detached_import("peft.tuners.tuners_utils")
+    detached_import("peft.utils.other")
 
 
 def saved_module(key: str, names: list[str]) -> str | None:

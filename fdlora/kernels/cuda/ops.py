@@ -29,7 +29,7 @@ _bias = _ops.lora_bias_add.default
 
 __all__ = ["lora_bias_add", "lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear",
            "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups",
-           "prepare_linear", "prepare_linear_rows", "prepare_samples", "prepare_scratch"]
+           "prepare_linear", "prepare_linear_rows"]
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:  # [M, K], [S, R, K] -> [M, S*R] fp32
@@ -96,29 +96,13 @@ def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, 
 def prepare_linear_rows(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor,
                         B: torch.Tensor, scale: torch.Tensor, row_slot: torch.Tensor, ranks: torch.Tensor):
     """The base GEMM and lora_delta_rows with every argument but x bound in C++: `run(x)` -> y ([..., N] for x
-    [..., K] holding row_slot's rows), for eager decode layers to keep (fdlora.layers.fastpath.decode) and replay on
-    their hot path (fdlora.layers.fastpath.hot). None where a call must go through the dispatcher (traced, autograd)
-    or W is not a plain row-major weight in the bank's dtype."""
+    [..., K] holding row_slot's rows), for eager decode layers to keep (fdlora.layers.fastpath.decode) and replay on their hot
+    path (fdlora.layers.fastpath.hot). None where a call must go through the dispatcher (traced, autograd) or W is not a plain
+    row-major weight in the bank's dtype."""
     if (not (direct(x, W, A, B, scale, row_slot, ranks) and (bias is None or direct(bias)))
             or W.dtype != A.dtype or W.dim() != 2 or W.stride(1) != 1 or row_slot.dtype != torch.int32):
         return None
     return _C.BoundRows(W, bias, A, B, scale, row_slot, ranks)
-
-
-def prepare_scratch(W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, Bs: torch.Tensor):
-    """fdlora.layers.fastpath.percall's scratch form bound in C++: `run(x)` = x (W + Bs A)^T + bias (one addmm into a
-    temporary, one GEMM). None for operands that must go through the dispatcher."""
-    if not (direct(W, A, Bs) and (bias is None or direct(bias))):
-        return None
-    return _C.BoundScratch(W, bias, A, Bs)
-
-
-def prepare_samples(W: torch.Tensor, bias: torch.Tensor | None, Ag: torch.Tensor, Bg: torch.Tensor, rows: int):
-    """fdlora.layers.fastpath.percall's per-sample scratch form bound in C++: `run(x)` for x [G, rows, K] = each
-    sample's rows times (W + Bg[g] Ag[g])^T + bias (one baddbmm, one batched GEMM)."""
-    if not (direct(W, Ag, Bg) and (bias is None or direct(bias))):
-        return None
-    return _C.BoundSamples(W, bias, Ag, Bg, rows)
 
 
 def prepare_groups(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, jobs: list[int]):

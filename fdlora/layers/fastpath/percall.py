@@ -16,9 +16,16 @@ The form is the one with less extra traffic (`scratch_wins`): scratch for diffus
 and short text inputs. Both run every row of every mode (blend, per-sample, per-row) in at most four launches,
 and depend on nothing but the shapes and the model state (never on what ran before). The factors (the selected
 slots of A and of B scaled by each slot's alpha/r and weight) are made once per model state and bank version and
-kept as the layer's hot path (fdlora.layers.fastpath.hot) with every operand bound. Where the CUDA extension is
-built, the scratch forms are bound in C++ (BoundScratch, BoundSamples: one pybind call per layer, the ATen ops
-issued from C++), and the delta forms are the extension's own (BoundLinear, BoundRows).
+kept as the layer's hot path (fdlora.layers.fastpath.hot) with every operand bound.
+
+Per-sample scratch runs one baddbmm and one batched GEMM over the samples where the host is the limit, and one addmm
+per distinct blend plus one GEMM per run of rows (SampleGroups.jobs) where the GEMM keeps the GPU busier than its
+host work (`gpu_bound`: cuBLAS's batched GEMM runs Flux-size products slower than its plain one).
+
+Where the CUDA extension is built (the triton+cuda and cuda backends), its C++-bound calls cost less host time than
+these forms and take the layers the host limits: BoundLinear (blend), BoundRows (per-row, and decode steps of
+per-sample batches); these forms keep blend and per-sample layers whose GEMM is GPU-bound, and per-sample layers of
+many rows, which the extension has no bound form for.
 """
 
 from __future__ import annotations
@@ -52,9 +59,18 @@ def scratch_wins(M: int, K: int, N: int, G: int) -> bool:
     return 2 * G * N * K < M * (K + 2 * N)
 
 
+GPU_BOUND_FLOPS = 5e10  # ~80 us of fp16 GEMM on an H100/H200: longer than any layer's host work
+
+
+def gpu_bound(M: int, K: int, N: int) -> bool:
+    """The layer's GEMM keeps the GPU busier than the host work of launching it."""
+    return 2 * M * K * N >= GPU_BOUND_FLOPS
+
+
 def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The layer's output by a cuBLAS form, kept as its hot path; None when this call does not take these forms
-    (not an eager CUDA call on a plain nn.Linear without a LoRA bias in the bank's dtype, or not wanted here)."""
+    (not an eager call on a plain nn.Linear without a LoRA bias in the bank's dtype, not wanted here, or a call the
+    CUDA extension's bound forms serve)."""
     st, base, bank = layer.state, layer.base, layer.bank
     W = base._parameters["weight"]
     if (not wanted(x) or st.static or type(base) is not nn.Linear or not layer._plain
@@ -64,10 +80,9 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
         return None
     K, N = layer.in_features, layer.out_features
     M = x.numel() // K
-    ops = layer._ops
-    bound = hasattr(ops, "prepare_linear_rows")  # the CUDA extension: its delta forms are bound in C++ already
+    bound = hasattr(layer._ops, "prepare_linear_rows")  # the CUDA extension (see the module docstring)
     if st.mode is Mode.BLEND:
-        if bound and not scratch_wins(M, K, N, 1):
+        if bound and not (scratch_wins(M, K, N, 1) and gpu_bound(M, K, N)):
             return None  # BoundLinear / BoundRows (fdlora.layers.modules.fused, fdlora.layers.fastpath.decode)
         fn, path = _blend(layer, W, base.bias, M, K, N)
     elif st.mode is Mode.SAMPLES:
@@ -107,10 +122,6 @@ def _blend(layer, W: torch.Tensor, bias: torch.Tensor | None, M: int, K: int, N:
         return functools.partial(F.linear, weight=W, bias=bias), "base only"
     A, Bs = _factors(layer, slots, layer.scale_blend[slots])
     if scratch_wins(M, K, N, 1):
-        prepare = getattr(layer._ops, "prepare_scratch", None)
-        run = prepare(W, bias, A, Bs) if prepare is not None else None
-        if run is not None:
-            return run, "cublas scratch (C++)"
         return (lambda x: F.linear(x, torch.addmm(W, Bs, A), bias)), "cublas scratch"
     At, Bt = A.t(), Bs.t()
 
@@ -124,9 +135,8 @@ def _blend(layer, W: torch.Tensor, bias: torch.Tensor | None, M: int, K: int, N:
 
 def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, M: int, K: int, N: int,
              bound: bool):
-    """Per-sample blends: one merged temporary per sample (baddbmm) and one batched GEMM over the samples for
-    many rows per sample; else the delta with each sample's weights on its rows (None where the backend binds its
-    own delta forms in C++)."""
+    """Per-sample blends: merged temporaries and batched or grouped GEMMs for many rows per sample; else the delta
+    with each sample's weights on its rows. None for a decode step where the CUDA extension binds BoundRows."""
     st = layer.state
     gw = st.group_weight(x.shape[0], M, x.device)  # [G, S]
     if gw is None or M % gw.shape[0]:
@@ -134,33 +144,19 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
     G = gw.shape[0]
     rows = M // G
     slots = [s for s, u in enumerate(layer.bank.used) if u]
-    if not slots or max(slots) >= gw.shape[1]:
+    if not slots or max(slots) >= gw.shape[1] or (bound and rows == 1):
         return None
+    unit = layer.scale_unit
+    if scratch_wins(M, K, N, G):
+        groups = st.groups.get(x.shape[0])
+        if groups is not None and (gpu_bound(M, K, N) or x.shape[0] != G):
+            return _grouped(layer, W, bias, groups, rows, M, K, N), "cublas per-blend scratch"
+        if x.dim() >= 2 and x.shape[0] == G:
+            return _batched(layer, W, bias, gw, slots, unit, G, rows, K, N), "cublas per-sample scratch"
     idx = torch.tensor(slots, device=x.device)
-    unit = layer.scale_unit[idx]
-    if scratch_wins(M, K, N, G) and x.dim() >= 2 and x.shape[0] == G:
-        A, B1 = _factors(layer, slots, unit)  # [n·R, K], [N, n·R]
-        n = len(slots)
-        Bg = (B1.view(N, n, -1)[None] * gw[:, idx].to(B1.dtype)[:, None, :, None]).reshape(G, N, -1)
-        Ag, Wg = A.expand(G, *A.shape), W.expand(G, N, K)
-        prepare = getattr(layer._ops, "prepare_samples", None)
-        run = prepare(W, bias, Ag, Bg, rows) if prepare is not None else None
-        if run is not None:
-            return run, "cublas per-sample scratch (C++)"
-
-        def per_sample(x: torch.Tensor) -> torch.Tensor:
-            Wp = torch.baddbmm(Wg, Bg, Ag)  # [G, N, K]: each sample's W'
-            x3 = x.reshape(G, rows, K)
-            y = torch.bmm(x3, Wp.transpose(1, 2)) if bias is None else torch.baddbmm(bias, x3, Wp.transpose(1, 2))
-            return y.view(*x.shape[:-1], N)
-
-        return per_sample, "cublas per-sample scratch"
-    if bound:
-        return None
-    A, Bs = _factors(layer, slots, unit)
+    A, Bs = _factors(layer, slots, unit[idx])
     At, Bt, R = A.t(), Bs.t(), A.shape[0] // len(slots)
-    wsel = gw[:, idx]  # [G, n] (a gather: set_sample_weights gives a new spec a new state token)
-    w4 = wsel.to(W.dtype)[:, None, :, None]
+    w4 = gw[:, idx].to(W.dtype)[:, None, :, None]  # [G, 1, n, 1] (a new spec gets a new state token)
 
     def delta(x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, W, bias)
@@ -170,6 +166,60 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
         return y
 
     return delta, "cublas per-sample delta"
+
+
+def _batched(layer, W, bias, gw, slots, unit, G: int, rows: int, K: int, N: int):
+    """W'_g for every sample by one baddbmm, then one batched GEMM over the samples (x [G, rows, K])."""
+    idx = torch.tensor(slots, device=W.device)
+    A, B1 = _factors(layer, slots, unit[idx])  # [n·R, K], [N, n·R]
+    n = len(slots)
+    Bg = (B1.view(N, n, -1)[None] * gw[:, idx].to(B1.dtype)[:, None, :, None]).reshape(G, N, -1)
+    Ag, Wg = A.expand(G, *A.shape), W.expand(G, N, K)
+
+    def per_sample(x: torch.Tensor) -> torch.Tensor:
+        Wt = torch.baddbmm(Wg, Bg, Ag).transpose(1, 2)  # [G, K, N]: each sample's W'^T
+        x3 = x.reshape(G, rows, K)
+        y = torch.bmm(x3, Wt) if bias is None else torch.baddbmm(bias, x3, Wt)
+        return y.view(*x.shape[:-1], N)
+
+    return per_sample
+
+
+def _grouped(layer, W, bias, groups, rows: int, M: int, K: int, N: int):
+    """One addmm per distinct blend (W itself for none), then one GEMM per run of samples on its blend (a strided
+    batched one per position of a periodic batch: CFG), as SampleGroups.jobs lays them out."""
+    unit = layer.scale_unit
+    factors = []
+    for blend in groups.blends:
+        slots = [s for s, w in enumerate(blend) if w and layer.bank.used[s]]
+        if not slots:
+            factors.append(None)
+            continue
+        w = torch.tensor([blend[s] for s in slots], device=W.device)
+        factors.append(_factors(layer, slots, unit[slots] * w))
+    jobs = groups.jobs(rows)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        weights = [W if f is None else torch.addmm(W, f[1], f[0]) for f in factors]
+        x2 = x.reshape(M, K)
+        y2 = torch.empty(M, N, dtype=W.dtype, device=W.device)
+        for g, first, n, count, stride in jobs:
+            if count == 1:
+                xs, ys, wt = x2[first:first + n], y2[first:first + n], weights[g].t()
+                if bias is None:
+                    torch.mm(xs, wt, out=ys)
+                else:
+                    torch.addmm(bias, xs, wt, out=ys)
+            else:
+                xs, ys = x2.view(count, stride, K)[:, first:first + n], y2.view(count, stride, N)[:, first:first + n]
+                wt = weights[g].t().expand(count, K, N)
+                if bias is None:
+                    torch.bmm(xs, wt, out=ys)
+                else:
+                    torch.baddbmm(bias, xs, wt, out=ys)
+        return y2.view(*x.shape[:-1], N)
+
+    return run
 
 
 def _rows(layer, W: torch.Tensor, bias: torch.Tensor | None, K: int, N: int):

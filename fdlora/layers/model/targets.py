@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from fdlora.errors import TargetError
+from fdlora.extras import detached_import
 from fdlora.layers.modules.fused import _FusedLora, spec_of
 
 Targets = str | Sequence[str]
@@ -22,6 +23,7 @@ def match_targets(
     """Module paths of `model` that PEFT would target with the same LoraConfig fields (PEFT's own code when it
     is installed; without it, the core install matches suffix lists and full-match regexes the same way)."""
     try:
+        detached_import("peft.tuners.tuners_utils")  # (a first import of peft must not keep this call's frames)
         from peft import LoraConfig
         from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
     except ModuleNotFoundError:

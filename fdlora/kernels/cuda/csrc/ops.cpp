@@ -552,43 +552,6 @@ struct BoundGroups {
   }
 };
 
-// The per-call cuBLAS forms of fdlora/layers/fastpath/percall.py with their operands bound, so that a layer's call is
-// one pybind call issuing ATen ops from C++ (no Python dispatch per op):
-// - BoundScratch: W' = W + Bs A (one addmm into a temporary), then y = x W'^T + bias;
-// - BoundSamples: W'_g = W + Bs_g A_g for each of G samples (one baddbmm), then one batched GEMM over the samples'
-//   rows (x [G, rows, K]).
-struct BoundScratch {
-  at::Tensor W, A, Bs;
-  c10::optional<at::Tensor> bias;
-  BoundScratch(at::Tensor W_, c10::optional<at::Tensor> bias_, at::Tensor A_, at::Tensor Bs_)
-      : W(std::move(W_)), A(std::move(A_)), Bs(std::move(Bs_)), bias(std::move(bias_)) {}
-  at::Tensor operator()(const at::Tensor& x) const {
-    return at::linear(x, at::addmm(W, Bs, A), bias);
-  }
-};
-
-struct BoundSamples {
-  at::Tensor Wg, Ag, Bg;  // [G, N, K] (an expanded W), [G, nR, K], [G, N, nR]
-  c10::optional<at::Tensor> bias;
-  int64_t G, rows;
-  BoundSamples(at::Tensor W, c10::optional<at::Tensor> bias_, at::Tensor Ag_, at::Tensor Bg_, int64_t rows_)
-      : Ag(std::move(Ag_)), Bg(std::move(Bg_)), bias(std::move(bias_)), rows(rows_) {
-    G = Bg.size(0);
-    Wg = W.expand({G, W.size(0), W.size(1)});
-  }
-  at::Tensor operator()(const at::Tensor& x) const {
-    const int64_t N = Wg.size(1), K = Wg.size(2);
-    TORCH_CHECK(x.numel() == G * rows * K, "fdlora_cuda.BoundSamples: x ", x.sizes(), " is not ", G, " x ", rows,
-                " rows of ", K);
-    const at::Tensor Wt = at::baddbmm(Wg, Bg, Ag).transpose(1, 2);
-    const at::Tensor x3 = x.reshape({G, rows, K});
-    at::Tensor y = bias.has_value() ? at::baddbmm(*bias, x3, Wt) : at::bmm(x3, Wt);
-    std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = N;
-    return y.view(sizes);
-  }
-};
-
 }  // namespace
 }  // namespace fdlora_cuda
 
@@ -608,12 +571,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor>())
       .def("__call__", &fdlora_cuda::BoundRows::operator());
-  pybind11::class_<fdlora_cuda::BoundScratch>(m, "BoundScratch")
-      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor>())
-      .def("__call__", &fdlora_cuda::BoundScratch::operator());
-  pybind11::class_<fdlora_cuda::BoundSamples>(m, "BoundSamples")
-      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, int64_t>())
-      .def("__call__", &fdlora_cuda::BoundSamples::operator());
   pybind11::class_<fdlora_cuda::BoundGroups>(m, "BoundGroups")
       .def_readonly("planned", &fdlora_cuda::BoundGroups::all_lt)
       .def(pybind11::init<std::vector<at::Tensor>, c10::optional<at::Tensor>, std::vector<int64_t>, int64_t>())
