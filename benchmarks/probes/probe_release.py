@@ -80,6 +80,12 @@ def main(captured: bool) -> None:
     torch.cuda.empty_cache()
     held = torch.cuda.memory_allocated(dev) - start
     print(f"captured={captured}: held {held / 2**20:.0f} MiB after del")
+    if held > 16 << 20:
+        for o in gc.get_objects():
+            big = isinstance(o, torch.Tensor) and o.is_cuda and o.numel() * o.element_size() >= 32 << 20
+            if big or isinstance(o, torch.cuda.CUDAGraph):
+                print(f"live {type(o).__name__} {tuple(o.shape) if big else ''}; its referrers:")
+                print("\n".join(chain(o, depth=6)))
     if whole() is not None:
         print("the model is alive; its referrers:")
         print("\n".join(chain(whole(), depth=7)))
@@ -90,4 +96,6 @@ def main(captured: bool) -> None:
 
 
 if __name__ == "__main__":
+    if "peft" in sys.argv:  # imported before the model exists, as in a test session
+        import peft  # noqa: F401
     main("captured" in sys.argv)
