@@ -24,8 +24,8 @@ host work (`gpu_bound`: cuBLAS's batched GEMM runs Flux-size products slower tha
 
 Where the CUDA extension is built (the triton+cuda and cuda backends), its C++-bound calls cost less host time than
 these forms and take the layers the host limits: BoundLinear (blend), BoundRows (per-row, and decode steps of
-per-sample batches); these forms keep blend and per-sample layers whose GEMM is GPU-bound, and per-sample layers of
-many rows, which the extension has no bound form for.
+per-sample batches); these forms keep the blend layers of very large weights (`LARGE_WEIGHT`) and per-sample layers of many rows, which
+the extension has no bound form for.
 """
 
 from __future__ import annotations
@@ -67,13 +67,18 @@ def gpu_bound(M: int, K: int, N: int) -> bool:
     return 2 * M * K * N >= GPU_BOUND_FLOPS
 
 
+LARGE_WEIGHT = 1 << 24  # elements: the extension's merge kernel trails cuBLAS's addmm on weights this large (Flux's
+# MLPs: the eager no-cache step 1.15x base through BoundLinear, 1.10x through addmm on an H200); SDXL's largest, 13M,
+# run faster on BoundLinear (1.22-1.25x against 1.29-1.31x with its feed-forward layers on addmm)
+
+
 def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The layer's output by a cuBLAS form, kept as its hot path; None when this call does not take these forms
     (not an eager call on a plain nn.Linear without a LoRA bias in the bank's dtype, not wanted here, or a call the
     CUDA extension's bound forms serve)."""
     st, base, bank = layer.state, layer.base, layer.bank
     W = base._parameters["weight"]
-    if (not wanted(x) or st.static or type(base) is not nn.Linear or not layer._plain
+    if (st.static or torch.compiler.is_compiling() or not wanted(x) or type(base) is not nn.Linear or not layer._plain
             or layer.__dict__.get("offloaded") or bank._buffers["bias"] is not None or x.dtype is not W.dtype
             or (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad))
             or torch.compiler.is_compiling() or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
@@ -82,7 +87,7 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     M = x.numel() // K
     bound = hasattr(layer._ops, "prepare_linear_rows")  # the CUDA extension (see the module docstring)
     if st.mode is Mode.BLEND:
-        if bound and not (scratch_wins(M, K, N, 1) and gpu_bound(M, K, N)):
+        if bound and not (scratch_wins(M, K, N, 1) and N * K >= LARGE_WEIGHT):
             return None  # BoundLinear / BoundRows (fdlora.layers.modules.fused, fdlora.layers.fastpath.decode)
         fn, path = _blend(layer, W, base.bias, M, K, N)
     elif st.mode is Mode.SAMPLES:
