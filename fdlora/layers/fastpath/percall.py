@@ -24,8 +24,8 @@ host work (`gpu_bound`: cuBLAS's batched GEMM runs Flux-size products slower tha
 
 Where the CUDA extension is built (the triton+cuda and cuda backends), its C++-bound calls cost less host time than
 these forms and take the layers the host limits: BoundLinear (blend), BoundRows (per-row, and decode steps of
-per-sample batches); these forms keep the blend layers of very large weights (`LARGE_WEIGHT`) and per-sample layers of many rows, which
-the extension has no bound form for.
+per-sample batches); these forms keep the blend layers of very large weights (`LARGE_WEIGHT`) and per-sample layers
+of many rows, which the extension has no bound form for.
 """
 
 from __future__ import annotations
