@@ -13,6 +13,8 @@ Each chart names its GPU and the file it was read from. Charts (PNG and SVG each
   diffusers' `load_lora_weights` (`load.json`).
 - `train_step`: a training step against PEFT's on the same model, batch and optimizer, per GPU (`train.json`).
 - `memory`: peak GPU memory, training (fd-lora vs PEFT) and inference with the merged-weight cache (`fullsize.json`).
+- `serve_<gpu>`: images/s against offered load and p50/p99 latency, fd-lora serve against a diffusers+PEFT server
+  (`serve.json`, benchmarks/bench_serve.py).
 
 Only matplotlib is needed (`pip install matplotlib`); nothing is measured here.
 """
@@ -329,6 +331,38 @@ def plot_memory(out: Path) -> list[Path]:
     return _save(fig, out, "memory")
 
 
+def plot_serve(gpu: str, out: Path) -> list[Path]:
+    data = _load(gpu, "serve.json")
+    runs = [r for r in (data or {}).get("runs", []) if r.get("served")]
+    if not runs:
+        return []
+    plt = _plt()
+    fig, (ax, lx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for server, colour, label in (("fdlora", FD, "fd-lora serve"), ("diffusers_peft", REF, "diffusers+PEFT")):
+        rows = [r for r in runs if r["server"] == server]
+        offered = [r.get("rate_rps") or r["throughput_ips"] for r in rows]  # closed loop: offered = served
+        order = sorted(range(len(rows)), key=lambda i: offered[i])
+        ax.plot([offered[i] for i in order], [rows[i]["throughput_ips"] for i in order], "o-", color=colour,
+                label=label)
+        lx.plot([offered[i] for i in order], [rows[i]["p50_s"] for i in order], "o-", color=colour,
+                label=f"{label} p50")
+        lx.plot([offered[i] for i in order], [rows[i]["p99_s"] for i in order], "s--", color=colour,
+                label=f"{label} p99")
+    ax.set_xlabel("offered load, requests/s (closed loop: as served)")
+    ax.set_ylabel("images/s served")
+    lx.set_xlabel("offered load, requests/s")
+    lx.set_ylabel("latency, s")
+    ax.legend(fontsize=8, frameon=False)
+    lx.legend(fontsize=8, frameon=False)
+    c = data["config"]
+    fig.suptitle(f"Serving {data['model']} {c['size']}², {c['steps']} steps, CFG: {c['adapters']} r{c['rank']} "
+                 f"adapters over {c['adapters_per_replica']} slots, {GPU_NAMES.get(gpu, gpu)}"
+                 f"{'' if data.get('ray') else ' (in-process engine, no Ray)'}\n"
+                 f"(benchmarks/results/{gpu}/serve.json)", x=0.01, ha="left", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out, f"serve_{gpu}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT})")
@@ -336,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     for gpu in sorted(p.name for p in RESULTS.iterdir() if p.is_dir()):
-        written += plot_fullsize(gpu, args.out) + plot_breadth(gpu, args.out)
+        written += plot_fullsize(gpu, args.out) + plot_breadth(gpu, args.out) + plot_serve(gpu, args.out)
     written += plot_h200_alone(args.out) + plot_load(args.out) + plot_train(args.out) + plot_memory(args.out)
     for path in written:
         print(path)

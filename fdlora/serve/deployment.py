@@ -50,7 +50,10 @@ def _ray():
 
 
 def _dead_replica_errors() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # build_api over an in-process engine (benchmarks/bench_serve.py): no replica to die
+        return ()
 
     return (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -109,15 +112,19 @@ def make_app(cfg, *, num_gpus: float = 0.0):
             if name:
                 await self.adapter(name)
             out = await self.batched(req)
+            if isinstance(out, RequestError):  # failed alone (an adapter that does not load, out of memory)
+                return {"error": (out.status, str(out))}
             return {"output_ids" if self.text else "png": out, "replica": self.replica}
 
         @serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=wait)
         async def batched(self, reqs: list) -> list:
-            return await asyncio.get_running_loop().run_in_executor(None, self.engine.run, reqs)
+            return await asyncio.get_running_loop().run_in_executor(None, self.engine.run_each, reqs)
 
         def stats(self) -> dict[str, Any]:
             return {"replica": self.replica, "known": self.engine.known(), "calls": self.engine.calls,
-                    "mixed_calls": self.engine.mixed, "loads": self.engine.loads, "pid": os.getpid()}
+                    "mixed_calls": self.engine.mixed, "loads": self.engine.loads, "pid": os.getpid(),
+                    "oom_retries": self.engine.oom_retries, "failed_loads": self.engine.failed_loads,
+                    **process_memory()}
 
     @serve.deployment(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=1000)
@@ -184,6 +191,18 @@ def build_api(images, cfg):
         return listing
 
     return api
+
+
+def process_memory() -> dict[str, Any]:
+    """This process's CUDA memory allocated by torch (None without CUDA) and resident set size, in bytes."""
+    import resource
+
+    import torch
+
+    cuda = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    with open("/proc/self/statm") as f:  # current RSS (ru_maxrss is the peak)
+        rss = int(f.read().split()[1]) * resource.getpagesize()
+    return {"cuda_allocated": cuda, "rss": rss}
 
 
 class _Resident:

@@ -15,12 +15,17 @@ Each request keeps its own seed (one torch.Generator per prompt), so a request's
 the batch it lands in, up to float rounding of batched matmuls (CPU: ~2e-6, at most 1/255 after the PNG
 conversion). Nor on the slots its adapters landed in: before each call, the call's adapters are put in slots in
 name order (`_arrange`), so sums over slots meet them in one order whatever the replica's load history.
+
+A failure stays with the requests that cause it (`run_each`): an adapter that fails to load (its file corrupt
+or gone) fails only the requests that name it, with a one-line 500; a call that runs out of device memory is run
+again one request at a time, and only a request that still does not fit fails, with a 507 naming the limit.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,6 +33,8 @@ from typing import Any
 
 from ..errors import FdLoraError
 from .schema import ImageRequest, Limits, RequestError
+
+log = logging.getLogger(__name__)
 
 
 def make_engine(cfg):
@@ -51,6 +58,8 @@ class Engine:
         self.calls = 0  # pipeline calls (a batch of several shapes makes several)
         self.loads = 0
         self.mixed = 0  # calls whose requests named different adapter sets: one per-prompt batch for all
+        self.oom_retries = 0  # calls that ran out of device memory and were run again one request at a time
+        self.failed_loads = 0
         self.held: set[str] = set()  # adapters Ray's multiplexed LRU holds (hold / release)
         self.partners: dict[str, None] = {}  # other adapters of recent calls, least recently used first
 
@@ -115,12 +124,55 @@ class Engine:
     # --- requests --------------------------------------------------------------------------------
     def run(self, requests: Sequence[ImageRequest]) -> list[bytes]:
         """PNG bytes per request; one pipeline call per group of requests sharing steps and size (split further
-        only when a group names more distinct adapters than the pool has slots)."""
-        out: dict[int, bytes] = {}
+        only when a group names more distinct adapters than the pool has slots). Raises the first request's error."""
+        out = self.run_each(requests)
+        for o in out:
+            if isinstance(o, RequestError):
+                raise o
+        return out
+
+    def run_each(self, requests: Sequence[ImageRequest]) -> list:
+        """`run`, with each request's own outcome: its output, or the RequestError that failed it alone."""
+        out: dict[int, Any] = {}
         for group in self.plan(requests):
-            images = self._call([requests[i] for i in group])
-            out.update(zip(group, images))
+            out.update(zip(group, self._outcomes([requests[i] for i in group])))
         return [out[i] for i in range(len(requests))]
+
+    def _outcomes(self, reqs: list) -> list:
+        with self._lock:
+            broken = {}
+            for name in sorted({n for r in reqs for n in r.adapters}):
+                try:
+                    self.ensure([name])
+                except RequestError as e:
+                    broken[name] = e
+                except Exception as e:  # a file corrupted or removed since start-up: its requests fail, not the rest
+                    log.warning("adapter %r failed to load: %s", name, e)
+                    self.failed_loads += 1
+                    broken[name] = RequestError(500, f"adapter {name!r} failed to load on this server (its file is "
+                                                     "unreadable); requests without it are served")
+            out: list[Any] = [next((broken[n] for n in sorted(r.adapters) if n in broken), None) for r in reqs]
+            ok = [i for i, o in enumerate(out) if o is None]
+            for i, o in zip(ok, self._fitting([reqs[i] for i in ok]) if ok else []):
+                out[i] = o
+        return out
+
+    def _fitting(self, reqs: list) -> list:
+        """The call's outputs; out of device memory, each request again alone, and a 507 for one that still fails."""
+        import torch
+
+        try:
+            return self._call(reqs)
+        except RequestError as e:
+            return [e] * len(reqs)
+        except torch.OutOfMemoryError:
+            _free_device_cache()
+            if len(reqs) == 1:
+                return [RequestError(507, f"out of device memory: this request alone needs more than the "
+                                          f"{_memory_limit(self.pipe)} this server may use; ask for a smaller "
+                                          "height and width")]
+            self.oom_retries += 1
+            return [o for r in reqs for o in self._fitting([r])]
 
     def plan(self, requests: Sequence[ImageRequest]) -> list[list[int]]:
         groups: dict[tuple, list[list[int]]] = {}
@@ -155,6 +207,24 @@ class Engine:
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [png(im) for im in images]
+
+
+def _free_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _memory_limit(pipe) -> str:
+    """What an out-of-memory request exceeded: the CUDA device's memory times the process's allowed fraction."""
+    import torch
+
+    dev = getattr(pipe, "device", None)
+    if dev is None or getattr(dev, "type", None) != "cuda":
+        return "device memory"
+    total = torch.cuda.get_device_properties(dev).total_memory * torch.cuda.get_per_process_memory_fraction(dev)
+    return f"{total / 2**30:.1f} GiB of {torch.cuda.get_device_name(dev)}"
 
 
 def png(image) -> bytes:

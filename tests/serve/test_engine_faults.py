@@ -1,0 +1,74 @@
+"""A failure stays with the requests that cause it (fdlora.serve.engine.Engine.run_each): an adapter file corrupted
+after start-up fails only the requests naming it; a batch out of device memory is run again one request at a time
+and only a request that does not fit alone fails, with a 507 naming the limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import serving
+
+from fdlora.config import validate
+from fdlora.fixtures import tiny_pipeline as tiny
+from fdlora.serve import ImageRequest, RequestError
+from fdlora.serve.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    pipe, root = tiny.sd15(), tmp_path_factory.mktemp("adapters")
+    for i in range(3):
+        (f,) = tiny.random_lora_files(pipe, seed=70 + i).values()
+        (root / f"f{i}.safetensors").write_bytes(f)
+    cfg = validate({"pipeline": "tiny-sd15", "device": "cpu", "steps": 2, "size": 64,
+                    "adapters": [{"name": f"f{i}", "source": str(root / f"f{i}.safetensors")} for i in range(3)],
+                    "serve": {"adapters_per_replica": 3, "max_steps": 4, "max_size": 128}})
+    eng = Engine(cfg, pipe)
+    eng.root = root
+    return eng
+
+
+def R(adapters, seed=0, size=64):
+    return ImageRequest("a cat", adapters, None, seed, 2, size, size)
+
+
+def test_a_corrupt_adapter_fails_only_its_requests(engine):
+    alone = [engine.run([r])[0] for r in (R({"f0": 1.0}, 1), R({}, 2))]
+    (engine.root / "f2.safetensors").write_bytes(b"\0" * 64)  # never loaded yet: the server meets it on use
+    failed = engine.failed_loads
+    out = engine.run_each([R({"f0": 1.0}, 1), R({"f2": 1.0}, 3), R({}, 2), R({"f0": 0.5, "f2": 0.5}, 4)])
+    assert [type(o).__name__ for o in out] == ["bytes", "RequestError", "bytes", "RequestError"]
+    assert out[1].status == 500 and "'f2' failed to load" in str(out[1]) and "\n" not in str(out[1])
+    assert str(engine.root) not in str(out[1])  # nothing about the server's files
+    assert engine.failed_loads == failed + 1
+    for got, ref in zip((out[0], out[2]), alone):
+        assert abs(serving.decode_png(got) - serving.decode_png(ref)).max() <= 1
+    with pytest.raises(RequestError):
+        engine.run([R({"f2": 1.0})])
+
+
+@pytest.fixture
+def memory_limit(engine):
+    """The UNet refuses inputs past one 64x64 prompt with CFG, as a device would past its memory."""
+    side = 64 // engine.pipe.vae_scale_factor
+
+    def hook(module, args, kwargs):
+        x = args[0] if args else kwargs["sample"]
+        if x.shape[0] * x.shape[2] * x.shape[3] > 2 * side * side:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = engine.pipe.unet.register_forward_pre_hook(hook, with_kwargs=True)
+    yield
+    handle.remove()
+
+
+def test_out_of_memory_reruns_the_batch_one_by_one(engine, memory_limit):
+    reqs = [R({"f0": 1.0}, 1), R({"f1": 0.7}, 5), R({"f0": 0.4, "f1": 0.6}, 6), R({"f1": 1.0}, 7, size=96)]
+    retries = engine.oom_retries
+    out = engine.run_each(reqs)
+    assert engine.oom_retries == retries + 1  # the three 64x64 ones together; the 96x96 one is its own call
+    assert all(isinstance(o, bytes) for o in out[:3])
+    assert isinstance(out[3], RequestError) and out[3].status == 507
+    assert "out of device memory" in str(out[3]) and "device memory this server may use" in str(out[3])
+    for got, r in zip(out[:3], reqs):
+        assert abs(serving.decode_png(got) - serving.decode_png(engine.run([r])[0])).max() <= 1
