@@ -34,8 +34,8 @@ import os
 import signal
 import statistics
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -323,7 +323,8 @@ def denoiser(r: Run) -> None:
         model.set_adapters(NAMES, BLEND)
         r.reference("peft_cache_blend4", functools.partial(model, **x), functools.partial(base, **x))
 
-    fd = r.converted = fdlora.from_peft(model)  # in place: PEFT's layers out, fused layers over the same nn.Linear objects in
+    # in place: PEFT's layers out, fused layers over the same nn.Linear objects in
+    fd = r.converted = fdlora.from_peft(model)
     r.layers = len(fdlora.handle(fd).layers)
     print(f"  {r.layers} fused LoRA layers", flush=True)
 
@@ -630,11 +631,12 @@ def llm(r: Run) -> None:
                    "set_merge_cache(0)")
             d = Decoder(fd, B, ctx, room, mixed)
             r.case("decode32_mixed4_nocopy", d.step, db.step,
-                   lambda: (d.step(), ref["mixed"], effect(ref["mixed"], yb["dec"])), "decode32_mixed4, set_merge_cache(0)")
-            r.case("generate16_mixed4_nocopy", lambda: generate(fd, gmixed), lambda: generate(base), check_generate,
-                   "generate16_mixed4, set_merge_cache(0)")
-            r.case("prefill2048_nocopy", run, prefill_of(base), lambda: (run(), ref["pre"], effect(ref["pre"], yb["pre"])),
-                   "prefill2048_1, set_merge_cache(0)")
+                   lambda: (d.step(), ref["mixed"], effect(ref["mixed"], yb["dec"])),
+                   "decode32_mixed4, set_merge_cache(0)")
+            r.case("generate16_mixed4_nocopy", lambda: generate(fd, gmixed), lambda: generate(base),
+                   check_generate, "generate16_mixed4, set_merge_cache(0)")
+            r.case("prefill2048_nocopy", run, prefill_of(base),
+                   lambda: (run(), ref["pre"], effect(ref["pre"], yb["pre"])), "prefill2048_1, set_merge_cache(0)")
         finally:
             fdlora.set_merge_cache("auto")
 
@@ -688,6 +690,33 @@ def table(rows: list[dict]) -> None:
               f"{f(c['peak_gib'], '8.1f')} {f(c['cache_gib'], '9.2f')}{'  over target' if over else ''}")
 
 
+def median_row(runs: list[dict]) -> dict:
+    """One case's row from its fresh-process runs: the median run's, with every run's x_base, their min and max."""
+    xs = sorted(c["x_base"] for c in runs if c["x_base"] is not None)
+    row = dict(sorted(runs, key=lambda c: (c["x_base"] is None, c["x_base"] or 0))[len(runs) // 2] if xs else runs[0])
+    row.update(runs_x_base=[c["x_base"] for c in runs], x_base_min=xs[0] if xs else None,
+               x_base_max=xs[-1] if xs else None, fresh_runs=len(runs))
+    return row
+
+
+def combine(files: list[Path], out: Path, note: str | None, sha: str | None) -> int:
+    """Rows from per-run JSON files (`--one-process --cases CASE --out FILE`, one fresh process each, as a device
+    call that runs cases on several GPUs at once writes them), each case's median run, merged into `out`; `sha`: the
+    code the runs measured, on each row (a device's copy of the tree may report another commit)."""
+    by_case: dict[tuple[str, str], list[dict]] = {}
+    env: dict = {}
+    for f in files:
+        data = json.loads(f.read_text())
+        env = {k: v for k, v in data.items() if k != "cases"}
+        for c in data["cases"]:
+            by_case.setdefault((c["model"], c["case"]), []).append(c)
+    rows = [median_row(runs) | ({"git_sha": sha} if sha else {}) for runs in by_case.values()]
+    method = "each case alone in a fresh process, the median run's row"
+    write(out, {**env, "method": method, **({"note": note} if note else {})}, rows)
+    table(rows)
+    return 0
+
+
 def fresh(args: argparse.Namespace) -> int:
     """Each case alone in a fresh process, `args.runs` times: state an earlier case leaves (caches, autotuning,
     dispatch decisions, allocator pools) cannot decide a number. A case's row is its median run's, with every run's
@@ -707,16 +736,11 @@ def fresh(args: argparse.Namespace) -> int:
                     data = json.loads(out.read_text())
                     env = {k: v for k, v in data.items() if k != "cases"}
                     runs += [c for c in data["cases"] if c["case"] == case]
-        xs = sorted(c["x_base"] for c in runs if c["x_base"] is not None)
-        if not runs:
-            continue
-        row = sorted(runs, key=lambda c: (c["x_base"] is None, c["x_base"] or 0))[len(runs) // 2] if xs else runs[0]
-        row.update(runs_x_base=[c["x_base"] for c in runs], x_base_min=xs[0] if xs else None,
-                   x_base_max=xs[-1] if xs else None, fresh_runs=len(runs))
-        rows.append(row)
+        if runs:
+            rows.append(median_row(runs))
     if args.out:
-        write(args.out, {**env, "method": f"each case alone in a fresh process, {args.runs} runs, the median run's row"},
-              rows)
+        method = f"each case alone in a fresh process, {args.runs} runs, the median run's row"
+        write(args.out, {**env, "method": method}, rows)
     table(rows)
     return 1 if failed else 0
 
@@ -736,7 +760,18 @@ def main() -> int:
     ap.add_argument("--swap-check", action="store_true",
                     help="llama: run only generate16_mixed4's check, on a generation with each row's adapter moved to "
                          "the next row; exit 0 when the check fails as it must, 1 when it passes")
+    ap.add_argument("--combine", nargs="+", type=Path, metavar="RUN_JSON",
+                    help="write --out from per-run JSON files (each case's median run) and exit; with --note")
+    ap.add_argument("--note", help="with --combine: the file's note (code, backend, how the runs were made)")
+    ap.add_argument("--sha", help="with --combine: the commit the runs measured, stamped on each row")
+    if "--combine" in sys.argv:  # (no --model needed)
+        for a in ap._actions:
+            a.required = False
     args = ap.parse_args()
+    if args.combine:
+        if not args.out:
+            ap.error("--combine needs --out")
+        return combine(args.combine, args.out, args.note, args.sha)
     if not (args.one_process or args.smoke or args.profile or args.swap_check):
         return fresh(args)
     r = Run(args)
