@@ -74,6 +74,12 @@ H200_ALONE = {"commit": "997cd6a", "rows": [
     ("llama", "prefill2048_1", "prefill 2048, 1 adapter", 1.00, None),
     ("llama", "prefill2048_nocache_1", "prefill 2048, no merged cache", 1.21, None),
     ("llama", "decode32_nocache_1", "decode 32x1, no merged cache", 1.60, None),
+    ("sdxl", "per_prompt_2_nocopy", "per-prompt, 2 prompts, no copy", 1.53, None),
+    ("sdxl", "per_prompt_cfg_nocopy", "per-prompt, 2 prompts x CFG, no copy", 1.49, None),
+    ("flux", "per_prompt_2_nocopy", "per-prompt, 2 prompts, no copy", 1.085, None),
+    ("llama", "decode32_mixed4_nocopy", "decode 32x1, 4 adapters by row, no copy", 1.11, None),
+    ("llama", "generate16_mixed4_nocopy", "generate, 4 adapters by row, no copy", 1.15, None),
+    ("llama", "prefill2048_nocopy", "prefill 2048, no copy", 1.16, None),
 ]}
 MIN_TABLE_CASES = 4  # a fullsize.json with fewer fd-lora cases is drawn through H200_ALONE-style overrides only
 
@@ -177,8 +183,8 @@ def plot_h200_alone(out: Path) -> list[Path]:
         ax.set_xticks([1, 1.5, 2, 4, 8], ["1", "1.5", "2", "4", "8"])
         ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.suptitle(f"Full-size step time, H200: x the base step, lower is better\n(each case alone in a fresh "
-                 f"process, at {H200_ALONE['commit']} unless a row says; the slowest of three runs; per-prompt, "
-                 f"no-cache and mixed decode rows are slower than in the H100 table)", fontsize=9, x=0.02, ha="left")
+                 f"process, at {H200_ALONE['commit']} unless a row says; the slowest of three runs; rows at a later "
+                 f"commit ran with the CUDA extension built)", fontsize=9, x=0.02, ha="left")
     fig.tight_layout()
     return _save(fig, out, "x_base_h200_alone")
 

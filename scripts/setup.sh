@@ -23,3 +23,9 @@ if { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; } && [ "$(id 
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
         || echo "[setup] chromium install failed; the browser tests will skip"
 fi
+# On a CUDA machine with nvcc: the CUDA C++ extension, whose bound calls are the fast per-call LoRA paths (the
+# registry's `auto` takes it once built; without it the Triton and cuBLAS paths run).
+if command -v nvcc >/dev/null 2>&1 && "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "[setup] building fd-lora's CUDA extension (about a minute, once)"
+    "$PY" -m fdlora env --build-cuda >/dev/null || echo "[setup] the CUDA extension did not build; Triton paths run"
+fi
