@@ -77,8 +77,11 @@ class Engine:
                 spec = self.specs.get(name)
                 if spec is None:
                     raise RequestError(422, "adapters: not an adapter this server offers")
-                self.pipe.load_fd_lora(spec.source, adapter_name=name, max_slots=self.slots, **spec.hub)
+                self._load(name, spec)
                 self.loads += 1
+
+    def _load(self, name: str, spec) -> None:
+        self.pipe.load_fd_lora(spec.source, adapter_name=name, max_slots=self.slots, **spec.hub)
 
     def hold(self, name: str) -> None:
         """Load an adapter Ray's multiplexed LRU now holds (its requests route here); kept until `release`."""
@@ -261,18 +264,10 @@ class TextEngine(Engine):
         h = registry_of_models.get(self.pipe)
         return list(h.list_adapters()) if h is not None else []
 
-    def ensure(self, names: Sequence[str]) -> None:
+    def _load(self, name: str, spec) -> None:
         from fdlora.integrations.transformers import load_fd_lora
 
-        with self._lock:
-            for name in names:
-                if name in self.known():
-                    continue
-                spec = self.specs.get(name)
-                if spec is None:
-                    raise RequestError(422, "adapters: not an adapter this server offers")
-                load_fd_lora(self.pipe, spec.source, adapter_name=name, activate=False, **spec.hub)
-                self.loads += 1
+        load_fd_lora(self.pipe, spec.source, adapter_name=name, activate=False, **spec.hub)
 
     def _delete(self, name: str) -> None:
         from .. import api

@@ -110,7 +110,8 @@ class _FusedLora(nn.Module):
         self.base = base
         self.bank = AdapterBank(state.slots.capacity, rank, out_features, a_shape, dtype or bdtype, device)
         # plain attributes straight into the instance dict: nn.Module.__setattr__'s checks cost ~0.3 s of a first
-        # SDXL-size load (722 layers); `state` is shared and `merged` derived (fdlora.layers.fastpath.merged), neither a child
+        # SDXL-size load (722 layers); `state` is shared and `merged` derived (fdlora.layers.fastpath.merged),
+        # neither a child
         self.__dict__.update(path=path, index=index, out_features=out_features, state=state, merged=MergedWeight(),
                              selection=None, _plain=False, _whole=False)  # the backend and _plain/_whole: set by
         # select_backend below
@@ -248,11 +249,19 @@ class _FusedLora(nn.Module):
         return prepare(*remerge.entry(self, out, W, self.scale_blend[:self.bank.slots]), stamp, self.bank.dversion)
 
     # --- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        fn = None if args or kwargs else hot.get(self, x)  # a repeat of the last call: fdlora.layers.fastpath.hot
+        if fn is not None:
+            return fn(x)
+        y = self._common_forward(x, args, kwargs)
+        return y if y is not None else self._kind_forward(x, args, kwargs)
+
     def _common_forward(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
         """The start every layer kind's forward shares: follow offload hooks and weight changes, then the autograd
         (reference), DoRA and merged-weight-cache paths; None when the kind's own paths decide."""
-        if not torch.compiler.is_compiling() and offload.stale(self, x):  # an offload hook moved or replaced
-            offload.follow(self, x.device)  # tensors (fdlora.layers.storage.offload); traced graphs must not guard on it
+        # an offload hook moved or replaced tensors (fdlora.layers.storage.offload); traced graphs must not guard on it
+        if not torch.compiler.is_compiling() and offload.stale(self, x):
+            offload.follow(self, x.device)
         self.plain_now()  # a weight quantized / recast under the layer (fdlora.layers.quant.quantized)
         if self._needs_autograd(x):
             self._took("reference (autograd)", x)
@@ -425,9 +434,9 @@ class FusedLoraLinear(_FusedLora):
 
     def _grouped_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Per-sample adapters at merged speed: the batch's distinct blends each get a merged-weight copy
-        (fdlora.layers.fastpath.remerge.refresh_groups), and each group of samples runs one GEMM on its copy (an all-zero
-        blend on W itself). None when this call does not take this path: not eager, autograd, few rows per sample
-        (decode: the per-row kernel is cheaper than a copy per adapter), more blends than copies, no room.
+        (fdlora.layers.fastpath.remerge.refresh_groups), and each group of samples runs one GEMM on its copy (an
+        all-zero blend on W itself). None when this call does not take this path: not eager, autograd, few rows per
+        sample (decode: the per-row kernel is cheaper than a copy per adapter), more blends than copies, no room.
         The copies a layer found are kept with the batch's grouping, its key and the budget's generation (a release
         bumps it), so a repeated batch costs a key compare before its GEMMs."""
         st = self.state
@@ -491,13 +500,7 @@ class FusedLoraLinear(_FusedLora):
             return functools.partial(F.linear, weight=w, bias=bias)
         return functools.partial(self._with_weight, w=w, bias=bias)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        fn = None if args or kwargs else hot.get(self, x)
-        if fn is not None:
-            return fn(x)
-        y = self._common_forward(x, args, kwargs)
-        if y is not None:
-            return y
+    def _kind_forward(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         mode, skip = self.state.mode, self._skip()
         if mode is Mode.SAMPLES and not skip and not (args or kwargs):
             y = self._grouped_forward(x)
@@ -548,7 +551,8 @@ class FusedLoraLinear(_FusedLora):
             self._took("base only", x)
             return y
         y = y.contiguous()
-        group = self.__dict__.get("shrink_group")  # layers reading one x share its shrink (fdlora.layers.modules.shared_shrink)
+        # layers reading one x share its shrink (fdlora.layers.modules.shared_shrink)
+        group = self.__dict__.get("shrink_group")
         if group is not None and group.delta(self, x, y.view(-1, self.out_features)):
             self._took("base + shared-shrink delta", x)
             return y
@@ -596,13 +600,7 @@ class FusedLoraConv2d(_FusedLora):
     def _weight_fn(self, w: torch.Tensor, bias: torch.Tensor | None):
         return functools.partial(self.base._conv_forward, weight=w, bias=bias)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        fn = None if args or kwargs else hot.get(self, x)
-        if fn is not None:
-            return fn(x)
-        y = self._common_forward(x, args, kwargs)
-        if y is not None:
-            return y
+    def _kind_forward(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         y = self.base(x, *args, **kwargs)
         if self._skip():
             self._took("base only", x)
