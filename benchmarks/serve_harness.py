@@ -182,12 +182,17 @@ class PeftEngine:
     per request, one request at a time under a lock."""
 
     def __init__(self, pipe, files: dict) -> None:
-        import transformers
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-        transformers.utils.logging.disable_progress_bar()
         self.pipe, self.lock = pipe, threading.Lock()
-        for name, path in files.items():
-            pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+        was = are_progress_bars_disabled()
+        disable_progress_bars()  # (process-wide: put back after the loads)
+        try:
+            for name, path in files.items():
+                pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+        finally:
+            if not was:
+                enable_progress_bars()
         self.oom_retries = 0
 
     def run_each(self, reqs: list[ImageRequest]) -> list:

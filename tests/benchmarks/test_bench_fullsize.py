@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_fullsize.py"
 CASES = {
     "sdxl": ["peft_cache_1", "peft_cache_blend4", "cache_1", "cache_blend4", "per_prompt_2", "per_prompt_cfg",
-             "slider_every_step", "nocache_1"],
+             "slider_every_step", "nocache_1", "per_prompt_2_nocopy", "per_prompt_cfg_nocopy"],
     "flux": ["peft_cache_1", "peft_cache_blend4", "cache_1", "cache_blend4", "per_prompt_2", "per_prompt_2_cache50",
-             "slider_every_step", "nocache_1", "compiled_regional_1", "compile_time_x"],
-    "llama": ["peft_decode32_mixed4", "decode32_mixed4", "generate16_mixed4", "prefill2048_1", "decode32_nocache_1"],
+             "slider_every_step", "nocache_1", "per_prompt_2_nocopy", "compiled_regional_1", "compile_time_x"],
+    "llama": ["peft_decode32_mixed4", "decode32_mixed4", "generate16_mixed4", "prefill2048_1", "decode32_nocache_1",
+              "decode32_mixed4_nocopy", "generate16_mixed4_nocopy", "prefill2048_nocopy"],
 }
 ENV = ["device", "backend", "torch", "triton", "diffusers", "peft", "transformers", "git_sha"]
 ROW = ["model", "case", "ms", "base_ms", "x_base", "target", "peak_gib", "cache_gib", "checked", "notes", "backend",

@@ -77,11 +77,12 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     (not an eager call on a plain nn.Linear without a LoRA bias in the bank's dtype, not wanted here, or a call the
     CUDA extension's bound forms serve)."""
     st, base, bank = layer.state, layer.base, layer.bank
+    if st.static or torch.compiler.is_compiling() or type(base) is not nn.Linear or not layer._plain or not wanted(x):
+        return None
     W = base._parameters["weight"]
-    if (st.static or torch.compiler.is_compiling() or not wanted(x) or type(base) is not nn.Linear or not layer._plain
-            or layer.__dict__.get("offloaded") or bank._buffers["bias"] is not None or x.dtype is not W.dtype
+    if (layer.__dict__.get("offloaded") or bank._buffers["bias"] is not None or x.dtype is not W.dtype
             or (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad))
-            or torch.compiler.is_compiling() or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
+            or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())):
         return None
     K, N = layer.in_features, layer.out_features
     M = x.numel() // K
