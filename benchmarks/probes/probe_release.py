@@ -11,6 +11,7 @@ import weakref
 import torch
 
 import fdlora
+from fdlora.fixtures.release import merged_steps_model
 
 
 def chain(obj, depth: int = 8, seen=None) -> list[str]:
@@ -56,26 +57,10 @@ def main(captured: bool) -> None:
     gc.collect()
     gc.disable()
     start = torch.cuda.memory_allocated(dev)
-    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)]).to(dev)
-    paths = [str(i) for i in range(4)]
-    h = fdlora.inject(model, paths, max_slots=2, max_rank=16)
-    g = torch.Generator().manual_seed(0)
-    for name in ("a", "b"):
-        h.add_adapter(fdlora.LoraAdapter({p: fdlora.ModuleLora(torch.randn(8, 4096, generator=g) / 64,
-                                                               torch.randn(4096, 8, generator=g) / 64)
-                                          for p in paths}), name)
-    h.set_adapters(["a", "b"], [0.6, 0.4])
-    del h
-    if captured:
-        fdlora.capture_steps(model)
-    x = torch.randn(8, 4096, device=dev)
-    with torch.inference_mode():
-        for _ in range(4):
-            model(x)
-    torch.cuda.synchronize()
+    model = merged_steps_model(dev, captured)
     print("paths:", fdlora.dispatch_counts(model))
     layer0, whole = weakref.ref(model[0]), weakref.ref(model)
-    del model, x
+    del model
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     held = torch.cuda.memory_allocated(dev) - start

@@ -18,6 +18,7 @@ import torch
 from support.tiny_sequential import PATHS, lora, net
 
 import fdlora
+from fdlora.fixtures.release import merged_steps_model
 
 
 @pytest.fixture
@@ -193,25 +194,9 @@ def test_cuda_memory_comes_back_on_del_without_a_collection(captured):
         start = _allocated(dev)
         fdlora.set_merge_cache("auto")
         before = fdlora.merge_cache_bytes(dev)
-        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)]).to(dev)
-        paths = [str(i) for i in range(4)]
-        h = fdlora.inject(model, paths, max_slots=2, max_rank=16)
-        g = torch.Generator().manual_seed(0)
-        for name in ("a", "b"):
-            h.add_adapter(fdlora.LoraAdapter({p: fdlora.ModuleLora(torch.randn(8, 4096, generator=g) / 64,
-                                                                   torch.randn(4096, 8, generator=g) / 64)
-                                              for p in paths}), name)
-        h.set_adapters(["a", "b"], [0.6, 0.4])
-        del h
-        if captured:
-            fdlora.capture_steps(model)
-        x = torch.randn(8, 4096, device=dev)
-        with torch.inference_mode():
-            for _ in range(4):
-                model(x)
-        torch.cuda.synchronize()
+        model = merged_steps_model(dev, captured)
         assert fdlora.merge_cache_bytes(dev) - before >= 4 * (64 << 20)  # a merged copy per layer
-        del model, x
+        del model
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         held = _allocated(dev) - start
