@@ -54,7 +54,7 @@ TARGETS = {  # x_base targets; *_nocopy: the same step under set_merge_cache(0) 
              "slider_every_step": 1.10, "nocache_1": 1.35, "per_prompt_2_nocopy": 1.20, "per_prompt_cfg_nocopy": 1.20},
     "flux": {"cache_1": 1.01, "cache_blend4": 1.02, "per_prompt_2": 1.05, "per_prompt_2_cache50": None,
              "slider_every_step": 1.08, "nocache_1": 1.20, "per_prompt_2_nocopy": 1.08, "compiled_regional_1": 1.05,
-             "compile_time_x": 1.5},
+             "compiled_regional_slider": 1.10, "compile_time_x": 1.5},
     "llama": {"decode32_mixed4": 1.15, "generate16_mixed4": 1.30, "prefill2048_1": 1.03, "decode32_nocache_1": 1.25,
               "decode32_mixed4_nocopy": 1.15, "generate16_mixed4_nocopy": 1.20, "prefill2048_nocopy": 1.05},
 }
@@ -373,8 +373,8 @@ def denoiser(r: Run) -> None:
         finally:
             fdlora.set_merge_cache("auto")
         captured(r, fd, base, x, ref, effect(ref["one"], y_base[xb]))
-        if not sdxl and (r.wants("compiled_regional_1") or r.wants("compile_time_x")):
-            compiled(r, fd, base, x, ref["one"], effect(ref["one"], y_base[xb]))
+        if not sdxl and any(r.wants(c) for c in COMPILED):
+            compiled(r, fd, base, x, ref, effect(ref["one"], y_base[xb]))
 
 
 def slider(fd, x):
@@ -426,16 +426,21 @@ def captured(r: Run, fd, base, x, ref, eff) -> None:
         fdlora.release_steps(base)
 
 
-def compiled(r: Run, fd, base, x, ref, eff) -> None:
+COMPILED = ("compile_time_x", "compiled_regional_1", "compiled_regional_slider")
+
+
+def compiled(r: Run, fd, base, x, refs, eff) -> None:
     """Regional compilation (diffusers' compile_repeated_blocks, fullgraph) of the base and the frozen fd-lora trees:
-    first-call wall times, steady-state steps, and whether adapter switches and slider moves recompile."""
+    first-call wall times, steady-state steps (one adapter; the slider moved before every step), and whether adapter
+    switches and slider moves recompile."""
     from torch._dynamo.utils import counters, guard_failures
 
     def graphs() -> tuple[int, int]:
         return counters["stats"]["unique_graphs"], sum(len(v) for v in guard_failures.values())
 
     backend = "eager" if r.smoke else "inductor"  # the smoke run checks the Dynamo path, not Inductor
-    cases = [c for c in ("compile_time_x", "compiled_regional_1") if r.wants(c)]
+    cases = [c for c in COMPILED if r.wants(c)]
+    ref = refs["one"]
     try:
         fdlora.set_adapters(fd, ["a0"])
         fdlora.handle(fd).freeze()
@@ -469,6 +474,15 @@ def compiled(r: Run, fd, base, x, ref, eff) -> None:
             r.rows[-1]["notes"] += (f"; recompiles in warm-up+timing: {g1 - g0} graphs, {f1 - f0} guard failures; "
                                     f"after 5 switches/slider moves: {g2 - g1} graphs, {f2 - f1} guard failures "
                                     f"(rel err after them {rel:.3g})")
+        if r.wants("compiled_regional_slider"):
+            slide, slide_then_final = slider(fd, x)
+            g3, f3 = graphs()
+            r.case("compiled_regional_slider", slide, functools.partial(base, **x),
+                   lambda: (slide_then_final(), refs["slider"], eff),
+                   f"compile_repeated_blocks(fullgraph=True), backend {backend}; set_adapters(['a0'], [w]) before "
+                   "every step, w cycling 0.1..1.0")
+            g4, f4 = graphs()
+            r.rows[-1]["notes"] += f"; recompiles: {g4 - g3} graphs, {f4 - f3} guard failures"
     except Exception as e:  # recorded: the lead makes compilation work; the eager numbers stand
         msg = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
         print(f"  compile failed: {msg}", flush=True)

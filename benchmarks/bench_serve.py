@@ -299,6 +299,7 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
                        mismatches=0, throughput_ips=None, p50_s=None, p99_s=None)
         runs.append({"server": name, **row})
         print(f"  {name}: {row}", flush=True)
+        a.checkpoint()
 
 
 def burst(url: str, reqs: list[dict], timeout_s: float) -> list[tuple[int | None, bytes | None]]:
@@ -426,6 +427,7 @@ def run(a) -> dict:
                       "batch_wait_s": a.batch_wait_s, "pool": a.pool, "budget_s": a.budget_s, "seed": a.seed}}
     runs: list[dict] = []
     out["runs"] = runs
+    a.checkpoint = lambda: a.out and write(a.out, {**out, "partial": True})  # what a run cut short still leaves
     if use_ray:
         if a.model != "tiny":
             pipe.save_pretrained(tmp / "pipeline")  # the replica builds its own from this folder
@@ -449,6 +451,7 @@ def run(a) -> dict:
                          "corrupt_adapter": fault_corrupt(server, pool, refs, late, paths[late], t_img)}
         for k, v in out["faults"].items():
             print(f"  fault {k}: {v}", flush=True)
+        a.checkpoint()
         out["memory"] = memory_report(mem0, mem1, server.memory())
         out["server"] = server.stats()
     finally:
@@ -514,13 +517,16 @@ def summary(out: dict) -> dict:
             "server_restarts": out.get("server", {}).get("restarts")}
 
 
+def write(path: Path, res: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+
+
 def main(argv=None) -> int:
     a = args(argv)
     res = run(a)
-    text = json.dumps(res, indent=1)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
+        write(a.out, res)
         print(f"wrote {a.out}")
     print(json.dumps(res["summary"], indent=1))
     s = res["summary"]

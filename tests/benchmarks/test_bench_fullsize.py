@@ -20,7 +20,8 @@ CASES = {
     "sdxl": ["peft_cache_1", "peft_cache_blend4", "cache_1", "cache_blend4", "per_prompt_2", "per_prompt_cfg",
              "slider_every_step", "nocache_1", "per_prompt_2_nocopy", "per_prompt_cfg_nocopy"],
     "flux": ["peft_cache_1", "peft_cache_blend4", "cache_1", "cache_blend4", "per_prompt_2", "per_prompt_2_cache50",
-             "slider_every_step", "nocache_1", "per_prompt_2_nocopy", "compiled_regional_1", "compile_time_x"],
+             "slider_every_step", "nocache_1", "per_prompt_2_nocopy", "compiled_regional_1", "compiled_regional_slider",
+             "compile_time_x"],
     "llama": ["peft_decode32_mixed4", "decode32_mixed4", "generate16_mixed4", "prefill2048_1", "decode32_nocache_1",
               "decode32_mixed4_nocopy", "generate16_mixed4_nocopy", "prefill2048_nocopy"],
 }
@@ -67,6 +68,8 @@ def test_every_case_of_every_model_is_checked_and_merged(merged):
     assert "WRONG" not in logs
     notes = rows[("flux", "compiled_regional_1")]["notes"]
     assert "after 5 switches/slider moves: 0 graphs" in notes, notes
+    notes = rows[("flux", "compiled_regional_slider")]["notes"]
+    assert "recompiles: 0 graphs, 0 guard failures" in notes, notes
 
 
 def test_a_rerun_replaces_only_its_own_cases(merged):

@@ -236,3 +236,70 @@ def test_cuda_banks_that_do_not_fit_raise_and_change_nothing():
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)
     h.grow(max_slots=8, max_rank=256)
     assert h.state.slots.capacity == 8 and h.max_rank == 256
+
+
+def _sdxl_r32_files(unet, tmp_path, n: int) -> list:
+    """`n` r32 adapters on every SDXL target of `unet`, as PEFT-format safetensors files (keys under `unet.`, B scaled
+    as a trained B is), the way a user downloads them."""
+    from safetensors.torch import save_file
+
+    from fdlora.fixtures import fullsize
+    from fdlora.layers.model.targets import match_targets
+
+    paths = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(100 + i)
+        sd = {}
+        for name in match_targets(unet, fullsize.SDXL_TARGETS):
+            w = unet.get_submodule(name).weight
+            sd[f"unet.{name}.lora_A.weight"] = (torch.randn(32, w.shape[1], generator=g) / w.shape[1] ** 0.5).half()
+            sd[f"unet.{name}.lora_B.weight"] = (torch.randn(w.shape[0], 32, generator=g) * 0.02).half()
+        paths.append(tmp_path / f"r32_{i}.safetensors")
+        save_file(sd, paths[-1])
+    return paths
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_three_r32_sdxl_adapters_load_with_1_5_gib_free_as_in_diffusers(tmp_path):
+    """Full-size SDXL UNet (fp16, random weights): with 1.5 GiB free once the model is on the GPU, diffusers + PEFT
+    loads three r32 adapters, and so does fd-lora (banks sized to what is loaded); a three-adapter blend then runs
+    under the same pressure and matches diffusers + PEFT on the same weights."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    import gc
+
+    from fdlora.fixtures import fullsize
+
+    def fill(free_gib: float):
+        gc.collect()
+        torch.cuda.empty_cache()
+        take = int(torch.cuda.mem_get_info()[0] - free_gib * (1 << 30))
+        return torch.empty(max(take, 0), dtype=torch.uint8, device="cuda")
+
+    unet = fullsize.sdxl_unet("cuda", torch.float16)
+    files = _sdxl_r32_files(unet, tmp_path, 3)
+    x = fullsize.sdxl_inputs(unet, 2)
+    names, weights = ["a0", "a1", "a2"], [0.8, 0.6, 0.5]
+    peft_unet = copy.deepcopy(unet)
+    with torch.inference_mode():
+        base = unet(**x).sample.float()
+    filler = fill(1.5)
+    for f, n in zip(files, names):
+        peft_unet.load_lora_adapter(str(f), adapter_name=n, prefix="unet")
+    del filler
+    peft_unet.set_adapters(names, weights)
+    with torch.inference_mode():
+        want = peft_unet(**x).sample.float()
+    del peft_unet
+
+    filler = fill(1.5)
+    for f, n in zip(files, names):
+        fdlora.load_fd_lora(unet, str(f), n)
+    fdlora.set_adapters(unet, names, weights)
+    with torch.inference_mode():
+        got = unet(**x).sample.float()
+    del filler
+    scale = float(want.abs().max())
+    err, effect = float((got - want).abs().max()), float((want - base).abs().max())
+    assert torch.isfinite(got).all() and err <= 3e-2 * scale and err <= 0.2 * effect, (err, effect, scale)

@@ -64,8 +64,10 @@ def keep(layer, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
 
 def get(layer, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The kept callable if this call may run it straight away, else None (then the full decision runs)."""
+    if torch.compiler.is_compiling():  # first: a traced call must not guard on the kept entry or the state token
+        return None
     h = layer.merged.hot
-    if h is None or h[TOKEN] is not h[TABLE].token or torch.compiler.is_compiling():
+    if h is None or h[TOKEN] is not h[TABLE].token:
         return None
     w = h[PARAMS].get("weight")
     if (x.dtype is not h[DTYPE] or w is not h[W] or w.dtype is not h[WDTYPE]

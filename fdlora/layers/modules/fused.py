@@ -289,8 +289,9 @@ class _FusedLora(nn.Module):
 
     def _took(self, path: str, x: torch.Tensor) -> None:
         """Record the path this call took (fdlora.dispatch_counts), logged on "fdlora.dispatch" under
-        FDLORA_DEBUG_DISPATCH=1 when it changes. The hot path replays the recorded call and records nothing."""
-        if self.__dict__.get("dispatch") != path:
+        FDLORA_DEBUG_DISPATCH=1 when it changes. The hot path replays the recorded call and records nothing; a traced
+        call records nothing either (reading the record would make the graph guard on the path eager calls took)."""
+        if not torch.compiler.is_compiling() and self.__dict__.get("dispatch") != path:
             self.__dict__["dispatch"] = path
             if env.debug_dispatch():
                 dispatch_log.warning("%s %s x%s on %s -> %s", self.path, type(self.base).__name__, tuple(x.shape),
