@@ -267,6 +267,19 @@ def references(server, pool: list[dict], timeout_s: float) -> tuple[list[bytes],
     return refs, statistics.median(lat) if len(lat) > 3 else min(lat)
 
 
+def base_image_s(server, req: dict) -> float:
+    """One image without adapters, alone on the idle server (median of three): the floor a LoRA server's image time
+    is measured against."""
+    lat = []
+    for i in range(3):
+        t = time.perf_counter()
+        status, body = post(server.url, {**req, "adapters": {}, "seed": 900 + i}, 600)
+        if status != 200:
+            raise RuntimeError(f"base request failed on the idle server: {status} {_reason(body)}")
+        lat.append(time.perf_counter() - t)
+    return statistics.median(lat)
+
+
 def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name: str, clients=(1, 16, 4),
               open_loop: bool = True) -> None:
     """Closed loop with `clients` callers (16 measures saturation), then open loop at 50/70/100% of the 16-client
@@ -439,7 +452,8 @@ def run(a) -> dict:
     try:
         refs, t_img = references(server, pool, timeout_s=600)
         out["idle"] = {"image_s": round(t_img, 4), "pool": len(pool),
-                       "adapter_effect": not compare(refs[0], refs[2 % len(pool)])}
+                       "adapter_effect": not compare(refs[0], refs[2 % len(pool)]),
+                       "base_image_s": round(base_image_s(server, pool[0]), 4)}
         print(f"fd-lora: one image alone {t_img:.3f} s, {len(pool)} references", flush=True)
         mem0 = server.memory()
         # kept for what follows: the faults (~18 images) and the baseline (its build, ~16 images)
@@ -511,6 +525,10 @@ def summary(out: dict) -> dict:
             "x_peft_at_saturation": round(best / best_peft, 3) if best_peft else None,
             "p99_over_p50_at_70pct": round(at70["p99_s"] / at70["p50_s"], 3) if at70 and at70["p50_s"] else None,
             "p50_at_16_clients_s": at16["p50_s"] if at16 else None,
+            # the baseline's image time over the base model's, one image at a time: what a server whose LoRA cost
+            # nothing gains over the baseline before batching (batching adds what one GPU has left at this size)
+            "peft_image_over_base_image": _ratio(out.get("baseline_idle", {}).get("image_s"),
+                                                 out.get("idle", {}).get("base_image_s")),
             "sent": sum(r["sent"] for r in runs), "served": sum(r["served"] for r in runs), "failed": failed,
             "lost": sum(r["lost"] for r in runs), "mismatches": sum(r["mismatches"] for r in runs),
             "faults_ok": all(f.get("ok", True) for f in faults.values()),
@@ -520,6 +538,10 @@ def summary(out: dict) -> dict:
 def write(path: Path, res: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def main(argv=None) -> int:

@@ -297,6 +297,7 @@ class LocalServer:
             torch.cuda.reset_peak_memory_stats(dev)
             post(self.url, req, 600)
             need = torch.cuda.max_memory_allocated(dev) - base
+            torch.cuda.empty_cache()  # the cap counts reserved memory: blocks cached by earlier batches are not room
             cap = torch.cuda.memory_reserved(dev) + int(1.6 * need)
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(cap / total, dev)
@@ -325,6 +326,7 @@ class LocalServer:
         return {"calls": getattr(e, "calls", None), "mixed_calls": getattr(e, "mixed", None),
                 "loads": getattr(e, "loads", None), "oom_retries": e.oom_retries,
                 "failed_loads": getattr(e, "failed_loads", None), "dropped_before_running": self.batcher.dropped,
+                "load_s": round(getattr(e, "load_s", 0.0), 2), "pipeline_s": round(getattr(e, "call_s", 0.0), 2),
                 "restarts": 0 if self.batcher.worker.is_alive() else 1}
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ import base64
 import io
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -60,6 +61,8 @@ class Engine:
         self.mixed = 0  # calls whose requests named different adapter sets: one per-prompt batch for all
         self.oom_retries = 0  # calls that ran out of device memory and were run again one request at a time
         self.failed_loads = 0
+        self.load_s = 0.0  # wall seconds spent loading adapters (files read, banks written)
+        self.call_s = 0.0  # wall seconds inside pipeline calls
         self.held: set[str] = set()  # adapters Ray's multiplexed LRU holds (hold / release)
         self.partners: dict[str, None] = {}  # other adapters of recent calls, least recently used first
 
@@ -77,7 +80,9 @@ class Engine:
                 spec = self.specs.get(name)
                 if spec is None:
                     raise RequestError(422, "adapters: not an adapter this server offers")
+                t = time.perf_counter()
                 self._load(name, spec)
+                self.load_s += time.perf_counter() - t
                 self.loads += 1
 
     def _load(self, name: str, spec) -> None:
@@ -204,8 +209,10 @@ class Engine:
             self._arrange(names)
             if self.known():  # always per prompt: a load activates its adapter, a request without any is the base
                 kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
+            t = time.perf_counter()
             with torch.inference_mode():
                 images = self.pipe(**kw).images
+            self.call_s += time.perf_counter() - t
             self._used(names)
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
@@ -255,7 +262,8 @@ class TextEngine(Engine):
         self.pipe = model if model is not None else build(replace(cfg, adapters=[]))
         self.vocab = int(self.pipe.get_input_embeddings().num_embeddings)
         self._lock = threading.RLock()
-        self.calls = self.loads = self.mixed = 0
+        self.calls = self.loads = self.mixed = self.failed_loads = 0
+        self.load_s = 0.0
         self.held, self.partners = set(), {}
 
     def known(self) -> list[str]:

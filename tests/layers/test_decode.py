@@ -20,6 +20,14 @@ from fdlora.layers.fastpath import decode  # noqa: E402
 from fdlora.layers.state import as_rows  # noqa: E402
 from fdlora.testing import bound, max_err  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def every_modelled_path(monkeypatch):
+    """The Triton paths under test, on any GPU: `auto` keeps a GPU without calibration constants on the cuBLAS
+    forms (fdlora.layers.fastpath.percall), which tests/layers/test_percall.py covers."""
+    monkeypatch.setenv("FDLORA_DISPATCH", "model")
+
+
 pytestmark = pytest.mark.triton  # Triton's kept launches: on the Triton backend, as auto picks it
 
 CUDA = torch.cuda.is_available()

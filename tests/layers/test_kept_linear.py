@@ -18,6 +18,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.triton, pytest.mark.skipif(not CUDA, 
 SIZES = [(256, 512), (512, 1024), (1024, 256)]  # (K, N): the second needs a larger scratch than the first
 
 
+@pytest.fixture(autouse=True)
+def every_modelled_path(monkeypatch):
+    """The Triton paths under test, on any GPU: `auto` keeps a GPU without calibration constants on the cuBLAS
+    forms (fdlora.layers.fastpath.percall), which tests/layers/test_percall.py covers."""
+    monkeypatch.setenv("FDLORA_DISPATCH", "model")
+
+
 def build():
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(k, n) for k, n in SIZES]).cuda().half()

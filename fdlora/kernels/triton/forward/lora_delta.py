@@ -19,10 +19,20 @@ import triton.language as tl
 
 from fdlora.kernels.ops import OPS
 from fdlora.kernels.triton import config as C
-from fdlora.kernels.triton import tiles as T
 from fdlora.kernels.triton.forward.delta_dispatch import delta_plan
 from fdlora.kernels.triton.forward.lora_expand_add import launch_expand_add
 from fdlora.kernels.triton.forward.lora_shrink import launch_shrink
+
+# by name: Inductor copies the jit helpers a kernel names as globals (not attributes of a module)
+from fdlora.kernels.triton.tiles import (
+    expand_add_tiles,
+    first_tiles,
+    packed_columns,
+    rank_tiers,
+    row_block,
+    row_weights,
+    shrink_tile,
+)
 
 
 @triton.jit
@@ -34,14 +44,14 @@ def _pass(
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr, WRAP: tl.constexpr,
     RC: tl.constexpr, FITS: tl.constexpr,
 ):
-    slot, r, ok, scj = T.packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-    y0, b0 = T.first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr, BM, BN, RC,
+    slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr, BM, BN, RC,
                            PREFETCH == 2)
-    h = T.shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST,
+    h = shrink_tile(x_ptr, a_ptr, rows, row_on, slot, r, ok, 0, K, sxm, sxk, sas, sar, sak, BM, RC, BK, UPCAST,
                       IEEE, WRAP)
-    w = T.row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs)
+    w = row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
-    T.expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr,
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr,
                        BN, UPCAST, IEEE, PREFETCH)
 
 
@@ -59,10 +69,10 @@ def lora_delta_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
     WRAP: tl.constexpr = False,
 ):
-    rows, row_on, end, width, rk, sc, total = T.row_block(
+    rows, row_on, end, width, rk, sc, total = row_block(
         scale_ptr, gw_ptr, ranks_ptr, M, S, R, rows_per_group, ssc, sgg, sgs, True, S_PAD, BM)
     for c0 in range(0, total, RMAX):
-        T.rank_tiers(_pass, (c0, y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, K, N,
+        rank_tiers(_pass, (c0, y_ptr, x_ptr, a_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, K, N,
                              rows_per_group, sym, syn, sxm, sxk, sas, sar, sak, sbn, sbs, sbr, sgg, sgs,
                              S_PAD, BM, BN, BK, UPCAST, IEEE, PREFETCH, WRAP), total - c0, RMAX)
 

@@ -21,7 +21,16 @@ import triton.language as tl
 
 from fdlora.kernels.ops import OPS
 from fdlora.kernels.triton import config as C
-from fdlora.kernels.triton import tiles as T
+
+# by name: Inductor copies the jit helpers a kernel names as globals (not attributes of a module)
+from fdlora.kernels.triton.tiles import (
+    expand_add_tiles,
+    first_tiles,
+    packed_columns,
+    rank_tiers,
+    row_block,
+    row_weights,
+)
 
 
 @triton.jit
@@ -33,11 +42,11 @@ def _pass(
     UPCAST: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
     RC: tl.constexpr, FITS: tl.constexpr,
 ):
-    slot, r, ok, scj = T.packed_columns(c0, end, width, rk, sc, S_PAD, RC)
-    y0, b0 = T.first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr, BM, BN, RC,
+    slot, r, ok, scj = packed_columns(c0, end, width, rk, sc, S_PAD, RC)
+    y0, b0 = first_tiles(y_ptr, b_ptr, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr, BM, BN, RC,
                            PREFETCH == 2)
     m = row_on[:, None] & ok[None, :]
-    w = T.row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs)
+    w = row_weights(gw_ptr, rows, row_on, slot, ok, rows_per_group, sgg, sgs)
     if ROW_W:  # weights differ by row: a packed slot's columns may be unwritten for the rows at weight 0
         m = m & (w != 0)
     hp = h_ptr + rows[:, None] * shm + (slot.to(tl.int64) * shs + r.to(tl.int64) * shc)[None, :]
@@ -45,7 +54,7 @@ def _pass(
     for p in range(0, P):
         h += tl.load(hp + p * shp, mask=m, other=0.0)
     h = (h * (w * scj[None, :])).to(b_ptr.dtype.element_ty)
-    T.expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr,
+    expand_add_tiles(y_ptr, b_ptr, h, y0, b0, rows, row_on, slot, r, ok, N, sym, syn, sbn, sbs, sbr,
                        BN, UPCAST, IEEE, PREFETCH)
 
 
@@ -63,10 +72,10 @@ def lora_expand_add_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, NSPLIT: tl.constexpr,
     WRAP: tl.constexpr = False,  # a DELTA-table flag of the kernels with a shrink; nothing to walk here
 ):
-    rows, row_on, end, width, rk, sc, total = T.row_block(
+    rows, row_on, end, width, rk, sc, total = row_block(
         scale_ptr, gw_ptr, ranks_ptr, M, S, R, rows_per_group, ssc, sgg, sgs, HAS_RANKS, S_PAD, BM)
     for c0 in range(0, total, RMAX):
-        T.rank_tiers(_pass, (c0, y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, N, P, rows_per_group,
+        rank_tiers(_pass, (c0, y_ptr, h_ptr, b_ptr, gw_ptr, rows, row_on, end, width, rk, sc, N, P, rows_per_group,
                              sym, syn, shp, shm, shs, shc, sbn, sbs, sbr, sgg, sgs, S_PAD, BM, BN, ROW_W, UPCAST, IEEE,
                              PREFETCH), total - c0, RMAX)
 
