@@ -375,6 +375,8 @@ def _handler(batcher: Batcher, limits: Limits):
                     if self._client_gone():
                         fut.cancel()
                         return
+                except Exception as e:  # the engine's failure reaches the client as a 500, as FastAPI answers
+                    return self._send(500, error_body(f"internal error ({type(e).__name__})"))
             if isinstance(out, RequestError):
                 return self._send(out.status, error_body(str(out)))
             self._send(200, out, "image/png")

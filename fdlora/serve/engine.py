@@ -55,6 +55,7 @@ class Engine:
         self.specs = {a.name: a for a in cfg.adapters}
         self.pipe = pipe if pipe is not None else build(replace(cfg, adapters=[]))
         self.pipe.set_progress_bar_config(disable=True)
+        self._dtypes = _uniform_dtypes(self.pipe)  # put back after a failed call (see _call)
         self._lock = threading.RLock()  # ensure + call, and release, never interleave
         self.calls = 0  # pipeline calls (a batch of several shapes makes several)
         self.loads = 0
@@ -181,6 +182,13 @@ class Engine:
                                           "height and width")]
             self.oom_retries += 1
             return [o for r in reqs for o in self._fitting([r])]
+        except Exception as e:  # a failure inside the pipeline: find the request it belongs to, serve the rest
+            log.warning("pipeline call of %d request(s) failed: %s: %s", len(reqs), type(e).__name__,
+                        (str(e).splitlines() or [""])[0][:200])
+            if len(reqs) > 1:
+                return [o for r in reqs for o in self._fitting([r])]
+            return [RequestError(500, f"generation failed on this server ({type(e).__name__}); other requests "
+                                      "are served")]
 
     def plan(self, requests: Sequence[ImageRequest]) -> list[list[int]]:
         groups: dict[tuple, list[list[int]]] = {}
@@ -210,13 +218,39 @@ class Engine:
             if self.known():  # always per prompt: a load activates its adapter, a request without any is the base
                 kw["fd_lora_adapters"] = [dict(r.adapters) or None for r in reqs]
             t = time.perf_counter()
-            with torch.inference_mode():
-                images = self.pipe(**kw).images
-            self.call_s += time.perf_counter() - t
+            try:
+                with torch.inference_mode():
+                    images = self.pipe(**kw).images
+            except BaseException:
+                _restore_dtypes(self.pipe, self._dtypes)
+                raise
+            finally:
+                self.call_s += time.perf_counter() - t
             self._used(names)
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [png(im) for im in images]
+
+
+def _uniform_dtypes(pipe) -> dict[str, Any]:
+    """Each pipeline component whose floating-point parameters share one dtype, and that dtype."""
+    out = {}
+    for name, m in getattr(pipe, "components", {}).items():
+        kinds = {p.dtype for p in getattr(m, "parameters", lambda: ())() if p.is_floating_point()}
+        if len(kinds) == 1:
+            out[name] = kinds.pop()
+    return out
+
+
+def _restore_dtypes(pipe, dtypes: dict[str, Any]) -> None:
+    """After a call that failed midway: components a pipeline recast for the call (diffusers upcasts an fp16 SDXL
+    VAE to fp32 for decoding and casts it back only when decoding returns) go back to their dtype, so the next call
+    finds the pipeline as it was."""
+    for name, dtype in dtypes.items():
+        m = pipe.components.get(name)
+        if m is not None and any(p.dtype != dtype for p in m.parameters() if p.is_floating_point()):
+            log.warning("restoring %s to %s after a failed call", name, dtype)
+            m.to(dtype=dtype)
 
 
 def _free_device_cache() -> None:

@@ -72,3 +72,49 @@ def test_out_of_memory_reruns_the_batch_one_by_one(engine, memory_limit):
     assert "out of device memory" in str(out[3]) and "device memory this server may use" in str(out[3])
     for got, r in zip(out[:3], reqs):
         assert abs(serving.decode_png(got) - serving.decode_png(engine.run([r])[0])).max() <= 1
+
+
+def test_a_call_that_fails_midway_leaves_the_pipeline_as_it_was(engine):
+    """Out of memory while decoding, after the pipeline recast its VAE for the call (diffusers upcasts an fp16 SDXL
+    VAE and casts it back only when decoding returns): the VAE goes back to its dtype, the batch is run again one by
+    one, and every image equals the same request run alone."""
+    reqs = [R({"f0": 1.0}, 11), R({"f1": 0.7}, 12)]
+    alone = [engine.run([r])[0] for r in reqs]
+    vae = engine.pipe.vae
+
+    def hook(module, args):
+        if args[0].shape[0] > 1:
+            vae.to(torch.float64)  # recast for the call, as upcast_vae does
+            raise torch.OutOfMemoryError("CUDA out of memory (injected, while decoding)")
+
+    handle = vae.decoder.register_forward_pre_hook(hook)
+    try:
+        out = engine.run_each(reqs)
+    finally:
+        handle.remove()
+    assert {p.dtype for p in vae.parameters()} == {torch.float32}
+    assert all(isinstance(o, bytes) for o in out), out
+    for got, ref in zip(out, alone):
+        assert abs(serving.decode_png(got) - serving.decode_png(ref)).max() <= 1
+
+
+def test_an_error_inside_the_pipeline_fails_only_its_request(engine):
+    """A request whose call raises (here: its prompt) gets a one-line 500; the others of its batch are served."""
+    reqs = [R({"f0": 1.0}, 21), R({"f1": 0.5}, 22), R({}, 23)]
+    alone = [engine.run([r])[0] for r in (reqs[0], reqs[2])]
+    bad = ImageRequest("boom", {"f1": 0.5}, None, 22, 2, 64, 64)
+    real = engine.pipe.encode_prompt
+
+    def encode_prompt(prompt, *a, **k):
+        if "boom" in (prompt if isinstance(prompt, list) else [prompt]):
+            raise ValueError("a prompt this pipeline cannot encode")
+        return real(prompt, *a, **k)
+
+    engine.pipe.encode_prompt = encode_prompt
+    try:
+        out = engine.run_each([reqs[0], bad, reqs[2]])
+    finally:
+        del engine.pipe.encode_prompt
+    assert isinstance(out[1], RequestError) and out[1].status == 500 and "\n" not in str(out[1])
+    for got, ref in zip((out[0], out[2]), alone):
+        assert isinstance(got, bytes) and abs(serving.decode_png(got) - serving.decode_png(ref)).max() <= 1
