@@ -338,28 +338,34 @@ def plot_memory(out: Path) -> list[Path]:
 
 
 def plot_serve(gpu: str, out: Path) -> list[Path]:
+    """Closed loop (images/s and p50/p99 latency by client count, both servers) and open loop (fd-lora's images/s
+    served against the Poisson rate offered)."""
     data = _load(gpu, "serve.json")
     runs = [r for r in (data or {}).get("runs", []) if r.get("served")]
     if not runs:
         return []
     plt = _plt()
-    fig, (ax, lx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax, lx, ox) = plt.subplots(1, 3, figsize=(13, 3.6))
     for server, colour, label in (("fdlora", FD, "fd-lora serve"), ("diffusers_peft", REF, "diffusers+PEFT")):
-        rows = [r for r in runs if r["server"] == server]
-        offered = [r.get("rate_rps") or r["throughput_ips"] for r in rows]  # closed loop: offered = served
-        order = sorted(range(len(rows)), key=lambda i: offered[i])
-        ax.plot([offered[i] for i in order], [rows[i]["throughput_ips"] for i in order], "o-", color=colour,
-                label=label)
-        lx.plot([offered[i] for i in order], [rows[i]["p50_s"] for i in order], "o-", color=colour,
-                label=f"{label} p50")
-        lx.plot([offered[i] for i in order], [rows[i]["p99_s"] for i in order], "s--", color=colour,
-                label=f"{label} p99")
-    ax.set_xlabel("offered load, requests/s (closed loop: as served)")
-    ax.set_ylabel("images/s served")
-    lx.set_xlabel("offered load, requests/s")
-    lx.set_ylabel("latency, s")
-    ax.legend(fontsize=8, frameon=False)
-    lx.legend(fontsize=8, frameon=False)
+        closed = sorted((r for r in runs if r["server"] == server and r.get("mode") == "closed"),
+                        key=lambda r: r["clients"])
+        n = [r["clients"] for r in closed]
+        ax.plot(n, [r["throughput_ips"] for r in closed], "o-", color=colour, label=label)
+        lx.plot(n, [r["p50_s"] for r in closed], "o-", color=colour, label=f"{label} p50")
+        lx.plot(n, [r["p99_s"] for r in closed], "s--", color=colour, label=f"{label} p99")
+        opened = sorted((r for r in runs if r["server"] == server and r.get("mode") == "open"),
+                        key=lambda r: r["rate_rps"])
+        if opened:
+            ox.plot([r["rate_rps"] for r in opened], [r["throughput_ips"] for r in opened], "o-", color=colour,
+                    label=f"{label} served")
+            for r in opened:
+                ox.annotate(f"p50 {r['p50_s']:.1f} s, p99 {r['p99_s']:.1f} s", (r["rate_rps"], r["throughput_ips"]),
+                            fontsize=7, textcoords="offset points", xytext=(4, -10))
+    for a, xl, yl in ((ax, "clients (closed loop)", "images/s"), (lx, "clients (closed loop)", "latency, s"),
+                      (ox, "offered rate, requests/s (open loop)", "images/s served")):
+        a.set_xlabel(xl)
+        a.set_ylabel(yl)
+        a.legend(fontsize=8, frameon=False)
     c = data["config"]
     fig.suptitle(f"Serving {data['model']} {c['size']}², {c['steps']} steps, CFG: {c['adapters']} r{c['rank']} "
                  f"adapters over {c['adapters_per_replica']} slots, {GPU_NAMES.get(gpu, gpu)}"
