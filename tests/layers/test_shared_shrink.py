@@ -38,6 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 INTERPRET = env.triton_interpret()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_backend():
+    """The torch backend for the models this file builds (its module-scoped ones too), whatever TRITON_INTERPRET
+    says: under it, auto would pick Triton on the CPU, whose lora_linear serves plain Linear bases without the
+    groups. The interpreted cases ask for Triton themselves (fdlora.use_backend("triton") inside)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "_layers", weakref.WeakSet())  # other files' live models keep their backends
+        with fdlora.use_backend("torch"):
+            yield
+
+
 def _randomize(model: nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
