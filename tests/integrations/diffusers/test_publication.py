@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from concurrent.futures import CancelledError
 
 import pytest
@@ -201,6 +202,9 @@ def test_a_change_between_pieces_makes_the_publication_start_over_or_stop(sd15, 
 
         def hook(i, pipe=pipe, at=at, jobs=jobs):
             if i == at:
+                end = time.monotonic() + WAIT
+                while not jobs and time.monotonic() < end:  # the job reaches the list once prefetch_fd_lora returns,
+                    time.sleep(0.001)  # which the first pause may come before
                 with lock_of(pipe):
                     if change == "cancel":
                         assert jobs[0].cancel()
