@@ -23,14 +23,7 @@ from fdlora.kernels.ops import OPS
 from fdlora.kernels.triton import config as C
 
 # by name: Inductor copies the jit helpers a kernel names as globals (not attributes of a module)
-from fdlora.kernels.triton.tiles import (
-    expand_add_tiles,
-    first_tiles,
-    packed_columns,
-    rank_tiers,
-    row_block,
-    row_weights,
-)
+from ..tiles import expand_add_tiles, first_tiles, packed_columns, rank_tiers, row_block, row_weights
 
 
 @triton.jit
