@@ -23,7 +23,9 @@ time of one image; loopback only):
    `set_adapters` per request, one request at a time under a lock), closed loop with 1 and 4 clients.
 
 Reported: sent / served / failed by reason / lost (no answer) per run and in total, throughput, p50/p99 latency,
-torch.cuda.memory_allocated and RSS before and after the load runs, device and versions.
+torch.cuda.memory_allocated and RSS before and after the load runs (with the parts of the RSS that are bounded caches:
+the in-RAM adapter cache and torch's pinned host blocks), the base pipeline's images/s at the largest batch (the
+ceiling of any LoRA server here), device and versions.
 
     python benchmarks/bench_serve.py --model sdxl --budget-s 540 --out $OUT/serve.json   # one H200, 9 min
     (alone on its host: the eager SDXL step is host-bound; below ~500 s the 16-client run does not fit and is skipped)
@@ -281,6 +283,21 @@ def base_image_s(server, req: dict) -> float:
     return statistics.median(lat)
 
 
+def base_ceiling(server, pool: list[dict], n: int, t_img: float) -> dict:
+    """`n` requests without adapters sent together (one batch of the base pipeline), twice: the images/s of the base
+    model at this batch size through the same server, the most any LoRA server can reach on this GPU."""
+    best = None
+    for rep in range(2):
+        reqs = [{**pool[i % len(pool)], "adapters": {}, "seed": 700 + 10 * rep + i} for i in range(n)]
+        t = time.perf_counter()
+        answers = burst(server.url, reqs, 40 * t_img + 30)
+        wall = time.perf_counter() - t
+        if any(s != 200 for s, _ in answers):
+            return {"batch": n, "error": _reason(next(b for s, b in answers if s != 200))}
+        best = min(best or wall, wall)
+    return {"batch": n, "wall_s": round(best, 3), "ips": round(n / best, 4)}
+
+
 def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name: str, clients=(1, 16, 4),
               open_loop: bool = True) -> None:
     """Closed loop with `clients` callers (16 measures saturation), then open loop at 50/70/100% of the 16-client
@@ -458,7 +475,7 @@ def run(a) -> dict:
         print(f"fd-lora: one image alone {t_img:.3f} s, {len(pool)} references", flush=True)
         mem0 = server.memory()
         # kept for what follows: the faults (~18 images) and the baseline (its build, ~16 images)
-        reserve = 34 * t_img + (60 if a.model == "sdxl" else 5)
+        reserve = 44 * t_img + (60 if a.model == "sdxl" else 5)
         load_runs(a, server, pool, refs, t_img, t_start + a.budget_s - reserve, runs, "fdlora")
         mem1 = server.memory()
         out["faults"] = {"out_of_memory": fault_oom(server, pool, refs, size, t_img),
@@ -468,6 +485,8 @@ def run(a) -> dict:
             print(f"  fault {k}: {v}", flush=True)
         a.checkpoint()
         out["memory"] = memory_report(mem0, mem1, server.memory())
+        out["base_ceiling"] = base_ceiling(server, pool, a.max_batch, t_img)
+        print(f"  base pipeline, {a.max_batch} images in one batch: {out['base_ceiling']}", flush=True)
         out["server"] = server.stats()
     finally:
         server.close()
@@ -502,11 +521,20 @@ def memory_report(before: dict, after_load: dict, after_faults: dict) -> dict:
     def drift(a, b):
         return None if a is None or b is None else round(100 * (b - a) / a, 3)
 
+    def mb(key, m=after_load):
+        return None if m.get(key) is None or before.get(key) is None else round((m[key] - before[key]) / 2**20, 1)
+
+    caches = [k for k in ("adapter_cache", "pinned_host") if mb(k) is not None]
     return {"cuda_allocated_before": before["cuda_allocated"], "cuda_allocated_after": after_load["cuda_allocated"],
             "cuda_drift_pct": drift(before["cuda_allocated"], after_load["cuda_allocated"]),
             "cuda_allocated_after_faults": after_faults["cuda_allocated"],
             "rss_before_mb": round(before["rss"] / 2**20, 1), "rss_after_mb": round(after_load["rss"] / 2**20, 1),
-            "rss_growth_mb": round((after_load["rss"] - before["rss"]) / 2**20, 1)}
+            "rss_growth_mb": mb("rss"),
+            # the RSS the two bounded caches took over the load runs (adapters first loaded from disk during them;
+            # pinned staging blocks), and what is left once they are taken out: the growth a leak would show
+            "adapter_cache_growth_mb": mb("adapter_cache"), "pinned_host_growth_mb": mb("pinned_host"),
+            "rss_growth_outside_caches_mb": round(mb("rss") - sum(mb(k) for k in caches), 1),
+            "rss_growth_by_end_mb": mb("rss", after_faults)}
 
 
 def summary(out: dict) -> dict:
@@ -526,6 +554,10 @@ def summary(out: dict) -> dict:
             "x_peft_at_saturation": round(best / best_peft, 3) if best_peft else None,
             "p99_over_p50_at_70pct": round(at70["p99_s"] / at70["p50_s"], 3) if at70 and at70["p50_s"] else None,
             "p50_at_16_clients_s": at16["p50_s"] if at16 else None,
+            # the base pipeline's images/s at the largest batch over the baseline's: the most any LoRA server could
+            # reach over the baseline on this GPU at this size
+            "base_batch_ips": out.get("base_ceiling", {}).get("ips"),
+            "x_peft_ceiling": _ratio(out.get("base_ceiling", {}).get("ips"), best_peft),
             # the baseline's image time over the base model's, one image at a time: what a server whose LoRA cost
             # nothing gains over the baseline before batching (batching adds what one GPU has left at this size)
             "peft_image_over_base_image": _ratio(out.get("baseline_idle", {}).get("image_s"),

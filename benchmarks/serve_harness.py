@@ -422,7 +422,7 @@ class RayServer:
 
     def memory(self) -> dict:
         s = self.stats()
-        return {"cuda_allocated": s["cuda_allocated"], "rss": s["rss"]}
+        return {k: s.get(k) for k in ("cuda_allocated", "rss", "adapter_cache", "pinned_host")}
 
     def dropped(self) -> None:
         return None

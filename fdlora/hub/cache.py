@@ -110,6 +110,11 @@ def default_cache() -> AdapterCache | None:
     return _default if _default.max_bytes > 0 else None
 
 
+def cached_bytes() -> int:
+    """Bytes the process-wide cache holds now (0 before its first use): host memory that stays resident by design."""
+    return _default.nbytes if _default is not None else 0
+
+
 def _fresh(adapters: dict[str, LoraAdapter]) -> dict[str, LoraAdapter]:
     """New adapter objects (callers may rename them) over the same cached tensors (and their known span)."""
     return {c: keep_span(a, LoraAdapter(dict(a.modules), a.use_rslora, a.name, a.provenance))

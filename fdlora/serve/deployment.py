@@ -194,15 +194,22 @@ def build_api(images, cfg):
 
 
 def process_memory() -> dict[str, Any]:
-    """This process's CUDA memory allocated by torch (None without CUDA) and resident set size, in bytes."""
+    """This process's CUDA memory allocated by torch (None without CUDA), resident set size, and the two parts of
+    the RSS that are caches by design: the in-RAM adapter cache (`FDLORA_CACHE_BYTES`) and the page-locked blocks
+    torch's host allocator keeps for reuse (None without CUDA), in bytes."""
     import resource
 
     import torch
 
-    cuda = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    from ..hub.cache import cached_bytes
+
+    cuda = pinned = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.memory_allocated()
+        pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", None)
     with open("/proc/self/statm") as f:  # current RSS (ru_maxrss is the peak)
         rss = int(f.read().split()[1]) * resource.getpagesize()
-    return {"cuda_allocated": cuda, "rss": rss}
+    return {"cuda_allocated": cuda, "rss": rss, "adapter_cache": cached_bytes(), "pinned_host": pinned}
 
 
 class _Resident:

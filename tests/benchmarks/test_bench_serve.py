@@ -16,7 +16,7 @@ import bench_serve  # noqa: E402
 import serve_harness  # noqa: E402
 
 FIELDS = ("device", "torch", "diffusers", "peft", "ray", "ray_reason", "http", "config", "idle", "runs", "faults",
-          "memory", "server", "baseline_idle", "summary", "wall_s")
+          "memory", "server", "baseline_idle", "base_ceiling", "summary", "wall_s")
 
 
 @pytest.mark.parametrize("http", ["fastapi"])
@@ -45,6 +45,11 @@ def test_whole_flow_tiny(http, tmp_path):
     assert bad["corrupt_failed"] == 2 and bad["corrupt_statuses"] == [500, 500] and bad["one_line"]
     assert bad["others_served"] == bad["others_matches"] == 2 and "failed to load" in bad["errors"][0]
     assert d["memory"]["rss_before_mb"] > 0 and d["server"]["failed_loads"] == 1
+    mem = d["memory"]  # the adapter cache's part of the RSS is measured, and taken out of the growth a leak shows
+    assert mem["adapter_cache_growth_mb"] >= 0 and mem["pinned_host_growth_mb"] is None  # no CUDA: no pinned blocks
+    assert mem["rss_growth_outside_caches_mb"] == round(mem["rss_growth_mb"] - mem["adapter_cache_growth_mb"], 1)
+    ceiling = d["base_ceiling"]
+    assert ceiling["batch"] == 8 and ceiling["ips"] > 0 and s["base_batch_ips"] == ceiling["ips"]
 
 
 def test_a_swapped_adapter_is_a_mismatch(tmp_path):
