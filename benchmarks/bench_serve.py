@@ -328,6 +328,7 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
         if "sent" not in row:
             row.update(skipped=f"{limit:.0f} s left of the budget", sent=0, served=0, failed={}, lost=0,
                        mismatches=0, throughput_ips=None, p50_s=None, p99_s=None)
+        row["rss_mb"] = round(server.memory()["rss"] / 2**20, 1)  # after each run: a leak climbs run over run
         runs.append({"server": name, **row})
         print(f"  {name}: {row}", flush=True)
         a.checkpoint()

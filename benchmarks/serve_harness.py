@@ -327,7 +327,8 @@ class LocalServer:
                 "loads": getattr(e, "loads", None), "oom_retries": e.oom_retries,
                 "failed_loads": getattr(e, "failed_loads", None), "dropped_before_running": self.batcher.dropped,
                 "load_s": round(getattr(e, "load_s", 0.0), 2), "pipeline_s": round(getattr(e, "call_s", 0.0), 2),
-                "restarts": 0 if self.batcher.worker.is_alive() else 1}
+                "restarts": 0 if self.batcher.worker.is_alive() else 1,
+                "dispatch": dict(getattr(e, "paths", {}))}  # fused layers by path, summed over every call
 
     def close(self) -> None:
         self._stop()

@@ -206,7 +206,7 @@ def process_memory() -> dict[str, Any]:
     cuda = pinned = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.memory_allocated()
-        pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", None)
+        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current")  # active + cached pinned blocks
     with open("/proc/self/statm") as f:  # current RSS (ru_maxrss is the peak)
         rss = int(f.read().split()[1]) * resource.getpagesize()
     return {"cuda_allocated": cuda, "rss": rss, "adapter_cache": cached_bytes(), "pinned_host": pinned}

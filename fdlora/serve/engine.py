@@ -24,6 +24,7 @@ again one request at a time, and only a request that still does not fit fails, w
 from __future__ import annotations
 
 import base64
+import collections
 import io
 import logging
 import threading
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..api import dispatch_counts
 from ..errors import FdLoraError
 from .schema import ImageRequest, Limits, RequestError
 
@@ -64,6 +66,7 @@ class Engine:
         self.failed_loads = 0
         self.load_s = 0.0  # wall seconds spent loading adapters (files read, banks written)
         self.call_s = 0.0  # wall seconds inside pipeline calls
+        self.paths: collections.Counter = collections.Counter()  # fused layers by dispatch path, over every call
         self.held: set[str] = set()  # adapters Ray's multiplexed LRU holds (hold / release)
         self.partners: dict[str, None] = {}  # other adapters of recent calls, least recently used first
 
@@ -167,7 +170,8 @@ class Engine:
         return out
 
     def _fitting(self, reqs: list) -> list:
-        """The call's outputs; out of device memory, each request again alone, and a 507 for one that still fails."""
+        """The call's outputs; out of device memory, merged-weight copies cut (`_shrink_merge_cache`) and each request
+        again alone, and a 507 for one that still fails with no copy left to drop."""
         import torch
 
         try:
@@ -175,7 +179,10 @@ class Engine:
         except RequestError as e:
             return [e] * len(reqs)
         except torch.OutOfMemoryError:
+            fewer_copies = _shrink_merge_cache(self.pipe)
             _free_device_cache()
+            if len(reqs) == 1 and fewer_copies:
+                return self._fitting(reqs)
             if len(reqs) == 1:
                 return [RequestError(507, f"out of device memory: this request alone needs more than the "
                                           f"{_memory_limit(self.pipe)} this server may use; ask for a smaller "
@@ -227,6 +234,8 @@ class Engine:
             finally:
                 self.call_s += time.perf_counter() - t
             self._used(names)
+            self.paths.update(dispatch_counts(getattr(self.pipe, "unet", None) or self.pipe.transformer))
+            _trim_host_heap()
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [png(im) for im in images]
@@ -251,6 +260,44 @@ def _restore_dtypes(pipe, dtypes: dict[str, Any]) -> None:
         if m is not None and any(p.dtype != dtype for p in m.parameters() if p.is_floating_point()):
             log.warning("restoring %s to %s after a failed call", name, dtype)
             m.to(dtype=dtype)
+
+
+def _shrink_merge_cache(pipe) -> bool:
+    """After running out of device memory: drop the merged-weight copies on the pipeline's device and halve their
+    budget (0 when they held under 2 GiB), so the call that is run again has the room the copies took; layers
+    without a copy take the per-call paths. False when no copy could be dropped (the request itself is too large;
+    copies a CUDA graph captured stay)."""
+    from fdlora.layers.fastpath.merged import merge_cache_bytes, set_merge_cache
+
+    dev = getattr(pipe, "device", None)
+    held = merge_cache_bytes(dev) if dev is not None else 0
+    if held <= 0:
+        return False
+    budget = held // 2 if held >= 2**31 else 0
+    log.warning("out of device memory with %.1f GiB of merged-weight copies: copies dropped, their budget now "
+                "%.1f GiB", held / 2**30, budget / 2**30)
+    set_merge_cache(budget)
+    return merge_cache_bytes(dev) < held
+
+
+def _trim_host_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere). A call decodes and
+    encodes megabyte images on whichever threads serve it, and glibc keeps what they free in per-thread arenas, so
+    without this the RSS follows the threads that ever ran rather than the data that lives."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _free_device_cache() -> None:
@@ -335,6 +382,8 @@ class TextEngine(Engine):
             with torch.inference_mode():
                 out = self.pipe.generate(ids, **kw)[:, ids.shape[1]:]
             self._used(names)
+            self.paths.update(dispatch_counts(getattr(self.pipe, "unet", None) or self.pipe.transformer))
+            _trim_host_heap()
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [_until_eos(row.tolist(), eos) for row in out]

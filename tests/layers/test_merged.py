@@ -317,3 +317,29 @@ def test_cuda_graph_and_inductor_replays_merge_only_after_a_switch(cache):
                 check(compiled(x), want)
         finally:
             torch._dynamo.config.error_on_recompile = prev
+
+
+def test_budget_counts_what_a_per_process_fraction_allows(monkeypatch):
+    """Under `torch.cuda.set_per_process_memory_fraction` the copies' budget and the 1 GiB kept free count what the
+    process may use, not the whole device: copies must not take the room a capped process needs for activations."""
+    from types import SimpleNamespace
+
+    from fdlora.layers.fastpath import merged
+
+    G = 2**30
+    state = {"fraction": 1.0, "reserved": 20 * G}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * G))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (80 * G, 100 * G))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: state["fraction"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: state["reserved"])
+    dev = torch.device("cuda", 0)
+    b = merged.MergeBudget()
+    b.spec = "auto"
+    assert b.limit(dev) == 25 * G and b.reserve(10 * G, dev)  # uncapped: a quarter of the device, 80 GiB free
+    state["fraction"], b.used[dev] = 0.3, 0  # 30 GiB for this process, 20 of them reserved already
+    assert b.limit(dev) == int(0.25 * 30 * G) and merged._free_memory(dev) == 10 * G
+    assert b.reserve(int(7.4 * G), dev)  # within the budget and within the cap's room
+    state["reserved"] = 25 * G  # 5 GiB left under the cap: 4.5 would leave less than the 1 GiB kept free
+    assert not b.reserve(int(0.2 * G), dev)  # over the budget now (7.4 + 0.2 > 7.5)
+    b.used[dev] = 0
+    assert not b.reserve(int(4.5 * G), dev) and b.reserve(4 * G, dev) and b.used[dev] == 4 * G

@@ -118,3 +118,42 @@ def test_an_error_inside_the_pipeline_fails_only_its_request(engine):
     assert isinstance(out[1], RequestError) and out[1].status == 500 and "\n" not in str(out[1])
     for got, ref in zip((out[0], out[2]), alone):
         assert isinstance(got, bytes) and abs(serving.decode_png(got) - serving.decode_png(ref)).max() <= 1
+
+
+def test_out_of_memory_with_merged_copies_drops_them_and_runs_the_request_again(engine, monkeypatch):
+    """A request alone that runs out of memory while merged-weight copies hold device memory is not failed: the
+    copies go, their budget halves, and the request runs again (a 507 only once no copy is left to drop)."""
+    from fdlora.layers.fastpath import merged
+
+    held = {"bytes": 6 * 2**30}
+    limits = []
+    monkeypatch.setattr(merged, "merge_cache_bytes", lambda device=None: held["bytes"])
+
+    def set_merge_cache(limit):
+        limits.append(limit)
+        held["bytes"] = 0
+
+    monkeypatch.setattr(merged, "set_merge_cache", set_merge_cache)
+    real, calls = engine._call, []
+
+    def call(reqs):
+        calls.append(len(reqs))
+        if held["bytes"]:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected: the copies took the room)")
+        return real(reqs)
+
+    monkeypatch.setattr(engine, "_call", call)
+    req = R({"f0": 1.0}, 21)
+    (out,) = engine.run_each([req])
+    assert isinstance(out, bytes) and calls == [1, 1] and limits == [3 * 2**30]
+    monkeypatch.setattr(engine, "_call", real)
+    assert abs(serving.decode_png(out) - serving.decode_png(engine.run([req])[0])).max() <= 1
+    held["bytes"], calls[:] = 0, []  # nothing to drop: the request alone is too large
+
+    def too_large(reqs):
+        calls.append(len(reqs))
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(engine, "_call", too_large)
+    (out,) = engine.run_each([req])
+    assert isinstance(out, RequestError) and out.status == 507 and calls == [1]

@@ -31,7 +31,8 @@ own error, like the per-call "merged" path of fdlora.kernels.triton.forward.lora
 
 Budget (bytes per device, `fdlora.set_merge_cache` or FDLORA_MERGE_CACHE): "auto" = 25% of a
 CUDA device's memory, off on CPU; a byte count; a share such as "40%"; 0 turns it off. A layer
-also never takes memory that would leave less than 1 GiB free on its GPU.
+also never takes memory that would leave less than 1 GiB free on its GPU. Under
+`torch.cuda.set_per_process_memory_fraction` both count what the process may use, not the device.
 """
 
 from __future__ import annotations
@@ -54,9 +55,22 @@ KEEP_FREE = 1 << 30
 
 
 def _total_memory(device: torch.device) -> int:
+    """What this process may use of the device: a GPU's memory times the process's allowed fraction
+    (`torch.cuda.set_per_process_memory_fraction`), or the host's RAM."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * torch.cuda.get_per_process_memory_fraction(device))
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on a GPU: the device's free memory, and under a per-process fraction
+    no more than the fraction's bytes less what torch's allocator has reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1:
+        free = min(free, int(total * fraction) - torch.cuda.memory_reserved(device))
+    return free
 
 
 def parse_limit(spec: int | float | str) -> int | float | str:
@@ -108,7 +122,7 @@ class MergeBudget:
             used = self.used.get(device, 0)
             if used + nbytes > self.limit(device):
                 return False
-            if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < nbytes + KEEP_FREE:
+            if device.type == "cuda" and _free_memory(device) < nbytes + KEEP_FREE:
                 return False
             self.used[device] = used + nbytes
             return True
