@@ -15,6 +15,8 @@ time of one image; loopback only):
    with its reference (<= 1/255 per pixel after PNG); mismatches are counted.
 3. Closed loop with 1, 16 and 4 clients (16 measures saturation), then open-loop Poisson arrivals at 50%, 70%
    and 100% of the saturated rate.
+   Before the load runs, one batch of every size up to `--max-batch` (the shapes a server meets once), so the
+   memory figures compare like with like.
 4. Faults: a batch out of device memory (CUDA: a per-process memory cap between one image's need and a
    batch's; CPU: a UNet hook refusing the same sizes), re-run one by one, one oversized request failing alone
    with a 507; clients disconnecting mid-generation and while queued; an adapter file corrupted on disk after
@@ -283,6 +285,19 @@ def base_image_s(server, req: dict) -> float:
     return statistics.median(lat)
 
 
+def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
+    """One batch of every size up to `max_batch` (pool requests, so mixed adapters), before memory is first read:
+    the kernels, library workspaces and allocator pools a server meets with each new batch shape are in place, so
+    the RSS and device-memory figures after the load runs show what serving adds, not what a first shape does."""
+    t, sizes = time.perf_counter(), list(range(2, max_batch + 1))
+    for b in sizes:
+        reqs = [{**pool[(b + i) % len(pool)], "seed": 800 + 10 * b + i} for i in range(b)]
+        bad = [s for s, _ in burst(server.url, reqs, 40 * t_img + 30) if s != 200]
+        if bad:
+            raise RuntimeError(f"warm-up batch of {b} failed on the idle server: {bad}")
+    return {"batch_sizes": [1, *sizes], "s": round(time.perf_counter() - t, 1)}
+
+
 def base_ceiling(server, pool: list[dict], n: int, t_img: float) -> dict:
     """`n` requests without adapters sent together (one batch of the base pipeline), twice: the images/s of the base
     model at this batch size through the same server, the most any LoRA server can reach on this GPU."""
@@ -474,6 +489,8 @@ def run(a) -> dict:
                        "adapter_effect": not compare(refs[0], refs[2 % len(pool)]),
                        "base_image_s": round(base_image_s(server, pool[0]), 4)}
         print(f"fd-lora: one image alone {t_img:.3f} s, {len(pool)} references", flush=True)
+        out["warm_up"] = warm_shapes(server, pool, a.max_batch, t_img)
+        print(f"  warm-up: {out['warm_up']}", flush=True)
         mem0 = server.memory()
         # kept for what follows: the faults (~18 images) and the baseline (its build, ~16 images)
         reserve = 44 * t_img + (60 if a.model == "sdxl" else 5)

@@ -26,6 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from fdlora.layers.fastpath.merged import merge_cache_bytes
 from fdlora.serve.deployment import process_memory
 from fdlora.serve.engine import Engine, png
 from fdlora.serve.schema import MAX_BODY_BYTES, ImageRequest, Limits, RequestError, error_body, parse_body
@@ -286,8 +287,9 @@ class LocalServer:
 
     @contextlib.contextmanager
     def memory_cap(self, req: dict):
-        """Device memory capped between what one request of `req`'s shape needs and what two need (CUDA: a
-        per-process fraction; CPU: a UNet hook refusing more latents than one prompt's, CFG included)."""
+        """Device memory capped between what one request of `req`'s shape needs and what two need, over the weights
+        and banks (CUDA: a per-process fraction; CPU: a UNet hook refusing more latents than one prompt's, CFG
+        included)."""
         import torch
 
         unet, dev = self.engine.pipe.unet, self.engine.pipe.device
@@ -298,7 +300,8 @@ class LocalServer:
             post(self.url, req, 600)
             need = torch.cuda.max_memory_allocated(dev) - base
             torch.cuda.empty_cache()  # the cap counts reserved memory: blocks cached by earlier batches are not room
-            cap = torch.cuda.memory_reserved(dev) + int(1.6 * need)
+            # merged-weight copies are not counted as room: the engine drops them when a call runs out of memory
+            cap = torch.cuda.memory_reserved(dev) - merge_cache_bytes(dev) + int(1.6 * need)
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(cap / total, dev)
             try:

@@ -16,7 +16,7 @@ import bench_serve  # noqa: E402
 import serve_harness  # noqa: E402
 
 FIELDS = ("device", "torch", "diffusers", "peft", "ray", "ray_reason", "http", "config", "idle", "runs", "faults",
-          "memory", "server", "baseline_idle", "base_ceiling", "summary", "wall_s")
+          "warm_up", "memory", "server", "baseline_idle", "base_ceiling", "summary", "wall_s")
 
 
 @pytest.mark.parametrize("http", ["fastapi"])
