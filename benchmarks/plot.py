@@ -6,7 +6,8 @@
 Each chart names its GPU and the file it was read from. Charts (PNG and SVG each):
 
 - `x_base_<gpu>`: step time / base step per case on full-size models, fd-lora against diffusers+PEFT (or PEFT) on
-  the same adapters, from `fullsize.json` (several cases measured one after another in one process).
+  the same adapters, from `fullsize.json` (how its cases were run, as its `method` says: each alone in a fresh
+  process, or, in older files, one after another in one process).
 - `x_base_h200_alone`: the same cases on an H200, each alone in a fresh process (the table H200_ALONE below).
 - `breadth_<gpu>`: one row per diffusers family, 1 adapter and a 4-adapter blend (`breadth.json`).
 - `load_latency`: one SDXL-size r32 LoRA loaded from the Hub cache and from fd-lora's RAM cache, against
@@ -130,6 +131,14 @@ def _bars(ax, labels, fd, ref, ref_label="diffusers+PEFT", xlabel="x base step (
     ax.set_xlabel(xlabel)
 
 
+def _method(data: dict) -> str:
+    """How a fullsize.json's cases were run, as its `method` field says (one process for the older files)."""
+    m = data.get("method", "")
+    if "fresh process" in m:
+        return "each case alone in a fresh process, the median of three runs"
+    return "cases measured one after another in one process"
+
+
 def plot_fullsize(gpu: str, out: Path) -> list[Path]:
     data = _load(gpu, "fullsize.json")
     if not data or sum(1 for m, c, _, _ in FULLSIZE_CASES if any(
@@ -152,7 +161,7 @@ def plot_fullsize(gpu: str, out: Path) -> list[Path]:
         ax.set_xticks([1, 1.5, 2, 4, 8], ["1", "1.5", "2", "4", "8"])
         ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.suptitle(f"Full-size step time, {GPU_NAMES.get(gpu, gpu)}: x the base step, lower is better\n"
-                 f"(benchmarks/results/{gpu}/fullsize.json; cases measured one after another in one process)",
+                 f"(benchmarks/results/{gpu}/fullsize.json; {_method(data)})",
                  fontsize=9, x=0.02, ha="left")
     fig.tight_layout()
     return _save(fig, out, f"x_base_{gpu}")
@@ -361,6 +370,9 @@ def plot_serve(gpu: str, out: Path) -> list[Path]:
             for r in opened:
                 ox.annotate(f"p50 {r['p50_s']:.1f} s, p99 {r['p99_s']:.1f} s", (r["rate_rps"], r["throughput_ips"]),
                             fontsize=7, textcoords="offset points", xytext=(4, -10))
+    ceiling = (data.get("base_ceiling") or {}).get("ips")
+    if ceiling:  # the base model without adapters, the largest batch at once: no LoRA server passes it here
+        ax.axhline(ceiling, color="grey", ls=":", label=f"base model, {data['base_ceiling']['batch']} in one batch")
     for a, xl, yl in ((ax, "clients (closed loop)", "images/s"), (lx, "clients (closed loop)", "latency, s"),
                       (ox, "offered rate, requests/s (open loop)", "images/s served")):
         a.set_xlabel(xl)
