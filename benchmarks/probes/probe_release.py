@@ -1,3 +1,4 @@
+# Measures: which objects keep a deleted fused model's CUDA memory alive (the referrer chains).
 """Which objects keep a deleted fused model's CUDA memory alive (tests/layers/test_release.py's scenario): after
 `del model` with the collector off, list the live large CUDA tensors and, for each, the chain of referrers that
 holds it (types and, for dicts, the keys that point at the next link)."""
