@@ -8,6 +8,8 @@
 #           + host profiles of eager decode steps), layer (host time of one fused layer's eager forward), load (SDXL-size adapter load), fused / fused-measure
 #           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels),
 #           sweep (every delta config per shape; fused vs split components), probe-tma (Hopper TMA GEMM vs cuBLAS),
+#           probe-padded-k (per-call LoRA forms vs the cuBLAS base GEMM), probe-rss (RSS over new batch shapes),
+#           serve (bench_serve.py, full-size SDXL, alone on its GPU: the whole 10-minute call),
 #           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call),
 #           tests-fast (GPU-marked tests, 6 workers: ~3 min; .whl must hold pytest-xdist + execnet), tests-cuda (the same
 #           under FDLORA_BACKEND=cuda), tests-notriton (triton's package moved away for the run, then back),
@@ -97,5 +99,8 @@ for stage in "$@"; do
         TAIL=12 step 110 $L --num_processes 1 $B
         TAIL=12 step 150 $L --multi_gpu --num_processes 2 $B ;;
     probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
+    probe-padded-k) TAIL=40 step 150 python3 benchmarks/probes/probe_padded_k.py --out "$OUT/results/padded_k.json" ;;
+    probe-rss) TAIL=10 step 120 python3 benchmarks/probes/probe_rss_shapes.py --out "$OUT/results/rss_shapes.json" ;;
+    serve) TAIL=30 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 560 --out "$OUT/results/serve.json" ;;
   esac
 done
