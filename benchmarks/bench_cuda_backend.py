@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fdlora.kernels import registry  # noqa: E402
 from fdlora.kernels import ops as ref  # noqa: E402
+from fdlora.kernels import registry  # noqa: E402
 from fdlora.kernels.ops.lora_merge import lora_merge as ref_merge  # noqa: E402
 
 # name, M, K, N, S, R, live ranks, weights, dtype, mode

@@ -16,7 +16,6 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F
 
 SHAPES = [  # model, M (rows of the whole batch), K, N
     ("sdxl", 2048, 1280, 1280), ("sdxl", 2048, 1280, 10240), ("sdxl", 2048, 5120, 1280),
@@ -139,7 +138,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     if a.out:
         out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",
-               "timing": "one CUDA graph replay per call, L2 flushed (triton.testing.do_bench), median", "rows": rows_out}
+               "timing": "one CUDA graph replay per call, L2 flushed (triton.testing.do_bench), median",
+               "rows": rows_out}
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 

@@ -19,9 +19,9 @@ from triton_cases import (
     with_dtype,
 )
 
+from fdlora.kernels import ops as ref
 from fdlora.kernels import registry
 from fdlora.kernels.cuda import build
-from fdlora.kernels import ops as ref
 from fdlora.kernels.ops.lora_merge import lora_merge as ref_merge
 from fdlora.kernels.ops.lora_merge import new_stamp
 

@@ -25,8 +25,8 @@ from triton_cases import (
     with_dtype,
 )
 
-from fdlora.kernels import registry
 from fdlora.kernels import ops as ref
+from fdlora.kernels import registry
 from fdlora.testing import poisoned_empty
 
 pytestmark = pytest.mark.triton  # the Triton backend, as auto picks it (even under FDLORA_BACKEND=cuda)

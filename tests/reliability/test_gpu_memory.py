@@ -95,8 +95,8 @@ def test_first_launches_skip_autotuning_when_memory_is_short(monkeypatch):
     """Under memory pressure a new shape runs its default config (no autotune timing buffers) and the result is
     still exact; a warning says so."""
     pytest.importorskip("triton")
-    from fdlora.kernels import registry
     from fdlora.kernels import ops as ref
+    from fdlora.kernels import registry
     from fdlora.kernels.triton import config as C
 
     ops = registry.ops("triton")

@@ -96,9 +96,9 @@ def prepare_linear(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, 
 def prepare_linear_rows(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor,
                         B: torch.Tensor, scale: torch.Tensor, row_slot: torch.Tensor, ranks: torch.Tensor):
     """The base GEMM and lora_delta_rows with every argument but x bound in C++: `run(x)` -> y ([..., N] for x
-    [..., K] holding row_slot's rows), for eager decode layers to keep (fdlora.layers.fastpath.decode) and replay on their hot
-    path (fdlora.layers.fastpath.hot). None where a call must go through the dispatcher (traced, autograd) or W is not a plain
-    row-major weight in the bank's dtype."""
+    [..., K] holding row_slot's rows), for eager decode layers to keep (fdlora.layers.fastpath.decode) and replay on
+    their hot path (fdlora.layers.fastpath.hot). None where a call must go through the dispatcher (traced, autograd)
+    or W is not a plain row-major weight in the bank's dtype."""
     if (not (direct(x, W, A, B, scale, row_slot, ranks) and (bias is None or direct(bias)))
             or W.dtype != A.dtype or W.dim() != 2 or W.stride(1) != 1 or row_slot.dtype != torch.int32):
         return None

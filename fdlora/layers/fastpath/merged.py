@@ -200,7 +200,7 @@ class MergedWeight:
         self.groups: dict[tuple, MergedWeight] = {}  # per-sample blend -> its copy, least recently used first
         self.kept: tuple | None = None  # (addresses, the stamped merge kept ready) of weight_on_device
         self.hot: tuple | None = None  # the layer's hot path (fdlora.layers.fastpath.hot): dropped with the buffer
-        self.rows = 0  # rows per sample of the layer's last cache-deciding call (fdlora.layers.fastpath.remerge.note_rows)
+        self.rows = 0  # rows per sample of its last cache-deciding call (fdlora.layers.fastpath.remerge.note_rows)
         BUDGET.caches.add(self)
 
     def _buffer(self, W: torch.Tensor) -> torch.Tensor | None:

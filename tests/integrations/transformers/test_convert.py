@@ -8,11 +8,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
-from integrations.transformers.models import BY_ID, built, ids, randomize_lora
-from integrations.transformers.test_equivalence import check_close, float_tensors, peft_run, run
 
 import fdlora
 from fdlora.layers import registry_of_models
+from integrations.transformers.models import BY_ID, built, ids, randomize_lora
+from integrations.transformers.test_equivalence import check_close, float_tensors, peft_run, run
 
 
 def peft_copy(case_id):

@@ -15,11 +15,11 @@ import tempfile
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from integrations.transformers.models import CASES, built, first_tensor, ids, randomize_lora
 
 import fdlora
 from fdlora.layers.modules import shared_shrink as shared
 from fdlora.testing import EPS, max_err
+from integrations.transformers.models import CASES, built, first_tensor, ids, randomize_lora
 
 IDS = [c.id for c in CASES]
 FACTOR = 4  # two independent fp32 rounding paths through a whole network: eager's error is one sample of it

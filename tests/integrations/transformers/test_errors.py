@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 from peft import IA3Config, LoraConfig, get_peft_model
-from integrations.transformers.models import BY_ID, built, ids, randomize_lora
 
 import fdlora
 from fdlora import errors
 from fdlora.layers import registry_of_models
+from integrations.transformers.models import BY_ID, built, ids, randomize_lora
 
 
 def saved(model, config, name="default"):

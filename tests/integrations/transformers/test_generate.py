@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from integrations.transformers.models import built, ids
 
 import fdlora
+from integrations.transformers.models import built, ids
 
 NAMES = ["one", "__base__", "two"]
 

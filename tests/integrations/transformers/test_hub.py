@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 import torch
-from integrations.transformers.models import built, ids
 from support import hubcache
 
 import fdlora
+from integrations.transformers.models import built, ids
 
 
 def publish(server, folder: str, subfolder: str = "") -> tuple[str, str]:

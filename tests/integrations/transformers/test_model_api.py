@@ -10,12 +10,12 @@ import tempfile
 import pytest
 import torch
 from peft import PeftModel
-from integrations.transformers.models import BY_ID, built
-from integrations.transformers.test_equivalence import peft_run, run
 from safetensors.torch import load_file
 
 import fdlora
 from fdlora import errors
+from integrations.transformers.models import BY_ID, built
+from integrations.transformers.test_equivalence import peft_run, run
 
 
 def close(a, b):

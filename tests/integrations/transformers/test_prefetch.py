@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
-from integrations.transformers.models import randomize_lora
 
 import fdlora
 from fdlora import errors
 from fdlora.integrations.prefetch import prefetch
 from fdlora.layers import registry_of_models
+from integrations.transformers.models import randomize_lora
 
 
 def llama(hidden=32):

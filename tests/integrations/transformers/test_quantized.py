@@ -14,13 +14,13 @@ import pytest
 import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
-from integrations.transformers.models import ids, randomize_lora
 from torch import nn
 
 import fdlora
 from fdlora import errors
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.layers.modules.fused import FusedLoraLinear
+from integrations.transformers.models import ids, randomize_lora
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import pytest
 import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
-from integrations.transformers.models import ids, randomize_lora
 
 import fdlora
 from fdlora import errors
 from fdlora.layers.modules.fused import FusedLoraLinear
 from fdlora.layers.quant import quantized
+from integrations.transformers.models import ids, randomize_lora
 
 pytest.importorskip("torchao", reason="torchao not installed (pip install 'fd-lora[quant]')")
 warnings.filterwarnings("ignore")

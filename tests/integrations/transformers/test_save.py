@@ -10,14 +10,14 @@ import tempfile
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from integrations.transformers.models import BY_ID, built, ids, randomize_lora
-from integrations.transformers.test_equivalence import check_close, peft_run, run
 from safetensors.torch import load_file
 
 import fdlora
 from fdlora.hub.adapter import LoraAdapter, ModuleLora
 from fdlora.layers import registry_of_models
 from fdlora.layers.modules.fused import _FusedLora
+from integrations.transformers.models import BY_ID, built, ids, randomize_lora
+from integrations.transformers.test_equivalence import check_close, peft_run, run
 
 
 def close(a, b):

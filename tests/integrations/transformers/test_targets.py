@@ -21,14 +21,14 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
-from integrations.transformers.models import CASES, built, ids, randomize_lora, second_config
-from integrations.transformers.test_equivalence import run
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import fdlora
 from fdlora.integrations.transformers.loraconfig import peft_targets
+from integrations.transformers.models import CASES, built, ids, randomize_lora, second_config
+from integrations.transformers.test_equivalence import run
 
 PATTERNS = ["layers", "h", "layer", "block"]  # one list for every case: T5 paths hold both "block.i" and "layer.i"
 
