@@ -17,8 +17,10 @@ conversion). Nor on the slots its adapters landed in: before each call, the call
 name order (`_arrange`), so sums over slots meet them in one order whatever the replica's load history.
 
 A failure stays with the requests that cause it (`run_each`): an adapter that fails to load (its file corrupt
-or gone) fails only the requests that name it, with a one-line 500; a call that runs out of device memory is run
-again one request at a time, and only a request that still does not fit fails, with a 507 naming the limit.
+or gone) fails only the requests that name it, with a one-line 500; a call that runs out of device memory drops
+the merged-weight copies (halving their budget) and is run again one request at a time, and only a request that
+still does not fit with no copy left to drop fails, with a 507 naming the limit. After each call the C heap's free
+pages go back to the OS, so the process's RSS follows the data it holds.
 """
 
 from __future__ import annotations
