@@ -236,11 +236,16 @@ class Engine:
             finally:
                 self.call_s += time.perf_counter() - t
             self._used(names)
-            self.paths.update(dispatch_counts(getattr(self.pipe, "unet", None) or self.pipe.transformer))
+            self.paths.update(dispatch_counts(_denoiser(self.pipe)))
             _trim_host_heap()
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [png(im) for im in images]
+
+
+def _denoiser(pipe):
+    """The module that runs every step (a UNet or a transformer), whose fused layers' paths a call records."""
+    return next(m for m in (getattr(pipe, "unet", None), getattr(pipe, "transformer", None), pipe) if m is not None)
 
 
 def _uniform_dtypes(pipe) -> dict[str, Any]:
@@ -347,6 +352,7 @@ class TextEngine(Engine):
         self._lock = threading.RLock()
         self.calls = self.loads = self.mixed = self.failed_loads = 0
         self.load_s = 0.0
+        self.paths = collections.Counter()
         self.held, self.partners = set(), {}
 
     def known(self) -> list[str]:
@@ -384,7 +390,7 @@ class TextEngine(Engine):
             with torch.inference_mode():
                 out = self.pipe.generate(ids, **kw)[:, ids.shape[1]:]
             self._used(names)
-            self.paths.update(dispatch_counts(getattr(self.pipe, "unet", None) or self.pipe.transformer))
+            self.paths.update(dispatch_counts(self.pipe))
             _trim_host_heap()
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
