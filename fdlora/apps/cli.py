@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     args = parser.parse_args(argv)
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        return int(importlib.import_module(args._module).run(args) or 0)  # the chosen subcommand's module
     except Exception as e:  # errors print as one line unless --debug
         if args.debug:
             raise
