@@ -20,7 +20,7 @@ A failure stays with the requests that cause it (`run_each`): an adapter that fa
 or gone) fails only the requests that name it, with a one-line 500; a call that runs out of device memory drops
 the merged-weight copies (halving their budget) and is run again one request at a time, and only a request that
 still does not fit with no copy left to drop fails, with a 507 naming the limit. After each call the C heap's free
-pages go back to the OS, so the process's RSS follows the data it holds.
+pages go back to the OS (`_trim_host_heap`).
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def _shrink_merge_cache(pipe) -> bool:
 def _trim_host_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere). A call decodes and
     encodes megabyte images on whichever threads serve it, and glibc keeps what they free in per-thread arenas, so
-    without this the RSS follows the threads that ever ran rather than the data that lives."""
+    without this the RSS can follow the threads that ever ran rather than the data that lives."""
     global _malloc_trim
     if _malloc_trim is None:
         import ctypes
