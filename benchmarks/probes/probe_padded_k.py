@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's helpers (bench_llm.graphed)
 
 SHAPES = [  # model, M (rows of the whole batch), K, N
     ("sdxl", 2048, 1280, 1280), ("sdxl", 2048, 1280, 10240), ("sdxl", 2048, 5120, 1280),
@@ -92,17 +96,9 @@ def reference(x, W, A, B, scale, n, rows):
 
 def graph_ms(fn) -> float:
     import triton.testing as tt
+    from bench_llm import graphed
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return tt.do_bench(g.replay, warmup=10, rep=60, return_mode="median")
+    return tt.do_bench(graphed(fn), warmup=10, rep=60, return_mode="median")
 
 
 def main() -> None:
