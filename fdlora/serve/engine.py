@@ -244,8 +244,12 @@ class Engine:
 
 
 def _denoiser(pipe):
-    """The module that runs every step (a UNet or a transformer), whose fused layers' paths a call records."""
-    return next(m for m in (getattr(pipe, "unet", None), getattr(pipe, "transformer", None), pipe) if m is not None)
+    """The module that runs every step (its LoRA family's denoiser: a UNet or a transformer), whose fused layers'
+    paths a call records."""
+    from ..integrations.diffusers.family import family_of
+
+    fam = family_of(pipe)
+    return getattr(pipe, fam.denoiser) if fam is not None else pipe
 
 
 def _uniform_dtypes(pipe) -> dict[str, Any]:
