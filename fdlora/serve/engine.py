@@ -19,8 +19,9 @@ name order (`_arrange`), so sums over slots meet them in one order whatever the 
 A failure stays with the requests that cause it (`run_each`): an adapter that fails to load (its file corrupt
 or gone) fails only the requests that name it, with a one-line 500; a call that runs out of device memory drops
 the merged-weight copies (halving their budget) and is run again one request at a time, and only a request that
-still does not fit with no copy left to drop fails, with a 507 naming the limit. After each call the C heap's free
-pages go back to the OS (`_trim_host_heap`).
+still does not fit with no copy left to drop fails, with a 507 naming the limit. An engine fixes the C heap's mmap
+threshold for its process and gives the heap's free pages back after each call (fdlora.serve.heap), so the RSS
+follows the data that lives, not the threads that served.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 from ..api import dispatch_counts
 from ..errors import FdLoraError
+from . import heap
 from .schema import ImageRequest, Limits, RequestError
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class Engine:
 
         if cfg.kind != "pipeline":
             raise FdLoraError(f"{cfg.source}: Engine serves diffusers pipelines; use TextEngine for 'model:'")
+        heap.pin_mmap_threshold()
         self.cfg = cfg
         self.limits = Limits.from_config(cfg)
         self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
@@ -237,7 +240,7 @@ class Engine:
                 self.call_s += time.perf_counter() - t
             self._used(names)
             self.paths.update(dispatch_counts(_denoiser(self.pipe)))
-            _trim_host_heap()
+            heap.trim()
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [png(im) for im in images]
@@ -291,26 +294,6 @@ def _shrink_merge_cache(pipe) -> bool:
     return merge_cache_bytes(dev) < held
 
 
-def _trim_host_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere). A call decodes and
-    encodes megabyte images on whichever threads serve it, and glibc keeps what they free in per-thread arenas, so
-    without this the RSS can follow the threads that ever ran rather than the data that lives."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
-
-
 def _free_device_cache() -> None:
     import torch
 
@@ -347,6 +330,7 @@ class TextEngine(Engine):
     def __init__(self, cfg, model: Any = None) -> None:
         from ..config import build
 
+        heap.pin_mmap_threshold()
         self.cfg = cfg
         self.limits = Limits.from_config(cfg)
         self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
@@ -395,7 +379,7 @@ class TextEngine(Engine):
                 out = self.pipe.generate(ids, **kw)[:, ids.shape[1]:]
             self._used(names)
             self.paths.update(dispatch_counts(self.pipe))
-            _trim_host_heap()
+            heap.trim()
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
         return [_until_eos(row.tolist(), eos) for row in out]
