@@ -286,12 +286,14 @@ def base_image_s(server, req: dict) -> float:
 
 
 def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
-    """One batch of every size up to `max_batch` (pool requests, so mixed adapters), before memory is first read:
-    the kernels, library workspaces and allocator pools a server meets with each new batch shape are in place, so
-    the RSS and device-memory figures after the load runs show what serving adds, not what a first shape does."""
+    """One batch of every size up to `max_batch` (pool requests, so mixed adapters; two denoising steps, since every
+    step has the same shapes), before memory is first read: the kernels, library workspaces and allocator pools a
+    server meets with each new batch shape are in place, so the RSS and device-memory figures after the load runs
+    show what serving adds, not what a first shape does."""
     t, sizes = time.perf_counter(), list(range(2, max_batch + 1))
     for b in sizes:
-        reqs = [{**pool[(b + i) % len(pool)], "seed": 800 + 10 * b + i} for i in range(b)]
+        reqs = [{**pool[(b + i) % len(pool)], "num_inference_steps": min(2, pool[0]["num_inference_steps"]),
+                 "seed": 800 + 10 * b + i} for i in range(b)]
         bad = [s for s, _ in burst(server.url, reqs, 40 * t_img + 30) if s != 200]
         if bad:
             raise RuntimeError(f"warm-up batch of {b} failed on the idle server: {bad}")
@@ -366,11 +368,11 @@ def burst(url: str, reqs: list[dict], timeout_s: float) -> list[tuple[int | None
 
 
 def fault_oom(server, pool, refs, size: int, t_img: float) -> dict:
-    """Three requests of one shape together (a batch over the cap, re-run one by one) and one 1.5x-size request
-    (over the cap alone: a 507)."""
+    """Three requests of one shape together (a batch over the cap, re-run one by one) and one 2x-size request (four
+    times the pixels: over the cap alone even once the merged copies are dropped, a 507)."""
     if server.engine is None:
         return {"skipped": "the replica runs in a Ray worker; the memory cap is set in-process"}
-    big = {**pool[0], "height": size * 3 // 2, "width": size * 3 // 2, "seed": 999}
+    big = {**pool[0], "height": size * 2, "width": size * 2, "seed": 999}
     retries = server.engine.oom_retries
     with server.memory_cap(pool[0]) as how:
         answers = burst(server.url, [pool[0], pool[1 % len(pool)], pool[2 % len(pool)], big], 40 * t_img + 30)
@@ -466,7 +468,7 @@ def run(a) -> dict:
                     "dtype": m["dtype"], "steps": steps, "size": size,
                     "adapters": [{"name": n, "source": str(p)} for n, p in paths.items()],
                     "serve": {"adapters_per_replica": a.slots, "max_batch": a.max_batch,
-                              "batch_wait_s": a.batch_wait_s, "max_steps": steps, "max_size": size * 3 // 2}})
+                              "batch_wait_s": a.batch_wait_s, "max_steps": steps, "max_size": size * 2}})
     pool = request_pool(names, a.pool, size, steps, a.seed)
     out = {"bench": "serve", "model": a.model, **environment(device), "ray": use_ray, "ray_reason": why,
            "config": {"size": size, "steps": steps, "cfg": True, "dtype": m["dtype"], "adapters": a.adapters,

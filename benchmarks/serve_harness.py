@@ -26,7 +26,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from fdlora.layers.fastpath.merged import merge_cache_bytes
 from fdlora.serve.deployment import process_memory
 from fdlora.serve.engine import Engine, png
 from fdlora.serve.schema import MAX_BODY_BYTES, ImageRequest, Limits, RequestError, error_body, parse_body
@@ -300,8 +299,9 @@ class LocalServer:
             post(self.url, req, 600)
             need = torch.cuda.max_memory_allocated(dev) - base
             torch.cuda.empty_cache()  # the cap counts reserved memory: blocks cached by earlier batches are not room
-            # merged-weight copies are not counted as room: the engine drops them when a call runs out of memory
-            cap = torch.cuda.memory_reserved(dev) - merge_cache_bytes(dev) + int(1.6 * need)
+            # merged copies count as room: a cap under them leaves each step at the limit, where convolutions fall
+            # back to algorithms without workspace and the allocator frees its cache on every miss (slow, no OOM)
+            cap = torch.cuda.memory_reserved(dev) + int(1.6 * need)
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(cap / total, dev)
             try:
