@@ -287,20 +287,24 @@ class LocalServer:
     @contextlib.contextmanager
     def memory_cap(self, req: dict):
         """Device memory capped between what one request of `req`'s shape needs and what two need, over the weights
-        and banks (CUDA: a per-process fraction; CPU: a UNet hook refusing more latents than one prompt's, CFG
-        included)."""
+        and banks (CUDA: a per-process fraction, with the merged-weight cache off for its duration, so no copy dropped
+        on running out makes room and every step keeps 0.6 of an image's need free; CPU: a UNet hook refusing more
+        latents than one prompt's, CFG included)."""
         import torch
+
+        from fdlora import set_merge_cache
 
         unet, dev = self.engine.pipe.unet, self.engine.pipe.device
         if dev.type == "cuda":
+            merge_limit = set_merge_cache(0)
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
             post(self.url, req, 600)
             need = torch.cuda.max_memory_allocated(dev) - base
             torch.cuda.empty_cache()  # the cap counts reserved memory: blocks cached by earlier batches are not room
-            # merged copies count as room: a cap under them leaves each step at the limit, where convolutions fall
-            # back to algorithms without workspace and the allocator frees its cache on every miss (slow, no OOM)
+            # a cap within an image's need of a step's peak leaves the step at the limit, where convolutions fall back
+            # to algorithms without workspace and the allocator frees its cache on every miss: slow, never out of memory
             cap = torch.cuda.memory_reserved(dev) + int(1.6 * need)
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(cap / total, dev)
@@ -310,6 +314,7 @@ class LocalServer:
             finally:
                 torch.cuda.set_per_process_memory_fraction(1.0, dev)
                 torch.cuda.empty_cache()
+                set_merge_cache(merge_limit)
             return
         side = req["height"] // self.engine.pipe.vae_scale_factor
 

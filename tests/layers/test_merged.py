@@ -343,3 +343,18 @@ def test_budget_counts_what_a_per_process_fraction_allows(monkeypatch):
     assert not b.reserve(int(0.2 * G), dev)  # over the budget now (7.4 + 0.2 > 7.5)
     b.used[dev] = 0
     assert not b.reserve(int(4.5 * G), dev) and b.reserve(4 * G, dev) and b.used[dev] == 4 * G
+
+
+def test_set_merge_cache_returns_the_limit_it_replaces():
+    """A caller that turns the cache off for a while (a memory-capped fault run, a benchmark case) puts back whatever
+    the user had: "auto", a share, or a byte count, parsed as set."""
+    from fdlora.layers.fastpath import merged
+
+    original = merged.set_merge_cache("40%")
+    try:
+        assert merged.set_merge_cache(0) == 0.4
+        assert merged.set_merge_cache(3 * 2**30) == 0
+        assert merged.set_merge_cache("auto") == 3 * 2**30
+    finally:
+        assert merged.set_merge_cache(original) == "auto"
+    assert merged.BUDGET.spec == original

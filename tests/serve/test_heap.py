@@ -1,35 +1,47 @@
-"""fdlora.serve.heap: a serving process's large host buffers go back to the OS when freed, so its RSS follows the
-data that lives. Each case runs in a fresh interpreter, since glibc's mmap threshold is per-process state."""
+"""fdlora.serve.heap: a serving process's threads share two glibc arenas, so the megabyte buffers they free are reused
+and trimmed, and its RSS follows the data that lives. Each case runs in a fresh interpreter, since the arena limit
+is per-process state that binds threads started after it."""
 
 import ctypes
 import ctypes.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-pytestmark = pytest.mark.skipif(not hasattr(libc, "mallinfo2"), reason="glibc >= 2.33 only (mallinfo2)")
+pytestmark = pytest.mark.skipif(not hasattr(libc, "malloc_info"), reason="glibc only (malloc_info, mallopt)")
 
-MAPPED_AFTER_FREE = """
-import ctypes, ctypes.util, json, sys
+ARENAS_OF_EIGHT_THREADS = """
+import ctypes, ctypes.util, json, os, sys, tempfile, threading
 from fdlora.serve import heap
-
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-libc.mallinfo2.restype = Info
-if sys.argv[1] == "pinned":
-    assert heap.pin_mmap_threshold()
-libc.free(libc.malloc(4 << 20))  # an unpinned glibc raises its threshold past 4 MiB here
-before = libc.mallinfo2().hblkhd
-p = libc.malloc(4 << 20)
-print(json.dumps({"mapped": libc.mallinfo2().hblkhd - before}))
-libc.free(p)
+libc.fopen.restype, libc.fclose.argtypes, libc.malloc_info.argtypes = ctypes.c_void_p, [ctypes.c_void_p], \\
+    [ctypes.c_int, ctypes.c_void_p]
+if sys.argv[1] == "limited":
+    assert heap.limit_arenas()
+ready, done, held = threading.Barrier(9), threading.Event(), []
+
+def thread():  # a block held while the other threads take theirs, so none can borrow another's arena
+    held.append(libc.malloc(4096))
+    ready.wait()
+    done.wait()
+
+threads = [threading.Thread(target=thread) for _ in range(8)]
+[t.start() for t in threads]
+ready.wait()
+path = tempfile.mktemp()
+f = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, f)
+libc.fclose(f)
+done.set()
+[t.join() for t in threads]
+print(json.dumps({"arenas": open(path).read().count("<heap nr=")}))
+os.unlink(path)
 """
 
 THREADED_IMAGES = """
@@ -38,8 +50,8 @@ import numpy as np, torch
 from PIL import Image
 from fdlora.serve import heap
 
-if sys.argv[1] == "pinned":
-    heap.pin_mmap_threshold()
+if sys.argv[1] == "limited":
+    heap.limit_arenas()
 
 def rss_mb():
     heap.trim()
@@ -65,20 +77,21 @@ print(json.dumps({"growth_mb": growth}))
 
 
 def run(script: str, mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mode", ["pinned", "unpinned"])
-def test_a_freed_large_buffer_keeps_the_next_one_mapped_only_when_pinned(mode):
-    mapped = run(MAPPED_AFTER_FREE, mode)["mapped"]
-    if mode == "pinned":
-        assert mapped >= 4 << 20, "a 4 MiB buffer should get its own mapping once the threshold is pinned"
-    else:  # glibc's own rule, which pinning is there to stop: the freed buffer raised the threshold past it
-        assert mapped == 0
+@pytest.mark.parametrize("mode", ["limited", "unlimited"])
+def test_eight_threads_share_two_arenas_only_when_limited(mode):
+    arenas = run(ARENAS_OF_EIGHT_THREADS, mode)["arenas"]
+    if mode == "limited":
+        assert arenas <= 2
+    else:  # glibc's own rule, which the limit is there to stop: a new thread gets a new arena (up to 8 per core)
+        assert arenas >= 3
 
 
 def test_rss_stays_flat_while_threads_make_and_free_megabyte_images():
-    growth = run(THREADED_IMAGES, "pinned")["growth_mb"]
-    assert max(growth) <= 40, f"RSS grew {growth} MB over 5 rounds of 16 threads with the threshold pinned"
+    growth = run(THREADED_IMAGES, "limited")["growth_mb"]
+    assert max(growth) <= 40, f"RSS grew {growth} MB over 5 rounds of 16 threads with two arenas"

@@ -144,11 +144,14 @@ BUDGET = MergeBudget()
 PASS_HOLDERS: weakref.WeakSet = weakref.WeakSet()  # model states whose kept refresh (remerge) references buffers
 
 
-def set_merge_cache(limit: int | float | str) -> None:
+def set_merge_cache(limit: int | float | str) -> int | float | str:
     """Byte budget per device for merged-weight copies: "auto" (25% of a GPU's memory, off on CPU),
     a byte count, a share of device memory (0.4 or "40%"), or 0 to turn the cache off. Existing
-    copies are dropped; layers re-merge on their next call under the new limit."""
+    copies are dropped; layers re-merge on their next call under the new limit. Returns the limit it
+    replaces, so a caller can put it back."""
+    previous = BUDGET.spec
     BUDGET.set_limit(limit)
+    return previous
 
 
 def merge_cache_bytes(device: torch.device | str | None = None) -> int:
