@@ -285,6 +285,43 @@ def base_image_s(server, req: dict) -> float:
     return statistics.median(lat)
 
 
+def load_profile(server, name: str, n: int = 3) -> dict:
+    """`name` deleted and loaded again `n` times on the idle server (what an eviction costs a later request: the
+    adapter comes back from the RAM cache), the device synchronised around each; the last one under cProfile, its
+    20 costliest functions by cumulative time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    e = server.engine
+    if e is None:
+        return {"skipped": "the replica runs in a Ray worker"}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times, prof = [], cProfile.Profile()
+    with e._lock:
+        known = name in e.known()
+        if not known:
+            e._load(name, e.specs[name])
+        for i in range(n):
+            e._delete(name)
+            sync()
+            t = time.perf_counter()
+            if i == n - 1:
+                prof.enable()
+            e._load(name, e.specs[name])
+            sync()
+            prof.disable()
+            times.append(round(time.perf_counter() - t, 4))
+        if not known:
+            e._delete(name)
+    st = pstats.Stats(prof)
+    top = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:20]
+    return {"adapter": name, "reload_s": times, "top_cumulative": [
+        {"function": f"{Path(f).name}:{line}({fn})", "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)}
+        for (f, line, fn), (_, nc, tt, ct, _) in top]}
+
+
 def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
     """One batch of every size up to `max_batch` (pool requests, so mixed adapters; two denoising steps, since every
     step has the same shapes), before memory is first read: the kernels, library workspaces and allocator pools a
@@ -491,6 +528,8 @@ def run(a) -> dict:
                        "adapter_effect": not compare(refs[0], refs[2 % len(pool)]),
                        "base_image_s": round(base_image_s(server, pool[0]), 4)}
         print(f"fd-lora: one image alone {t_img:.3f} s, {len(pool)} references", flush=True)
+        out["load_profile"] = load_profile(server, names[0])
+        print(f"  adapter reload: {out['load_profile'].get('reload_s')} s", flush=True)
         out["warm_up"] = warm_shapes(server, pool, a.max_batch, t_img)
         print(f"  warm-up: {out['warm_up']}", flush=True)
         mem0 = server.memory()

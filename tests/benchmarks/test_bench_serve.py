@@ -50,6 +50,9 @@ def test_whole_flow_tiny(http, tmp_path):
     assert mem["rss_growth_outside_caches_mb"] == round(mem["rss_growth_mb"] - mem["adapter_cache_growth_mb"], 1)
     ceiling = d["base_ceiling"]
     assert ceiling["batch"] == 8 and ceiling["ips"] > 0 and s["base_batch_ips"] == ceiling["ips"]
+    reload = d["load_profile"]  # an evicted adapter's way back, timed and profiled on the idle server
+    assert len(reload["reload_s"]) == 3 and min(reload["reload_s"]) > 0
+    assert any("load_fd_lora" in f["function"] for f in reload["top_cumulative"])
 
 
 def test_a_swapped_adapter_is_a_mismatch(tmp_path):
