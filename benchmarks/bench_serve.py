@@ -13,8 +13,8 @@ time of one image; loopback only):
 2. A pool of distinct requests (one adapter or a two-adapter blend each, seeded) run alone on the idle server:
    the reference images. Load requests draw from the pool at random (seeded), and every response is compared
    with its reference (<= 1/255 per pixel after PNG); mismatches are counted.
-3. Closed loop with 1, 16 and 4 clients (16 measures saturation), then open-loop Poisson arrivals at 50%, 70%
-   and 100% of the saturated rate.
+3. Closed loop with 16, 1 and 4 clients (16 measures saturation, first, so a slow host still gets it), then
+   open-loop Poisson arrivals at 50%, 70% and 100% of the saturated rate.
    Before the load runs, one batch of every size up to `--max-batch` (the shapes a server meets once), so the
    memory figures compare like with like.
 4. Faults: a batch out of device memory (CUDA: a per-process memory cap between one image's need and a
@@ -352,12 +352,13 @@ def base_ceiling(server, pool: list[dict], n: int, t_img: float) -> dict:
     return {"batch": n, "wall_s": round(best, 3), "ips": round(n / best, 4)}
 
 
-def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name: str, clients=(1, 16, 4),
+def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name: str, clients=(16, 1, 4),
               open_loop: bool = True) -> None:
-    """Closed loop with `clients` callers (16 measures saturation), then open loop at 50/70/100% of the 16-client
+    """Closed loop with `clients` callers (16 measures saturation: first, so that a slow host, which leaves less time
+    for the runs, skips the others rather than it), then open loop at 50/70/100% of the 16-client
     throughput; all done by `end` (perf_counter): each run gets a share of the time left, stops sending early
     enough for the requests in flight to finish, and is skipped when too little is left."""
-    shares = [(("closed", c), w) for c, w in zip(clients, (0.1, 0.25, 0.17) if open_loop else (0.4, 0.6))]
+    shares = [(("closed", c), w) for c, w in zip(clients, (0.25, 0.1, 0.17) if open_loop else (0.4, 0.6))]
     if open_loop:
         shares += [(("open", f), 0.16) for f in (0.5, 0.7, 1.0)]
     timeout, seed = 40 * t_img + 30, a.seed
