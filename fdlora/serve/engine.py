@@ -203,14 +203,26 @@ class Engine:
                                       "are served")]
 
     def plan(self, requests: Sequence[ImageRequest]) -> list[list[int]]:
-        groups: dict[tuple, list[list[int]]] = {}
+        """The pipeline calls for a batch, as lists of request indices: requests of one shape share a call, packed
+        first-fit in arrival order so that no call names more adapters than the pool has slots (a request naming
+        more goes alone). Calls needing fewer adapter loads run first: an adapter resident now serves its call
+        before a later call evicts it, and what the last call loads stays for the next batch."""
+        calls: list[tuple[tuple, set[str], list[int]]] = []  # (shape, adapters named, requests)
         for i, r in enumerate(requests):
-            chunks = groups.setdefault(r.shape, [[]])
-            names = {n for j in chunks[-1] for n in requests[j].adapters} | set(r.adapters)
-            if chunks[-1] and len(names) > self.slots:
-                chunks.append([])
-            chunks[-1].append(i)
-        return [c for chunks in groups.values() for c in chunks]
+            names = set(r.adapters)
+            home = next((c for c in calls if c[0] == r.shape and len(c[1] | names) <= self.slots), None)
+            if home is None:
+                calls.append((r.shape, names, [i]))
+            else:
+                home[1].update(names)
+                home[2].append(i)
+        order, resident = [], set(self.known())
+        while calls:
+            call = min(calls, key=lambda c: len(c[1] - resident))  # the first of equals: arrival order
+            calls.remove(call)
+            order.append(call[2])
+            resident |= call[1]
+        return order
 
     def _call(self, reqs: list[ImageRequest]) -> list[bytes]:
         import torch

@@ -30,9 +30,18 @@ def R(adapters, seed=0, steps=2, size=64, prompt="a cat"):
     return ImageRequest(prompt, adapters, None, seed, steps, size, size)
 
 
-def test_plan_groups_by_shape_and_splits_only_past_the_slots(engine):
+def test_plan_groups_by_shape_and_splits_only_past_the_slots(engine, monkeypatch):
     reqs = [R({"e0": 1}), R({"e1": 1}), R({}, size=72), R({"e0": 0.5, "e1": 1}), R({"e2": 1}), R({"e2": 1}, steps=3)]
-    assert engine.plan(reqs) == [[0, 1, 3], [4], [2], [5]]  # e0+e1 fill the 2 slots; e2 starts a new call
+    monkeypatch.setattr(engine, "known", lambda: ["e0", "e1"])  # resident: the call naming both runs first
+    assert engine.plan(reqs) == [[0, 1, 3], [2], [4], [5]]  # e0+e1 fill the 2 slots; e2 starts a new call
+    monkeypatch.setattr(engine, "known", lambda: [])  # nothing resident: fewest loads first, e2 loaded once for two
+    assert engine.plan(reqs) == [[2], [4], [5], [0, 1, 3]]
+
+
+def test_plan_packs_first_fit_so_a_later_request_joins_an_earlier_call(engine, monkeypatch):
+    monkeypatch.setattr(engine, "known", lambda: [])
+    reqs = [R({"e0": 1}), R({"e1": 1, "e2": 1}), R({"e0": 0.5}), R({"e0": 1, "e1": 1, "e2": 1})]
+    assert engine.plan(reqs) == [[0, 2], [1], [3]]  # two calls for three requests; three adapters go alone
 
 
 def test_a_mixed_batch_equals_each_request_alone(engine):
