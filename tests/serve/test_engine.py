@@ -108,3 +108,19 @@ def test_blend_partners_stay_within_the_replica_slots(engine):
     loads = engine.loads
     assert engine.run([R({"e1": 0.5, "e2": 0.5}, seed=3)])[0] == first  # e2 back from the caches, same image
     assert engine.loads == loads + 1 and set(engine.known()) == {"e1", "e2"}
+
+
+def test_plan_serves_every_request_once_within_the_slots_for_random_batches(engine, monkeypatch):
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        known = rng.sample(["e0", "e1", "e2"], rng.randrange(3))
+        monkeypatch.setattr(engine, "known", lambda: known)
+        reqs = [R({f"e{k}": 1 for k in rng.sample(range(3), rng.randrange(3))}, steps=rng.choice([2, 3]))
+                for _ in range(rng.randrange(1, 9))]
+        calls = engine.plan(reqs)
+        assert sorted(i for c in calls for i in c) == list(range(len(reqs)))
+        for c in calls:
+            assert len({reqs[i].shape for i in c}) == 1
+            assert len({n for i in c for n in reqs[i].adapters}) <= engine.slots or len(c) == 1
