@@ -51,18 +51,23 @@ def make_engine(cfg):
 
 class Engine:
     def __init__(self, cfg, pipe: Any = None) -> None:
-        from ..config import build
-
         if cfg.kind != "pipeline":
             raise FdLoraError(f"{cfg.source}: Engine serves diffusers pipelines; use TextEngine for 'model:'")
+        self._setup(cfg, pipe)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._dtypes = _uniform_dtypes(self.pipe)  # put back after a failed call (see _call)
+
+    def _setup(self, cfg, pipe: Any) -> None:
+        """What every engine keeps: the config's limits and allowlist, the pipeline or model (built from the config
+        when not given), the lock and the counters its stats report."""
+        from ..config import build
+
         heap.limit_arenas()
         self.cfg = cfg
         self.limits = Limits.from_config(cfg)
         self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
         self.specs = {a.name: a for a in cfg.adapters}
         self.pipe = pipe if pipe is not None else build(replace(cfg, adapters=[]))
-        self.pipe.set_progress_bar_config(disable=True)
-        self._dtypes = _uniform_dtypes(self.pipe)  # put back after a failed call (see _call)
         self._lock = threading.RLock()  # ensure + call, and release, never interleave
         self.calls = 0  # pipeline calls (a batch of several shapes makes several)
         self.loads = 0
@@ -340,20 +345,8 @@ class TextEngine(Engine):
     `generate(..., fd_lora_adapters=[one spec per row])`, greedy, no padding."""
 
     def __init__(self, cfg, model: Any = None) -> None:
-        from ..config import build
-
-        heap.limit_arenas()
-        self.cfg = cfg
-        self.limits = Limits.from_config(cfg)
-        self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
-        self.specs = {a.name: a for a in cfg.adapters}
-        self.pipe = model if model is not None else build(replace(cfg, adapters=[]))
+        self._setup(cfg, model)
         self.vocab = int(self.pipe.get_input_embeddings().num_embeddings)
-        self._lock = threading.RLock()
-        self.calls = self.loads = self.mixed = self.failed_loads = 0
-        self.load_s = 0.0
-        self.paths = collections.Counter()
-        self.held, self.partners = set(), {}
 
     def known(self) -> list[str]:
         from ..layers import registry_of_models

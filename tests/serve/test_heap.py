@@ -45,17 +45,18 @@ os.unlink(path)
 """
 
 THREADED_IMAGES = """
-import ctypes, io, json, sys, threading
+import io, json, sys, threading
 import numpy as np, torch
 from PIL import Image
 from fdlora.serve import heap
+from fdlora.serve.deployment import process_memory
 
 if sys.argv[1] == "limited":
     heap.limit_arenas()
 
 def rss_mb():
     heap.trim()
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+    return process_memory()["rss"] / 2**20
 
 def request(seed):  # what a served image costs the host: the decoded tensor, its PNG, the client's decode of it
     img = torch.rand(1, 3, 1024, 1024, generator=torch.Generator().manual_seed(seed))
