@@ -418,12 +418,60 @@ def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [{"a": 8, "b": 32, "c": 4}, {"a": 4, "b": 6, "c": 2}])  # n x R: 96; 18, padded
+def test_per_prompt_without_copies_is_one_bound_cuda_call(cops, monkeypatch, ranks) -> None:
+    """With the merged-weight cache off, an eager per-prompt call on the extension is one C++ call per layer, kept on
+    the hot path: BoundSamples (each blend merged into scratch by cuBLASLt, W read in place; the GEMMs as one
+    strided-batched matmul over the copies for one sample per blend, else per run or per CFG position, W itself for
+    samples with no adapter) where the scratch form moves fewer bytes, the extension's lora_linear otherwise (few
+    rows per sample). First call and repeats equal the float reference; samples never see each other's adapters."""
+    pytest.importorskip("triton")
+    import fdlora
+    from fdlora.layers.fastpath import hot
+
+    monkeypatch.setenv("FDLORA_DISPATCH", "cublas")  # the cuBLAS forms on every GPU, calibrated or not
+    monkeypatch.setattr(registry.backends()["triton+cuda"], "_probed", False)
+    with fdlora.use_backend("auto"):
+        model, adapters = mlp_with_adapters(ranks)
+        layers = list(fdlora.handle(model).layers.values())
+
+        def check(x, per_sample: list[dict], path: str) -> None:
+            want = torch.cat([mlp_oracle(model, adapters, x[i:i + 1], a) for i, a in enumerate(per_sample)])
+            for _ in range(3):
+                torch.testing.assert_close(model(x).float(), want, rtol=2e-2, atol=2e-2)
+            assert {lay.dispatch_path().split(" [")[0] for lay in layers} == {path}
+            if path == "bound per-sample scratch":
+                assert {type(lay.merged.hot[hot.FN]).__name__ for lay in layers} == {"BoundSamples"}
+                assert all(lay.merged.hot[hot.FN].planned for lay in layers)
+
+        def spec(s):
+            return {} if s is None else {s: 1.0} if isinstance(s, str) else s
+
+        blend = {"a": 0.6, "c": -0.4}
+        fdlora.set_merge_cache(0)
+        try:
+            with torch.no_grad():
+                for specs in (["c", "a", "b"],  # one sample per blend: one batched GEMM over the copies
+                              ["a", "b", "a", "b"],  # CFG: one strided GEMM per position
+                              ["a", None, "b", "b"],  # runs, W itself for the sample with no adapter
+                              [blend, "b", None, blend]):
+                    x = torch.randn(len(specs), 80, 64, device="cuda", dtype=torch.float16)
+                    with fdlora.per_sample(model, specs):
+                        check(x, [spec(s) for s in specs], "bound per-sample scratch")
+                        x_few = torch.randn(len(specs), 3, 64, device="cuda", dtype=torch.float16)
+                        check(x_few, [spec(s) for s in specs], "bound per-sample delta")
+        finally:
+            fdlora.set_merge_cache("auto")
+    monkeypatch.setattr(registry.backends()["triton+cuda"], "_probed", False)
+
+
+@pytest.mark.gpu
 def test_eager_layers_keep_one_bound_cuda_call_on_their_hot_path(cops, monkeypatch) -> None:
     """Under auto with the extension built, eager calls that repeat run one bound C++ call per layer from the hot
-    path (fdlora.layers.fastpath.hot): decode rows (per-sample, per-row, a one-adapter blend without the cache: BoundRows),
-    blends without the cache (BoundLinear), per-prompt groups on merged copies in the CFG and the runs layouts
-    (BoundGroups); the first call (full decision) and the repeats (hot path) all equal the float reference, and a
-    switch between them is picked up."""
+    path (fdlora.layers.fastpath.hot): decode rows (per-sample, per-row, a one-adapter blend without the cache:
+    BoundRows), blends without the cache (BoundLinear), per-prompt groups on merged copies in the CFG and the runs
+    layouts (BoundGroups); the first call (full decision) and the repeats (hot path) all equal the float reference,
+    and a switch between them is picked up."""
     pytest.importorskip("triton")
     import fdlora
     from fdlora.layers.fastpath import hot

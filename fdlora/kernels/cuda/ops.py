@@ -29,7 +29,7 @@ _bias = _ops.lora_bias_add.default
 
 __all__ = ["lora_bias_add", "lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear",
            "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups",
-           "prepare_linear", "prepare_linear_rows"]
+           "prepare_linear", "prepare_linear_rows", "prepare_samples"]
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:  # [M, K], [S, R, K] -> [M, S*R] fp32
@@ -115,6 +115,20 @@ def prepare_groups(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Ten
         return None
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return _C.BoundGroups(weights, bias, jobs, M)
+
+
+def prepare_samples(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, Bg: torch.Tensor,
+                    jobs: list[int]):
+    """Per-prompt blends with no kept copy, bound in C++ for x's row count: `run(x)` -> y merges each blend's
+    W'_b = W + Bg[b] A into one scratch (one planned cuBLASLt matmul per blend, W read in place) and runs the batch's
+    GEMMs on the copies. A [nR, K], Bg [nb, N, nR] (nR a multiple of 8); jobs: 6 ints per job (weight index, first
+    row, rows, count, stride, step), weight nb being W itself, block i of a job on weight index + i * step. None for
+    calls that must go through the dispatcher or shapes cuBLASLt has no plan for."""
+    if not (direct(x, W, A, Bg) and (bias is None or direct(bias))) or W.dtype != x.dtype or W.device != x.device:
+        return None
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    run = _C.BoundSamples(W, bias, A, Bg, jobs, M)
+    return run if run.planned else None
 
 
 def lora_merge(out: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor,

@@ -24,8 +24,9 @@ host work (`gpu_bound`: cuBLAS's batched GEMM runs Flux-size products slower tha
 
 Where the CUDA extension is built (the triton+cuda and cuda backends), its C++-bound calls cost less host time than
 these forms and take the layers the host limits: BoundLinear (blend), BoundRows (per-row, and decode steps of
-per-sample batches); these forms keep the blend layers of very large weights (`LARGE_WEIGHT`) and per-sample layers
-of many rows, which the extension has no bound form for.
+per-sample batches), BoundSamples (per-sample scratch: each blend merged by one cuBLASLt matmul that reads W in place,
+then the batch's GEMMs) and its lora_linear (per-sample delta); these forms keep the blend layers of very large
+weights (`LARGE_WEIGHT`).
 """
 
 from __future__ import annotations
@@ -153,12 +154,19 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
     if not slots or max(slots) >= gw.shape[1] or (bound and rows == 1):
         return None
     unit = layer.scale_unit
+    samples = bound and x.is_cuda and hasattr(layer._ops, "prepare_samples")  # the extension's per-sample forms
     if scratch_wins(M, K, N, G):
         groups = st.groups.get(x.shape[0])
+        if samples and groups is not None:
+            run = _bound_samples(layer, x, W, bias, groups, slots, unit, rows, M, K, N)
+            if run is not None:
+                return run, "bound per-sample scratch"
         if groups is not None and (gpu_bound(M, K, N) or x.shape[0] != G):
             return _grouped(layer, W, bias, groups, rows, M, K, N), "cublas per-blend scratch"
         if x.dim() >= 2 and x.shape[0] == G:
             return _batched(layer, W, bias, gw, slots, unit, G, rows, K, N), "cublas per-sample scratch"
+    if samples:
+        return _bound_delta(layer, W, bias, gw, K, N), "bound per-sample delta"
     idx = torch.tensor(slots, device=x.device)
     A, Bs = _factors(layer, slots, unit[idx])
     At, Bt, R = A.t(), Bs.t(), A.shape[0] // len(slots)
@@ -172,6 +180,46 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
         return y
 
     return delta, "cublas per-sample delta"
+
+
+def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, groups, slots: list[int],
+                   unit: torch.Tensor, rows: int, M: int, K: int, N: int):
+    """The CUDA extension's per-sample scratch in one C++ call (BoundSamples): W'_b = W + B diag(alpha/r · w_b) A for
+    each distinct blend b with an adapter on this layer, then the batch's GEMMs (SampleGroups.jobs) on the copies, W
+    itself for samples with none. A batch whose runs are one per blend, of equal length, is one strided-batched
+    GEMM over the copies where the host is the limit (not `gpu_bound`). None where cuBLASLt has no plan for these
+    shapes. On an H200 this cuts a per-prompt SDXL step's LoRA GPU time by a tenth to a quarter against the torch
+    forms (benchmarks/probes/probe_per_prompt_forms.py)."""
+    live = [b for b, blend in enumerate(groups.blends) if any(blend[s] for s in slots)]
+    if not live:
+        return None
+    idx = torch.tensor(slots, device=W.device)
+    A, B1 = _factors(layer, slots, unit[idx])  # [n·R, K], [N, n·R]
+    n, nR = len(slots), A.shape[0]
+    w = torch.tensor([[groups.blends[b][s] for s in slots] for b in live], device=W.device).to(B1.dtype)
+    Bg = (B1.view(N, n, nR // n)[None] * w[:, None, :, None]).reshape(len(live), N, nR)
+    pad = -nR % 8  # cuBLASLt's 16-byte alignment of Bg's rows
+    A, Bg = F.pad(A, (0, 0, 0, pad)).contiguous(), F.pad(Bg, (0, pad)).contiguous()
+    index = {b: i for i, b in enumerate(live)}
+    jobs = [(index.get(g, len(live)), first, n_rows, count, stride, 0)
+            for g, first, n_rows, count, stride in groups.jobs(rows)]
+    size = jobs[0][2]
+    if (len(jobs) > 1 and not gpu_bound(M, K, N)
+            and all(job == (i, i * size, size, 1, 0, 0) for i, job in enumerate(jobs))):
+        jobs = [(0, 0, size, len(jobs), size, 1)]
+    return layer._ops.prepare_samples(x, W, bias, A, Bg, [v for job in jobs for v in job])
+
+
+def _bound_delta(layer, W: torch.Tensor, bias: torch.Tensor | None, gw: torch.Tensor, K: int, N: int):
+    """The per-sample delta as the CUDA extension's lora_linear (base GEMM, then each sample's weights on its rows)
+    in one C++ call."""
+    b, linear = layer.bank, layer._ops.lora_linear
+    A, B, ranks, scale, g = b.A, b.B, b.ranks, layer.scale_unit[:b.slots], gw[:, :b.slots]
+
+    def delta(x: torch.Tensor) -> torch.Tensor:
+        return linear(x.reshape(-1, K), W, bias, A, B, scale, g, ranks).view(*x.shape[:-1], N)
+
+    return delta
 
 
 def _batched(layer, W, bias, gw, slots, unit, G: int, rows: int, K: int, N: int):

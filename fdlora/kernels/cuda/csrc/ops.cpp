@@ -357,14 +357,15 @@ struct BoundRows {
 
 // One per-prompt job as a cuBLASLt matmul planned once (layouts, bias epilogue, algorithm): a call is one launch
 // with no heuristic query and no bias pre-fill. Y block^T (N x rows, ld N) = W^T-read (N x K) x X block^T (K x rows),
-// count blocks `stride` rows apart, + bias per output feature. `ok` false: no algorithm (the cuBLAS path runs).
+// count blocks `stride` rows apart (block i on the weight `wstride` elements past block 0's), + bias per output
+// feature. `ok` false: no algorithm (the cuBLAS path runs).
 struct LtJob {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool ok = false;
-  LtJob(int64_t N, int64_t K, int64_t rows, int64_t count, int64_t stride, cudaDataType_t t, const void* bias,
-        size_t workspace) {
+  LtJob(int64_t N, int64_t K, int64_t rows, int64_t count, int64_t stride, int64_t wstride, cudaDataType_t t,
+        const void* bias, size_t workspace) {
     if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return;
     const cublasOperation_t tr = CUBLAS_OP_T, nt = CUBLAS_OP_N;
     cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof(tr));
@@ -379,7 +380,7 @@ struct LtJob {
         cublasLtMatrixLayoutCreate(&c, t, N, rows, N) != CUBLAS_STATUS_SUCCESS) return;
     if (count > 1) {
       const int32_t n = (int32_t)count;
-      const int64_t a_off = 0, b_off = stride * K, c_off = stride * N;
+      const int64_t a_off = wstride, b_off = stride * K, c_off = stride * N;
       for (auto* l : {a, b, c}) cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof(n));
       cublasLtMatrixLayoutSetAttribute(a, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &a_off, sizeof(a_off));
       cublasLtMatrixLayoutSetAttribute(b, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &b_off, sizeof(b_off));
@@ -435,7 +436,7 @@ struct BoundLinear {
         (bp != nullptr && !(bias->is_contiguous() && bias->scalar_type() == W.scalar_type() && aligned16(bp))))
       return;
     c10::cuda::CUDAGuard guard(W.device());
-    auto job = std::make_shared<LtJob>(N, K, M, 1, 0, cuda_type(W.scalar_type()), bp, LT_WORKSPACE);
+    auto job = std::make_shared<LtJob>(N, K, M, 1, 0, 0, cuda_type(W.scalar_type()), bp, LT_WORKSPACE);
     if (job->ok) lt = std::move(job);
   }
   at::Tensor run(const at::Tensor& x) const {  // x [rows, K]
@@ -465,46 +466,45 @@ struct BoundLinear {
   }
 };
 
-// The eager per-prompt layer call (fdlora/layers/fused.py, _grouped_forward) with its copies bound: each job (count
-// blocks of `rows` rows, `stride` rows apart, on one weight) is one planned cuBLASLt matmul with the bias in its
-// epilogue; a job Lt has no plan for runs as one strided-batched cuBLAS GEMM onto a bias pre-fill.
-struct BoundGroups {
-  std::vector<at::Tensor> weights;  // [N, K] row-major, x's dtype
+// The GEMMs of a per-prompt batch, planned once. jobs: 6 ints per job (weight, first row, rows, count, stride, step):
+// `count` blocks of `rows` rows, `stride` rows apart, block i on weight `weight + i * step` (step 1: consecutive
+// [N, K] blocks of one buffer). Each job is one cuBLASLt matmul with the bias in its epilogue; where Lt has no plan,
+// one strided-batched cuBLAS GEMM onto a bias pre-fill.
+struct GroupJobs {
+  int64_t N = 0, K = 0, M = 0;
   c10::optional<at::Tensor> bias;
-  std::vector<int64_t> jobs;  // 5 per job
-  int64_t M;
-  std::vector<std::shared_ptr<LtJob>> lt;  // one per job (planned for W0's device and dtype)
+  std::vector<int64_t> jobs;
+  std::vector<std::shared_ptr<LtJob>> lt;  // one per job (planned for the weights' device and dtype)
   bool all_lt = false;
-  BoundGroups(std::vector<at::Tensor> weights_, c10::optional<at::Tensor> bias_, std::vector<int64_t> jobs_,
-              int64_t M_)
-      : weights(std::move(weights_)), bias(std::move(bias_)), jobs(std::move(jobs_)), M(M_) {
-    const at::Tensor& W0 = weights.at(0);
+  GroupJobs(const at::Tensor& W0, c10::optional<at::Tensor> bias_, std::vector<int64_t> jobs_, int64_t M_)
+      : N(W0.size(0)), K(W0.size(1)), M(M_), bias(std::move(bias_)), jobs(std::move(jobs_)) {
+    TORCH_CHECK(jobs.size() % 6 == 0, "fdlora_cuda: per-prompt jobs take 6 ints each, got ", jobs.size());
     c10::cuda::CUDAGuard guard(W0.device());
-    const int64_t N = W0.size(0), K = W0.size(1);
     const void* bp = bias.has_value() ? bias->data_ptr() : nullptr;
     const bool usable = (bp == nullptr || (bias->is_contiguous() && bias->scalar_type() == W0.scalar_type() &&
                                            aligned16(bp))) && N % 8 == 0 && K % 8 == 0;
     all_lt = usable;
-    for (size_t j = 0; j + 4 < jobs.size(); j += 5) {
-      auto job = usable ? std::make_shared<LtJob>(N, K, jobs[j + 2], jobs[j + 3], jobs[j + 4],
+    for (size_t j = 0; j + 5 < jobs.size(); j += 6) {
+      auto job = usable ? std::make_shared<LtJob>(N, K, jobs[j + 2], jobs[j + 3], jobs[j + 4], jobs[j + 5] * N * K,
                                                   cuda_type(W0.scalar_type()), bp, LT_WORKSPACE)
                         : nullptr;
-      all_lt = all_lt && job && job->ok && aligned16(weights.at(jobs[j]).data_ptr());
+      all_lt = all_lt && job && job->ok;
       lt.push_back(job);
     }
   }
-  at::Tensor operator()(const at::Tensor& x_in) const {
+  // y = the batch's rows, each block on its weight; weights: [N, K] row-major in x's dtype on x's device.
+  at::Tensor run(const at::Tensor& x_in, const std::vector<at::Tensor>& weights, const char* who) const {
     const at::Tensor& W0 = weights.at(0);
-    const int64_t N = W0.size(0), K = W0.size(1);
     TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K && x_in.numel() == M * K && x_in.scalar_type() ==
-                W0.scalar_type() && x_in.device() == W0.device(), "fdlora_cuda.BoundGroups: x ", x_in.sizes(),
+                W0.scalar_type() && x_in.device() == W0.device(), "fdlora_cuda.", who, ": x ", x_in.sizes(),
                 " is not the ", M, " rows of ", K, " in ", W0.scalar_type(), " on ", W0.device(), " it was bound for");
     std::vector<int64_t> sizes = x_in.sizes().vec();
     sizes.back() = N;
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
     c10::cuda::CUDAGuard guard(x.device());
     const int64_t elt = x.element_size();
-    const bool planned = all_lt && aligned16(x.data_ptr());
+    bool planned = all_lt && aligned16(x.data_ptr());
+    for (const at::Tensor& w : weights) planned = planned && aligned16(w.data_ptr());
     float beta = 0.f;
     at::Tensor y;
     if (bias.has_value() && !planned) {
@@ -528,27 +528,148 @@ struct BoundGroups {
       handle = at::cuda::getCurrentCUDABlasHandle();
     }
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    for (size_t j = 0, i = 0; j + 4 < jobs.size(); j += 5, ++i) {
-      const at::Tensor& W = weights.at(jobs[j]);
-      const int64_t first = jobs[j + 1], rows = jobs[j + 2], count = jobs[j + 3], stride = jobs[j + 4];
+    for (size_t j = 0, i = 0; j + 5 < jobs.size(); j += 6, ++i) {
+      const int64_t wi = jobs[j], first = jobs[j + 1], rows = jobs[j + 2], count = jobs[j + 3],
+                    stride = jobs[j + 4], step = jobs[j + 5];
       TORCH_CHECK(first >= 0 && rows >= 0 && count >= 1 && first + (count - 1) * stride + rows <= M,
-                  "fdlora_cuda.BoundGroups: a job reaches past the ", M, " rows");
+                  "fdlora_cuda.", who, ": a job reaches past the ", M, " rows");
+      TORCH_CHECK(wi >= 0 && wi + (count - 1) * step < (int64_t)weights.size(), "fdlora_cuda.", who,
+                  ": a job names a weight past the ", weights.size(), " given");
+      const at::Tensor& W = weights[wi];
+      for (int64_t b = 1; step != 0 && b < count; ++b)  // the blocks' weights: one buffer, step [N, K] apart
+        TORCH_CHECK(static_cast<char*>(weights[wi + b * step].data_ptr()) ==
+                    static_cast<char*>(W.data_ptr()) + b * step * N * K * elt, "fdlora_cuda.", who,
+                    ": a job's weights are not consecutive blocks of one buffer");
       if (rows == 0) continue;
       void* xb = xp + first * K * elt;
       void* yb = yp + first * N * elt;
       if (planned) {
-        TORCH_CHECK(aligned16(xb) && aligned16(yb), "fdlora_cuda.BoundGroups: a block is not 16-byte aligned");
+        TORCH_CHECK(aligned16(xb) && aligned16(yb), "fdlora_cuda.", who, ": a block is not 16-byte aligned");
         const LtJob& p = *lt[i];
         TORCH_CUDABLAS_CHECK(cublasLtMatmul(lt_handle, p.op, &alpha, W.data_ptr(), p.a, xb, p.b, &beta, yb, p.c, yb,
                                             p.c, &p.algo, ws.data_ptr(), LT_WORKSPACE, stream));
       } else {  // y block^T (column-major N x rows) = W (row-major N x K, read transposed) x block^T
         TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
-            handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &alpha, W.data_ptr(), t, (int)W.stride(0), 0,
-            xb, t, (int)K, stride * K, &beta, yb, t, (int)N, stride * N, (int)count, CUBLAS_COMPUTE_32F,
-            CUBLAS_GEMM_DEFAULT));
+            handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &alpha, W.data_ptr(), t, (int)W.stride(0),
+            step * N * K, xb, t, (int)K, stride * K, &beta, yb, t, (int)N, stride * N, (int)count,
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       }
     }
     return y.view(sizes);
+  }
+};
+
+std::vector<int64_t> with_step(const std::vector<int64_t>& jobs5) {  // 5-int jobs, each on one weight: step 0
+  TORCH_CHECK(jobs5.size() % 5 == 0, "fdlora_cuda.BoundGroups: jobs take 5 ints each, got ", jobs5.size());
+  std::vector<int64_t> jobs;
+  for (size_t j = 0; j + 4 < jobs5.size(); j += 5) {
+    jobs.insert(jobs.end(), jobs5.begin() + j, jobs5.begin() + j + 5);
+    jobs.push_back(0);
+  }
+  return jobs;
+}
+
+// The eager per-prompt layer call (fdlora/layers/fused.py, _grouped_forward) with its copies bound: jobs of 5 ints
+// (weight index, first row, rows, count, stride), each on one of `weights` (GroupJobs).
+struct BoundGroups {
+  std::vector<at::Tensor> weights;  // [N, K] row-major, x's dtype
+  GroupJobs plan;
+  bool all_lt = false;
+  BoundGroups(std::vector<at::Tensor> weights_, c10::optional<at::Tensor> bias, const std::vector<int64_t>& jobs,
+              int64_t M)
+      : weights(std::move(weights_)), plan(weights.at(0), std::move(bias), with_step(jobs), M) {
+    all_lt = plan.all_lt;
+    for (const at::Tensor& w : weights) all_lt = all_lt && aligned16(w.data_ptr());
+  }
+  at::Tensor operator()(const at::Tensor& x) const { return plan.run(x, weights, "BoundGroups"); }
+};
+
+// W' = W + Bg A as one cuBLASLt matmul with W read as C and W' written as D (fp32 sum, one rounding), planned once:
+// column-major, D (K x N, ld K) = A^T-as-stored (K x nR, ld K) x Bg^T-as-stored (nR x N, ld nR) + C.
+struct LtMerge {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool ok = false;
+  LtMerge(int64_t N, int64_t K, int64_t nR, cudaDataType_t t, size_t workspace) {
+    if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return;
+    if (cublasLtMatrixLayoutCreate(&a, t, K, nR, K) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&b, t, nR, N, nR) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&c, t, K, N, K) != CUBLAS_STATUS_SUCCESS) return;
+    cublasLtMatmulPreference_t pref = nullptr;
+    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return;
+    const uint32_t align = 16;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    cublasLtMatmulHeuristicResult_t found{};
+    int returned = 0;
+    ok = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), op, a, b, c, c, pref, 1, &found,
+                                        &returned) == CUBLAS_STATUS_SUCCESS && returned > 0;
+    if (ok) algo = found.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+  }
+  ~LtMerge() {
+    for (auto* l : {a, b, c})
+      if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
+    if (op != nullptr) cublasLtMatmulDescDestroy(op);
+  }
+  LtMerge(const LtMerge&) = delete;
+  LtMerge& operator=(const LtMerge&) = delete;
+};
+
+// Per-prompt blends with no kept copy (the merged-weight cache off or full), bound for x's row count: each call
+// merges every blend's W'_b = W + Bg_b A into one scratch [nb, N, K] (one planned cuBLASLt matmul per blend, W read
+// as C: no copy of W first) and runs the batch's GEMMs on the copies (GroupJobs; a batch of one sample per blend is
+// one strided-batched matmul over the scratch). Weight index nb is W itself (samples with no adapter). A [nR, K] and
+// Bg [nb, N, nR] (each blend's B columns scaled by alpha/r and its weights; nR a multiple of 8) are bound.
+// `planned` false: some matmul has no Lt plan, and the caller keeps its other form.
+struct BoundSamples {
+  at::Tensor W, A, Bg;
+  GroupJobs plan;
+  std::shared_ptr<LtMerge> merge;
+  bool planned = false;
+  BoundSamples(at::Tensor W_, c10::optional<at::Tensor> bias, at::Tensor A_, at::Tensor Bg_, std::vector<int64_t> jobs,
+               int64_t M)
+      : W(std::move(W_)), A(std::move(A_)), Bg(std::move(Bg_)), plan(W, std::move(bias), std::move(jobs), M) {
+    const int64_t N = W.size(0), K = W.size(1), nR = A.size(0);
+    TORCH_CHECK(W.is_cuda() && W.dim() == 2 && A.dim() == 2 && Bg.dim() == 3 && A.size(1) == K && Bg.size(1) == N &&
+                Bg.size(2) == nR && A.scalar_type() == W.scalar_type() && Bg.scalar_type() == W.scalar_type() &&
+                A.device() == W.device() && Bg.device() == W.device(), "fdlora_cuda.BoundSamples: expected W [N, K], "
+                "A [nR, K], Bg [nb, N, nR] of one dtype and device; got W ", W.sizes(), ", A ", A.sizes(), ", Bg ",
+                Bg.sizes());
+    if (!W.is_contiguous() || !A.is_contiguous() || !Bg.is_contiguous() || nR % 8 || !aligned16(W.data_ptr()) ||
+        !aligned16(A.data_ptr()) || !aligned16(Bg.data_ptr()) || !plan.all_lt)
+      return;
+    c10::cuda::CUDAGuard guard(W.device());
+    auto m = std::make_shared<LtMerge>(N, K, nR, cuda_type(W.scalar_type()), LT_WORKSPACE);
+    if (!m->ok) return;
+    merge = std::move(m);
+    planned = true;
+  }
+  at::Tensor operator()(const at::Tensor& x) const {
+    TORCH_CHECK(planned, "fdlora_cuda.BoundSamples: no cuBLASLt plan for these shapes; use the unbound form");
+    const int64_t nb = Bg.size(0), N = W.size(0), K = W.size(1);
+    c10::cuda::CUDAGuard guard(W.device());
+    at::Tensor scratch = at::empty({nb, N, K}, W.options());
+    at::Tensor ws = at::empty({(int64_t)LT_WORKSPACE}, W.options().dtype(at::kByte));
+    const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    const float alpha = 1.f, beta = 1.f;
+    const LtMerge& m = *merge;
+    const int64_t elt = W.element_size();
+    char* bg = static_cast<char*>(Bg.data_ptr());
+    std::vector<at::Tensor> weights;
+    weights.reserve(nb + 1);
+    for (int64_t b = 0; b < nb; ++b) {
+      weights.push_back(scratch.select(0, b));
+      TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, m.op, &alpha, A.data_ptr(), m.a, bg + b * N * A.size(0) * elt, m.b,
+                                          &beta, W.data_ptr(), m.c, weights.back().data_ptr(), m.c, &m.algo,
+                                          ws.data_ptr(), LT_WORKSPACE, stream));
+    }
+    weights.push_back(W);
+    return plan.run(x, weights, "BoundSamples");
   }
 };
 
@@ -575,6 +696,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("planned", &fdlora_cuda::BoundGroups::all_lt)
       .def(pybind11::init<std::vector<at::Tensor>, c10::optional<at::Tensor>, std::vector<int64_t>, int64_t>())
       .def("__call__", &fdlora_cuda::BoundGroups::operator());
+  pybind11::class_<fdlora_cuda::BoundSamples>(m, "BoundSamples")
+      .def_readonly("planned", &fdlora_cuda::BoundSamples::planned)
+      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, std::vector<int64_t>,
+                          int64_t>())
+      .def("__call__", &fdlora_cuda::BoundSamples::operator());
 }
 
 TORCH_LIBRARY(fdlora_cuda, m) {
