@@ -407,20 +407,29 @@ def burst(url: str, reqs: list[dict], timeout_s: float) -> list[tuple[int | None
 
 def fault_oom(server, pool, refs, size: int, t_img: float) -> dict:
     """Three requests of one shape together (a batch over the cap, re-run one by one) and one 2x-size request (four
-    times the pixels: over the cap alone even once the merged copies are dropped, a 507)."""
+    times the pixels: over the cap alone even once the merged copies are dropped, a 507). A fourth request runs
+    first, alone, so that the three queue behind it and reach the engine as one batch (sent to an idle server, the
+    first of them would run alone and the other two fit the cap)."""
     if server.engine is None:
         return {"skipped": "the replica runs in a Ray worker; the memory cap is set in-process"}
     big = {**pool[0], "height": size * 2, "width": size * 2, "seed": 999}
     retries = server.engine.oom_retries
+    timeout = 40 * t_img + 30
+    lead: list = []
     with server.memory_cap(pool[0]) as how:
-        answers = burst(server.url, [pool[0], pool[1 % len(pool)], pool[2 % len(pool)], big], 40 * t_img + 30)
+        leader = threading.Thread(target=lambda: lead.append(post(server.url, pool[3 % len(pool)], timeout)))
+        leader.start()
+        time.sleep(server.cfg.serve["batch_wait_s"] + 0.2 * t_img)  # its call has started: the rest queue behind it
+        answers = burst(server.url, [pool[0], pool[1 % len(pool)], pool[2 % len(pool)], big], timeout)
+        leader.join()
     (s0, b0), (s1, b1), (s2, b2), (sb, bb) = answers
     served = [s == 200 for s in (s0, s1, s2)]
     return {"cap": how, "batch_served": sum(served), "batch_matches": sum(
         s == 200 and compare(b, refs[i % len(pool)]) for i, (s, b) in enumerate(answers[:3])),
         "oversized_status": sb, "oversized_error": _reason(bb) if sb != 200 else None,
         "engine_oom_retries": server.engine.oom_retries - retries,
-        "ok": all(served) and sb == 507 and server.engine.oom_retries > retries}
+        "leader_served": bool(lead) and lead[0][0] == 200 and compare(lead[0][1], refs[3 % len(pool)]),
+        "ok": all(served) and sb == 507 and server.engine.oom_retries > retries and bool(lead) and lead[0][0] == 200}
 
 
 def fault_disconnect(server, pool, refs, t_img: float) -> dict:

@@ -38,6 +38,7 @@ def test_whole_flow_tiny(http, tmp_path):
     oom = f["out_of_memory"]
     assert oom["batch_served"] == oom["batch_matches"] == 3 and oom["oversized_status"] == 507
     assert "out of device memory" in oom["oversized_error"] and oom["engine_oom_retries"] >= 1
+    assert oom["leader_served"] and oom["ok"]  # the request that ran first, alone, was served and equal
     dis = f["disconnect"]
     assert dis["others_served"] == dis["others_matches"] == 3 and dis["served_after"]
     assert dis["dropped_before_running"] >= 1  # the queued client's request never ran
