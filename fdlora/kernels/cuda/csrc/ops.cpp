@@ -10,7 +10,9 @@
 // - more rows: the bank's live chunks masked into scratch, cuBLAS shrink with fp32 output, one weighting kernel,
 //   cuBLAS expand-add onto y (beta = 1: the delta is added in fp32, rounded once);
 // - lora_linear, blend (G = 1) where the merge costs less than the delta: merge W' = W + sum_s w_s B_s A_s into
-//   scratch (one kernel) and one cuBLAS GEMM on it (BoundLinear: one planned cuBLASLt matmul).
+//   scratch (one kernel) and one cuBLAS GEMM on it (BoundLinear: one planned cuBLASLt matmul);
+// - per-sample blends bound by the eager layer (BoundSamples): each blend merged by a cuBLASLt matmul that reads W
+//   as C, then the batch's GEMMs on the copies (GroupJobs, shared with BoundGroups' kept copies).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
