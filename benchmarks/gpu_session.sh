@@ -22,7 +22,8 @@
 #           gpu-memory (tests/reliability/test_gpu_memory.py), prefetch-stall (probe_prefetch_stall.py: which piece of a
 #           background load slows the steps), pressure (bench_pressure.py: full-size SDXL steps
 #           at 3 / 2 / 1.5 / 1 GiB free, fd-lora vs diffusers+PEFT: reliability.json with a "gpu" key, to copy back), prefetch (bench_prefetch.py), shared-shrink
-#           (bench_shared_shrink.py), build-cuda (the extension, before anything that should
+#           (bench_shared_shrink.py), per-prompt-forms (probe_per_prompt_forms.py, SDXL and Flux: the extension's
+#           bound per-sample forms vs percall's torch forms; after build-cuda), build-cuda (the extension, before anything that should
 #           run on the triton+cuda backend auto takes once it is built), quant-tests (the GPU tests of the
 #           dequant-merge kernels and layers, and of training), offload-flux (bench_offload's Flux model-offload
 #           rows alone), calibrate (`fdlora plan --calibrate`, its JSON <device>.json copied to results/)
@@ -102,5 +103,7 @@ for stage in "$@"; do
     probe-padded-k) TAIL=40 step 150 python3 benchmarks/probes/probe_padded_k.py --out "$OUT/results/padded_k.json" ;;
     probe-rss) TAIL=10 step 120 python3 benchmarks/probes/probe_rss_shapes.py --out "$OUT/results/rss_shapes.json" ;;
     serve) TAIL=30 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 560 --out "$OUT/results/serve.json" ;;
+    per-prompt-forms) for m in sdxl flux; do TAIL=6 step 200 python3 benchmarks/probes/probe_per_prompt_forms.py \
+        --model $m --out "$OUT/results/per_prompt_forms_$m.json"; done ;;
   esac
 done
