@@ -37,7 +37,9 @@ class Device:
     is flash attention's share of peak (fitted to Flux CUDA-graph steps, bench_captured), `host_op_us` the eager
     host time per aten op (Python modules of diffusers/transformers plus the dispatcher, fitted to the gap
     between eager (bench_pipeline) and CUDA-graph (bench_captured) SDXL steps), `host_cached_us` / `host_percall_us`
-    what a fused layer adds to nn.Linear's host time (bench_pipeline: cached vs merged, per-call vs merged)."""
+    what a fused layer adds to nn.Linear's host time (bench_pipeline: cached vs merged, per-call vs merged), and
+    `host_percall_group_us` what each further distinct blend of a per-prompt batch adds to a per-call layer (its
+    merge and GEMM launches; 0 where not fitted)."""
 
     name: str
     source: str
@@ -58,6 +60,7 @@ class Device:
     host_op_us: float = 30.0
     host_cached_us: float = 6.0
     host_percall_us: float = 175.0
+    host_percall_group_us: float = 0.0  # each further blend of a per-prompt batch, on top of host_percall_us
     h2d_gbs: float = 20.0  # loading adapters / weights from pinned host memory (PCIe 5 x16 in practice)
 
     def scaled(self, **kw: float) -> Device:

@@ -75,7 +75,7 @@ def strategies(ops: list[Op], views: int, targets: tuple[str, ...], dev: Device,
         us.pop("reference")
         dyn_gpu[i] = min(us.values()) - gpu_us(o, dev)
         dyn_layer[o.weight] = min(us.values())
-    dyn_host = {i: dev.host_percall_us for i in idx}
+    dyn_host = {i: dev.host_percall_us + (groups - 1) * dev.host_percall_group_us for i in idx}
     dynamic = step_us(ops, dev, eager, views, dyn_gpu, dyn_host) / 1e3
     out.append(Strategy("dynamic", dynamic, SET_ADAPTERS_US / 1e3, 0.0, per_layer_us=dyn_layer))
 
