@@ -357,15 +357,45 @@ struct BoundRows {
   }
 };
 
-// One per-prompt job as a cuBLASLt matmul planned once (layouts, bias epilogue, algorithm): a call is one launch
-// with no heuristic query and no bias pre-fill. Y block^T (N x rows, ld N) = W^T-read (N x K) x X block^T (K x rows),
-// count blocks `stride` rows apart (block i on the weight `wstride` elements past block 0's), + bias per output
-// feature. `ok` false: no algorithm (the cuBLAS path runs).
-struct LtJob {
+// A cuBLASLt matmul planned once: its descriptor, the layouts of A, B and C (D shares C's), and the algorithm the
+// heuristic picked for them (`find`); `ok` false where any step failed or no algorithm fits.
+struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool ok = false;
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {
+    for (auto* l : {a, b, c})
+      if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
+    if (op != nullptr) cublasLtMatmulDescDestroy(op);
+  }
+  // The heuristic's first algorithm for op, a, b, c within `workspace` bytes, every operand 16-byte aligned (the
+  // callers check their pointers per call).
+  void find(size_t workspace) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return;
+    const uint32_t align = 16;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    cublasLtMatmulHeuristicResult_t found{};
+    int returned = 0;
+    ok = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), op, a, b, c, c, pref, 1, &found,
+                                        &returned) == CUBLAS_STATUS_SUCCESS && returned > 0;
+    if (ok) algo = found.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+  }
+};
+
+// One per-prompt job as a cuBLASLt matmul planned once (layouts, bias epilogue, algorithm): a call is one launch
+// with no heuristic query and no bias pre-fill. Y block^T (N x rows, ld N) = W^T-read (N x K) x X block^T (K x rows),
+// count blocks `stride` rows apart (block i on the weight `wstride` elements past block 0's), + bias per output
+// feature. `ok` false: no algorithm (the cuBLAS path runs).
+struct LtJob : LtPlan {
   LtJob(int64_t N, int64_t K, int64_t rows, int64_t count, int64_t stride, int64_t wstride, cudaDataType_t t,
         const void* bias, size_t workspace) {
     if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return;
@@ -388,27 +418,8 @@ struct LtJob {
       cublasLtMatrixLayoutSetAttribute(b, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &b_off, sizeof(b_off));
       cublasLtMatrixLayoutSetAttribute(c, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &c_off, sizeof(c_off));
     }
-    cublasLtMatmulPreference_t pref = nullptr;
-    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return;
-    const uint32_t align = 16;  // every call's blocks start 16-byte aligned (checked per call)
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
-    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
-    cublasLtMatmulHeuristicResult_t found{};
-    int returned = 0;
-    ok = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), op, a, b, c, c, pref, 1, &found,
-                                        &returned) == CUBLAS_STATUS_SUCCESS && returned > 0;
-    if (ok) algo = found.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
+    find(workspace);
   }
-  ~LtJob() {
-    for (auto* l : {a, b, c})
-      if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
-    if (op != nullptr) cublasLtMatmulDescDestroy(op);
-  }
-  LtJob(const LtJob&) = delete;
-  LtJob& operator=(const LtJob&) = delete;
 };
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -494,8 +505,10 @@ struct GroupJobs {
       lt.push_back(job);
     }
   }
-  // y = the batch's rows, each block on its weight; weights: [N, K] row-major in x's dtype on x's device.
-  at::Tensor run(const at::Tensor& x_in, const std::vector<at::Tensor>& weights, const char* who) const {
+  // y = the batch's rows, each block on its weight; weights: [N, K] row-major in x's dtype on x's device. `ws`: a
+  // caller's LT_WORKSPACE bytes for the planned matmuls (one is allocated when none is given).
+  at::Tensor run(const at::Tensor& x_in, const std::vector<at::Tensor>& weights, const char* who,
+                 const at::Tensor* ws_given = nullptr) const {
     const at::Tensor& W0 = weights.at(0);
     TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K && x_in.numel() == M * K && x_in.scalar_type() ==
                 W0.scalar_type() && x_in.device() == W0.device(), "fdlora_cuda.", who, ": x ", x_in.sizes(),
@@ -524,7 +537,7 @@ struct GroupJobs {
     cublasLtHandle_t lt_handle = nullptr;
     cublasHandle_t handle = nullptr;
     if (planned) {
-      ws = at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));
+      ws = ws_given != nullptr ? *ws_given : at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));
       lt_handle = at::cuda::getCurrentCUDABlasLtHandle();
     } else {
       handle = at::cuda::getCurrentCUDABlasHandle();
@@ -588,37 +601,14 @@ struct BoundGroups {
 
 // W' = W + Bg A as one cuBLASLt matmul with W read as C and W' written as D (fp32 sum, one rounding), planned once:
 // column-major, D (K x N, ld K) = A^T-as-stored (K x nR, ld K) x Bg^T-as-stored (nR x N, ld nR) + C.
-struct LtMerge {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  bool ok = false;
+struct LtMerge : LtPlan {
   LtMerge(int64_t N, int64_t K, int64_t nR, cudaDataType_t t, size_t workspace) {
     if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return;
     if (cublasLtMatrixLayoutCreate(&a, t, K, nR, K) != CUBLAS_STATUS_SUCCESS ||
         cublasLtMatrixLayoutCreate(&b, t, nR, N, nR) != CUBLAS_STATUS_SUCCESS ||
         cublasLtMatrixLayoutCreate(&c, t, K, N, K) != CUBLAS_STATUS_SUCCESS) return;
-    cublasLtMatmulPreference_t pref = nullptr;
-    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return;
-    const uint32_t align = 16;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
-    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
-    cublasLtMatmulHeuristicResult_t found{};
-    int returned = 0;
-    ok = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), op, a, b, c, c, pref, 1, &found,
-                                        &returned) == CUBLAS_STATUS_SUCCESS && returned > 0;
-    if (ok) algo = found.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
+    find(workspace);
   }
-  ~LtMerge() {
-    for (auto* l : {a, b, c})
-      if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
-    if (op != nullptr) cublasLtMatmulDescDestroy(op);
-  }
-  LtMerge(const LtMerge&) = delete;
-  LtMerge& operator=(const LtMerge&) = delete;
 };
 
 // Per-prompt blends with no kept copy (the merged-weight cache off or full), bound for x's row count: each call
@@ -671,7 +661,7 @@ struct BoundSamples {
                                           ws.data_ptr(), LT_WORKSPACE, stream));
     }
     weights.push_back(W);
-    return plan.run(x, weights, "BoundSamples");
+    return plan.run(x, weights, "BoundSamples", &ws);
   }
 };
 
