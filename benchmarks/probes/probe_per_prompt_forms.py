@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from probe_per_prompt import kernels  # noqa: E402  (this folder: the script's own)
+
 import fdlora  # noqa: E402
 from fdlora.fixtures import fullsize  # noqa: E402
 from fdlora.testing import step_ms  # noqa: E402
@@ -75,21 +77,6 @@ def torch_forms(model):
         for k, fn in kept.items():
             mods[k].prepare_samples = fn
         forget_kept(model)
-
-
-def gpu_ms(fn, dev: str, steps: int = 2) -> float:
-    """Kernel time per step (torch.profiler's device events); 0 on the CPU."""
-    if dev != "cuda":
-        return 0.0
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / steps / 1e3
 
 
 def host_ms(fn, dev: str, n: int = 5) -> float:
@@ -149,9 +136,9 @@ def main() -> int:
                         fdlora.enable(fd)
                         rp.append(step_ms(prompts, dev))
                     fdlora.disable(fd)
-                    hb, gb = host_ms(base, dev), gpu_ms(base, dev)
+                    hb, gb = host_ms(base, dev), kernels(base)["kernels_ms"]
                     fdlora.enable(fd)
-                    hp, gp = host_ms(prompts, dev), gpu_ms(prompts, dev)
+                    hp, gp = host_ms(prompts, dev), kernels(prompts)["kernels_ms"]
                     rows[form] = {
                         "x_base": statistics.median(p / b for p, b in zip(rp, rb)), "ms": statistics.median(rp),
                         "base_ms": statistics.median(rb), "host_ms": hp, "host_base_ms": hb, "gpu_ms": gp,
