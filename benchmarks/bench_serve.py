@@ -426,13 +426,14 @@ def fault_oom(server, pool, refs, size: int, t_img: float) -> dict:
         answers = burst(server.url, [pool[0], pool[1 % len(pool)], pool[2 % len(pool)], big], timeout)
         leader.join()
     (s0, b0), (s1, b1), (s2, b2), (sb, bb) = answers
+    (sl, bl), = lead or [(None, None)]
     served = [s == 200 for s in (s0, s1, s2)]
     return {"cap": how, "batch_served": sum(served), "batch_matches": sum(
         s == 200 and compare(b, refs[i % len(pool)]) for i, (s, b) in enumerate(answers[:3])),
         "oversized_status": sb, "oversized_error": _reason(bb) if sb != 200 else None,
         "engine_oom_retries": server.engine.oom_retries - retries,
-        "leader_served": bool(lead) and lead[0][0] == 200 and compare(lead[0][1], refs[3 % len(pool)]),
-        "ok": all(served) and sb == 507 and server.engine.oom_retries > retries and bool(lead) and lead[0][0] == 200}
+        "leader_served": sl == 200 and compare(bl, refs[3 % len(pool)]),
+        "ok": all(served) and sb == 507 and server.engine.oom_retries > retries and sl == 200}
 
 
 def fault_disconnect(server, pool, refs, t_img: float) -> dict:
