@@ -369,6 +369,7 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
         if i == 0 and mode == "closed":  # the saturation run: enough for its clients' requests and a few more,
             limit = max(limit, min(0.6 * left, (0.8 * x + 4) * t_img))  # however slow the host
         seed += 1
+        engine_before = server.stats()
         if mode == "closed":
             row = {"mode": "closed", "clients": x}
             send_s = limit - 0.8 * t_img * x  # the last `x` requests still in flight when sending stops
@@ -387,9 +388,25 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
             row.update(skipped=f"{limit:.0f} s left of the budget", sent=0, served=0, failed={}, lost=0,
                        mismatches=0, throughput_ips=None, p50_s=None, p99_s=None)
         row["rss_mb"] = round(server.memory()["rss"] / 2**20, 1)  # after each run: a leak climbs run over run
+        if row["served"]:
+            row["engine"] = engine_share(engine_before, server.stats(), row)
         runs.append({"server": name, **row})
         print(f"  {name}: {row}", flush=True)
         a.checkpoint()
+
+
+def engine_share(before: dict, after: dict, row: dict) -> dict:
+    """Where a run's time went on the replica: its pipeline calls and adapter loads (seconds, and their share of the
+    run's wall time), images per call, and pipeline seconds per image served (against the base pipeline's batch of
+    8, `base_ceiling`, this is the per-prompt step's cost)."""
+    d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in ("calls", "mixed_calls", "loads", "load_s",
+                                                                   "pipeline_s")}
+    wall = row.get("wall_s") or 0
+    return {**{k: round(v, 2) for k, v in d.items()},
+            "images_per_call": round(row["served"] / d["calls"], 2) if d["calls"] else None,
+            "pipeline_s_per_image": round(d["pipeline_s"] / row["served"], 3),
+            "busy_share": round((d["pipeline_s"] + d["load_s"]) / wall, 3) if wall else None,
+            "load_share": round(d["load_s"] / wall, 3) if wall else None}
 
 
 def burst(url: str, reqs: list[dict], timeout_s: float) -> list[tuple[int | None, bytes | None]]:
@@ -428,7 +445,8 @@ def fault_oom(server, pool, refs, size: int, t_img: float) -> dict:
     (s0, b0), (s1, b1), (s2, b2), (sb, bb) = answers
     (sl, bl), = lead or [(None, None)]
     served = [s == 200 for s in (s0, s1, s2)]
-    return {"cap": how, "batch_served": sum(served), "batch_matches": sum(
+    return {"cap": how, "batch_served": sum(served), "batch_statuses": [s0, s1, s2], "batch_errors": [
+        _reason(b) for s, b in answers[:3] if s not in (200, None)], "batch_matches": sum(
         s == 200 and compare(b, refs[i % len(pool)]) for i, (s, b) in enumerate(answers[:3])),
         "oversized_status": sb, "oversized_error": _reason(bb) if sb != 200 else None,
         "engine_oom_retries": server.engine.oom_retries - retries,

@@ -1,10 +1,13 @@
 # Measures: per-call LoRA forms against the cuBLAS base GEMM, GPU time, L2 flushed: merge into scratch per segment,
-# base + per-segment delta (addmm, beta=1), and the LoRA as extra K columns of one GEMM (padded weight).
+# base + per-segment delta (addmm, beta=1), the delta written first and the base GEMM accumulated onto it (beta=1 in
+# the base GEMM's epilogue), and the LoRA as extra K columns of one GEMM (padded weight).
 """The padded-K form of a per-call LoRA: the weight stored as [W | B_1 .. B_n] (N x (K + n r)), the input widened to
 [x | mask_i(x A_i^T)] (each row's shrink in its own segment's columns, zeros elsewhere), so one cuBLAS GEMM computes
 the base and every segment's delta, with no per-segment copy of W and no second pass over the output. Compared, per
 layer shape and segment count (rows split evenly into n adapters), with the base GEMM alone, merge into scratch per
-segment (W + s B_i A_i, then the segment's GEMM), and base + per-segment delta (shrink, then addmm into y). Every
+segment (W + s B_i A_i, then the segment's GEMM), base + per-segment delta (shrink, then addmm into y: a second pass
+over y), and delta first (shrink, expand written into y, then the base GEMM with beta = 1: y is read once more in the
+base GEMM's epilogue instead of read and written by a small GEMM). Every
 form is checked against a float64 reference on sampled rows, then timed as one CUDA graph replay with L2 flushed.
 
     python benchmarks/probes/probe_padded_k.py --out /tmp/padded_k.json
@@ -26,6 +29,7 @@ SHAPES = [  # model, M (rows of the whole batch), K, N
     ("sdxl", 8192, 640, 640), ("sdxl", 8192, 640, 5120), ("sdxl", 8192, 2560, 640),
     ("flux", 4608, 3072, 3072), ("flux", 4608, 3072, 12288), ("flux", 4608, 12288, 3072),
     ("llama", 2048, 4096, 4096), ("llama", 2048, 4096, 14336), ("llama", 2048, 14336, 4096),
+    ("llama", 2048, 4096, 1024), ("sdxl", 154, 2048, 640), ("sdxl", 154, 2048, 1280),
 ]
 
 
@@ -64,6 +68,12 @@ def forms(x, W, A, B, scale, n):
             s = x[i * seg:(i + 1) * seg] @ A[i].t()
             y[i * seg:(i + 1) * seg].addmm_(s, B[i].t(), alpha=scale)
 
+    def delta_first():
+        for i in range(n):
+            ys = y[i * seg:(i + 1) * seg]
+            torch.addmm(ys, x[i * seg:(i + 1) * seg] @ A[i].t(), B[i].t(), beta=0, alpha=scale, out=ys)
+        y.addmm_(x, W.t())  # the base GEMM, beta = 1
+
     def padded():
         xp[:, :K].copy_(x)
         torch.mm(x, Acat.t(), out=S)
@@ -79,8 +89,8 @@ def forms(x, W, A, B, scale, n):
         torch.mul(S, mask, out=xp[:, K:]) if n > 1 else xp[:, K:].copy_(S)
 
     return {"base": base, "base_strided": base_strided, "merge_scratch": merge_scratch,
-            "addmm_delta": addmm_delta, "padded": padded, "padded_gemm_only": padded_gemm_only,
-            "widen_only": widen_only}, y
+            "addmm_delta": addmm_delta, "delta_first": delta_first, "padded": padded,
+            "padded_gemm_only": padded_gemm_only, "widen_only": widen_only}, y
 
 
 def reference(x, W, A, B, scale, n, rows):
@@ -114,7 +124,7 @@ def main() -> None:
         g = torch.Generator(dev).manual_seed(0)
         x = torch.randn(M, K, device=dev, dtype=dt, generator=g)
         W = torch.randn(N, K, device=dev, dtype=dt, generator=g) / K**0.5
-        for n in map(int, a.segments.split(",")):
+        for n in (n for n in map(int, a.segments.split(",")) if M % n == 0):
             A = torch.randn(n, R, K, device=dev, dtype=dt, generator=g) / K**0.5
             B = torch.randn(n, N, R, device=dev, dtype=dt, generator=g) / R**0.5
             fns, y = forms(x, W, A, B, 0.5, n)

@@ -189,23 +189,27 @@ class Engine:
         except RequestError as e:
             return [e] * len(reqs)
         except torch.OutOfMemoryError:
-            fewer_copies = _shrink_merge_cache(self.pipe)
-            _free_device_cache()
-            if len(reqs) == 1 and fewer_copies:
-                return self._fitting(reqs)
-            if len(reqs) == 1:
-                return [RequestError(507, f"out of device memory: this request alone needs more than the "
-                                          f"{_memory_limit(self.pipe)} this server may use; ask for a smaller "
-                                          "height and width")]
-            self.oom_retries += 1
-            return [o for r in reqs for o in self._fitting([r])]
+            failure = None
         except Exception as e:  # a failure inside the pipeline: find the request it belongs to, serve the rest
-            log.warning("pipeline call of %d request(s) failed: %s: %s", len(reqs), type(e).__name__,
+            failure = type(e).__name__
+            log.warning("pipeline call of %d request(s) failed: %s: %s", len(reqs), failure,
                         (str(e).splitlines() or [""])[0][:200])
+        # handled here, outside the except clauses: the failed call's frames (and the activations they hold) are gone
+        # before anything runs again
+        if failure is not None:
             if len(reqs) > 1:
                 return [o for r in reqs for o in self._fitting([r])]
-            return [RequestError(500, f"generation failed on this server ({type(e).__name__}); other requests "
-                                      "are served")]
+            return [RequestError(500, f"generation failed on this server ({failure}); other requests are served")]
+        fewer_copies = _shrink_merge_cache(self.pipe)
+        _free_device_cache()
+        if len(reqs) == 1 and fewer_copies:
+            return self._fitting(reqs)
+        if len(reqs) == 1:
+            return [RequestError(507, f"out of device memory: this request alone needs more than the "
+                                      f"{_memory_limit(self.pipe)} this server may use; ask for a smaller height "
+                                      "and width")]
+        self.oom_retries += 1
+        return [o for r in reqs for o in self._fitting([r])]
 
     def plan(self, requests: Sequence[ImageRequest]) -> list[list[int]]:
         """The pipeline calls for a batch, as lists of request indices: requests of one shape share a call, packed
@@ -312,8 +316,13 @@ def _shrink_merge_cache(pipe) -> bool:
 
 
 def _free_device_cache() -> None:
+    """The failed call's tensors back to the device: reference cycles through its frames collected, then the
+    caching allocator's free blocks released."""
+    import gc
+
     import torch
 
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

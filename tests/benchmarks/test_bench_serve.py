@@ -32,11 +32,16 @@ def test_whole_flow_tiny(http, tmp_path):
     assert s["served"] == s["sent"] > 0 and s["faults_ok"]
     fd = [r for r in d["runs"] if r["server"] == "fdlora" and r["sent"]]
     assert {r["mode"] for r in fd} == {"closed", "open"} and any(r["server"] == "diffusers_peft" for r in d["runs"])
+    for r in fd:  # where each run's time went on the replica: its calls and loads, counted during that run only
+        e = r["engine"]
+        assert e["calls"] >= 1 and e["pipeline_s"] > 0 and 1 <= e["images_per_call"] <= 8
+        assert e["pipeline_s_per_image"] == round(e["pipeline_s"] / r["served"], 3) and 0 < e["busy_share"] <= 1.05
     assert d["idle"]["adapter_effect"]  # adapters change the image: a swap is visible
     assert max(d["baseline_idle"]["max_diff_to_fdlora"]) <= 2  # the baseline serves the same adapters
     f = d["faults"]
     oom = f["out_of_memory"]
     assert oom["batch_served"] == oom["batch_matches"] == 3 and oom["oversized_status"] == 507
+    assert oom["batch_statuses"] == [200] * 3 and oom["batch_errors"] == []
     assert "out of device memory" in oom["oversized_error"] and oom["engine_oom_retries"] >= 1
     assert oom["leader_served"] and oom["ok"]  # the request that ran first, alone, was served and equal
     dis = f["disconnect"]

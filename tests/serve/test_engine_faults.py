@@ -4,6 +4,8 @@ and only a request that does not fit alone fails, with a 507 naming the limit.""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from support import serving
@@ -72,6 +74,35 @@ def test_out_of_memory_reruns_the_batch_one_by_one(engine, memory_limit):
     assert "out of device memory" in str(out[3]) and "device memory this server may use" in str(out[3])
     for got, r in zip(out[:3], reqs):
         assert abs(serving.decode_png(got) - serving.decode_png(engine.run([r])[0])).max() <= 1
+
+
+def test_the_failed_calls_tensors_are_freed_before_its_requests_run_again(engine):
+    """What the failed batch held when it ran out of memory (its activations, referenced from the frames of the
+    exception's traceback) is gone before each request runs again alone: on a device the requests run again would
+    otherwise run out of memory too, behind the failed call's memory."""
+    reqs = [R({"f0": 1.0}, 31), R({"f1": 0.7}, 32), R({}, 33)]
+    alone = [engine.run([r])[0] for r in reqs]
+    held: list[weakref.ref] = []
+
+    def hook(module, args, kwargs):
+        x = args[0] if args else kwargs["sample"]
+        if any(ref() is not None for ref in held):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected: the failed call's activations are held)")
+        if x.shape[0] > 2:  # the batch: its activations stay referenced from this frame as it fails
+            activations = torch.empty(1 << 10)
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = engine.pipe.unet.register_forward_pre_hook(hook, with_kwargs=True)
+    retries = engine.oom_retries
+    try:
+        out = engine.run_each(reqs)
+    finally:
+        handle.remove()
+    assert held and engine.oom_retries == retries + 1
+    assert all(isinstance(o, bytes) for o in out), out
+    for got, ref in zip(out, alone):
+        assert abs(serving.decode_png(got) - serving.decode_png(ref)).max() <= 1
 
 
 def test_a_call_that_fails_midway_leaves_the_pipeline_as_it_was(engine):
