@@ -124,3 +124,32 @@ def test_plan_serves_every_request_once_within_the_slots_for_random_batches(engi
         for c in calls:
             assert len({reqs[i].shape for i in c}) == 1
             assert len({n for i in c for n in reqs[i].adapters}) <= engine.slots or len(c) == 1
+
+
+def test_a_calls_images_are_encoded_side_by_side_to_the_same_bytes(monkeypatch):
+    """A call's PNGs are encoded concurrently (the next call waits for the slowest image, not the sum), each to the
+    bytes the serial encoder gives: two encodings must be under way at once to pass the barrier."""
+    import threading
+
+    import numpy as np
+    from PIL import Image
+
+    from fdlora.serve import engine as eng
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
+    serial = [eng.png(im) for im in images]
+    monkeypatch.setattr(eng.os, "cpu_count", lambda: 4)
+    eng._encoder.cache_clear()
+    both = threading.Barrier(2, timeout=20)
+    real = eng.png
+
+    def png(image):
+        both.wait()  # raises BrokenBarrierError if no second encoding starts meanwhile
+        return real(image)
+
+    monkeypatch.setattr(eng, "png", png)
+    try:
+        assert eng.encode(images) == serial
+    finally:
+        eng._encoder.cache_clear()
