@@ -388,7 +388,7 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
             row.update(skipped=f"{limit:.0f} s left of the budget", sent=0, served=0, failed={}, lost=0,
                        mismatches=0, throughput_ips=None, p50_s=None, p99_s=None)
         row["rss_mb"] = round(server.memory()["rss"] / 2**20, 1)  # after each run: a leak climbs run over run
-        if row["served"]:
+        if row["served"] and engine_before.get("calls") is not None:  # a server with fd-lora's engine counters
             row["engine"] = engine_share(engine_before, server.stats(), row)
         runs.append({"server": name, **row})
         print(f"  {name}: {row}", flush=True)

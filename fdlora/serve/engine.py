@@ -349,7 +349,7 @@ def png(image) -> bytes:
 
 def encode(images: Sequence[Any]) -> list[bytes]:
     """PNG bytes of a call's images, encoded side by side: Pillow's encoder releases the GIL, and a 1024² image from
-    a diffusion model takes 0.1-0.2 s of zlib, so a batch of 8 encoded one after another would hold the next call
+    a diffusion model takes about 0.2 s of zlib, so a batch of 8 encoded one after another would hold the next call
     back by a second or more."""
     if len(images) < 2:
         return [png(im) for im in images]
