@@ -375,19 +375,22 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
             send_s = limit - 0.8 * t_img * x  # the last `x` requests still in flight when sending stops
             n = min(a.max_requests, max(x, round(limit / t_img * 1.3)))
             if send_s >= t_img:
-                row = Load(server.url, pool, refs, n, send_s, timeout, seed).closed(x)
+                row = a.clients.run(server.url, pool, refs, n, send_s, timeout, seed, "closed", x)
         else:
             sat = next((r["throughput_ips"] for r in runs if r["server"] == name and r.get("clients") == 16), None)
             rate = (sat or 1 / t_img) * x
             row = {"mode": "open", "load_of_saturation": x, "rate_rps": round(rate, 4)}
             n = min(a.max_requests, max(4, round(0.8 * limit * rate)))
             if limit >= 4 * t_img:
-                load = Load(server.url, pool, refs, n, 0.8 * limit, timeout, seed)
-                row = {"load_of_saturation": x, **load.open(rate)}
+                row = {"load_of_saturation": x,
+                       **a.clients.run(server.url, pool, refs, n, 0.8 * limit, timeout, seed, "open", rate)}
         if "sent" not in row:
             row.update(skipped=f"{limit:.0f} s left of the budget", sent=0, served=0, failed={}, lost=0,
                        mismatches=0, throughput_ips=None, p50_s=None, p99_s=None)
-        row["rss_mb"] = round(server.memory()["rss"] / 2**20, 1)  # after each run: a leak climbs run over run
+        m = server.memory()  # after each run: a leak climbs run over run
+        row["rss_mb"] = round(m["rss"] / 2**20, 1)
+        if m.get("rss_anon") is not None:
+            row["rss_anon_mb"], row["rss_file_mb"] = round(m["rss_anon"] / 2**20, 1), round(m["rss_file"] / 2**20, 1)
         if row["served"] and engine_before.get("calls") is not None:  # a server with fd-lora's engine counters
             row["engine"] = engine_share(engine_before, server.stats(), row)
         runs.append({"server": name, **row})
@@ -518,7 +521,41 @@ def ray_available(a) -> tuple[bool, str | None]:
     return True, None
 
 
+def _load_row(url: str, pool: list[dict], refs: list[bytes] | None, n: int, limit_s: float, timeout_s: float,
+              seed: int, mode: str, x: float) -> dict:
+    load = Load(url, pool, refs, n, limit_s, timeout_s, seed)
+    return load.closed(int(x)) if mode == "closed" else load.open(x)
+
+
+class Clients:
+    """The load runs' callers, in a process of their own (spawned at the first run, reused): the server's RSS then
+    holds what serving holds, not the callers' threads and the images they decode to compare."""
+
+    def __init__(self) -> None:
+        self._pool = None
+
+    def run(self, *load_args) -> dict:
+        if self._pool is None:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+
+            self._pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+        return self._pool.submit(_load_row, *load_args).result()
+
+    def __enter__(self) -> Clients:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
 def run(a) -> dict:
+    with Clients() as a.clients:
+        return _run(a)
+
+
+def _run(a) -> dict:
     import torch
 
     from fdlora.config import validate
@@ -625,7 +662,9 @@ def memory_report(before: dict, after_load: dict, after_faults: dict) -> dict:
             # pinned staging blocks), and what is left once they are taken out: the growth a leak would show
             "adapter_cache_growth_mb": mb("adapter_cache"), "pinned_host_growth_mb": mb("pinned_host"),
             "rss_growth_outside_caches_mb": round(mb("rss") - sum(mb(k) for k in caches), 1),
-            "rss_growth_by_end_mb": mb("rss", after_faults)}
+            "rss_growth_by_end_mb": mb("rss", after_faults),
+            # anonymous (heap, tensors in RAM) and file-backed (mapped library code and files) parts of the growth
+            "rss_anon_growth_mb": mb("rss_anon"), "rss_file_growth_mb": mb("rss_file")}
 
 
 def summary(out: dict) -> dict:

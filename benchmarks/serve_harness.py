@@ -431,7 +431,7 @@ class RayServer:
 
     def memory(self) -> dict:
         s = self.stats()
-        return {k: s.get(k) for k in ("cuda_allocated", "rss", "adapter_cache", "pinned_host")}
+        return {k: s.get(k) for k in ("cuda_allocated", "rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host")}
 
     def dropped(self) -> None:
         return None

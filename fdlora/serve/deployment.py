@@ -194,9 +194,10 @@ def build_api(images, cfg):
 
 
 def process_memory() -> dict[str, Any]:
-    """This process's CUDA memory allocated by torch (None without CUDA), resident set size, and the two parts of
-    the RSS that are caches by design: the in-RAM adapter cache (`FDLORA_CACHE_BYTES`) and the page-locked blocks
-    torch's host allocator keeps for reuse (None without CUDA), in bytes."""
+    """This process's CUDA memory allocated by torch (None without CUDA), resident set size (and its anonymous and
+    file-backed parts), and the two parts of the RSS that are caches by design: the in-RAM adapter cache
+    (`FDLORA_CACHE_BYTES`) and the page-locked blocks torch's host allocator keeps for reuse (None without CUDA), in
+    bytes."""
     import resource
 
     import torch
@@ -209,7 +210,23 @@ def process_memory() -> dict[str, Any]:
         pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current")  # active + cached pinned blocks
     with open("/proc/self/statm") as f:  # current RSS (ru_maxrss is the peak)
         rss = int(f.read().split()[1]) * resource.getpagesize()
-    return {"cuda_allocated": cuda, "rss": rss, "adapter_cache": cached_bytes(), "pinned_host": pinned}
+    return {"cuda_allocated": cuda, "rss": rss, **_rss_parts(), "adapter_cache": cached_bytes(),
+            "pinned_host": pinned}
+
+
+def _rss_parts() -> dict[str, int | None]:
+    """The RSS's anonymous part (the heap, tensors in RAM) and its file-backed part (pages of mapped files: the
+    shared libraries' code as their kernels are first used, memory-mapped weights), in bytes; None off Linux."""
+    parts: dict[str, int | None] = {"rss_anon": None, "rss_file": None}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile"):
+                    parts["rss_" + key[3:].lower()] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return parts
 
 
 class _Resident:
