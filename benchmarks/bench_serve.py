@@ -22,7 +22,8 @@ time of one image; loopback only):
    with a 507; clients disconnecting mid-generation and while queued; an adapter file corrupted on disk after
    start-up, failing only the requests that name it. A request afterwards must be served.
 5. The baseline: the same HTTP app and pipeline with diffusers + PEFT (`load_lora_weights` of the same files,
-   `set_adapters` per request, one request at a time under a lock), closed loop with 1 and 4 clients.
+   `set_adapters` per request, one request at a time under a lock), closed loop with 1 and 4 clients, in a fresh
+   process of its own. The load runs' callers run in another process, so the RSS figures are the server's.
 
 Reported: sent / served / failed by reason / lost (no answer) per run and in total, throughput, p50/p99 latency,
 torch.cuda.memory_allocated and RSS before and after the load runs (with the parts of the RSS that are bounded caches:
@@ -528,19 +529,24 @@ def _load_row(url: str, pool: list[dict], refs: list[bytes] | None, n: int, limi
 
 
 class Clients:
-    """The load runs' callers, in a process of their own (spawned at the first run, reused): the server's RSS then
-    holds what serving holds, not the callers' threads and the images they decode to compare."""
+    """A process of its own (spawned at first use, reused). The load runs' callers run in one, so the server's RSS
+    holds what serving holds, not the callers' threads and the images they decode to compare; the baseline server
+    runs in another, so nothing the fd-lora server left in this process (allocator, heap, threads) touches it."""
 
     def __init__(self) -> None:
         self._pool = None
 
     def run(self, *load_args) -> dict:
+        return self.call(_load_row, *load_args)
+
+    def call(self, fn, *args):
+        """`fn(*args)` in the process (a module-level function; arguments and result are pickled)."""
         if self._pool is None:
             import concurrent.futures as cf
             import multiprocessing as mp
 
             self._pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
-        return self._pool.submit(_load_row, *load_args).result()
+        return self._pool.submit(fn, *args).result()
 
     def __enter__(self) -> Clients:
         return self
@@ -621,18 +627,54 @@ def _run(a) -> dict:
     if not use_ray:
         del pipe, server
     _release_device()
-    base = LocalServer.peft(cfg, make_pipeline(a.model, device), {n: paths[n] for n in names}, a.http)
-    try:
-        brefs, bt = references(base, pool[:3], timeout_s=600)
-        out["baseline_idle"] = {"image_s": round(bt, 4), "max_diff_to_fdlora": [max_diff(b, r) for b, r in
-                                                                                zip(brefs, refs)]}
-        end = max(time.perf_counter() + 6 * bt, t_start + a.budget_s - 5)
-        load_runs(a, base, pool[:3], brefs, bt, end, runs, "diffusers_peft", (1, 4), open_loop=False)
-    finally:
-        base.close()
+    fields = {k: getattr(a, k) for k in ("model", "http", "seed", "max_requests", "budget_s")}
+    with Clients() as fresh:  # a process of its own: nothing the fd-lora server left in this one touches it
+        idle, peft_runs = fresh.call(baseline, fields, cfg, {n: paths[n] for n in names}, pool[:3], refs[:3],
+                                     t_start, device)
+    out["baseline_idle"] = idle
+    runs.extend(peft_runs)
     out["summary"] = summary(out)
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     return out
+
+
+def baseline(fields: dict, cfg, paths: dict, pool: list[dict], fd_refs: list[bytes], t_start: float,
+             device: str) -> tuple[dict, list[dict]]:
+    """The diffusers + PEFT server, run in a fresh process (`Clients.call`): its idle image time (and the plain
+    pipeline's, before any adapter is loaded), its images against fd-lora's, and its closed-loop runs with 1 and 4
+    clients, until `t_start + budget_s` (perf_counter is the system's monotonic clock, the same in every process)."""
+    from types import SimpleNamespace
+
+    pipe = make_pipeline(fields["model"], device)
+    base_s = plain_image_s(pipe, pool[0])
+    runs: list[dict] = []
+    with Clients() as clients:
+        a = SimpleNamespace(**fields, clients=clients, checkpoint=lambda: None)
+        base = LocalServer.peft(cfg, pipe, paths, a.http)
+        try:
+            brefs, bt = references(base, pool, timeout_s=600)
+            idle = {"image_s": round(bt, 4), "base_image_s": round(base_s, 4), "process": "fresh",
+                    "max_diff_to_fdlora": [max_diff(b, r) for b, r in zip(brefs, fd_refs)]}
+            end = max(time.perf_counter() + 6 * bt, t_start + a.budget_s - 5)
+            load_runs(a, base, pool, brefs, bt, end, runs, "diffusers_peft", (1, 4), open_loop=False)
+        finally:
+            base.close()
+    return idle, runs
+
+
+def plain_image_s(pipe, req: dict) -> float:
+    """One image of the pipeline called directly, no adapter loaded (the second of two calls)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(2):
+        sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            pipe(prompt=req["prompt"], num_inference_steps=req["num_inference_steps"], height=req["height"],
+                 width=req["width"], generator=torch.Generator("cpu").manual_seed(req["seed"]))
+        sync()
+    return time.perf_counter() - t
 
 
 def _release_device() -> None:
