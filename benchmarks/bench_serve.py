@@ -80,6 +80,7 @@ def args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-ray", action="store_true", help="the in-process engine even where Ray Serve imports")
     ap.add_argument("--http", choices=["auto", "fastapi", "stdlib"], default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults-only", action="store_true", help="the idle references, the warm-up and the faults only")
     return ap.parse_args(argv)
 
 
@@ -429,6 +430,15 @@ def burst(url: str, reqs: list[dict], timeout_s: float) -> list[tuple[int | None
     return out
 
 
+def faults(server, pool, refs, size: int, t_img: float, late: str, late_path: Path) -> dict:
+    out = {"out_of_memory": fault_oom(server, pool, refs, size, t_img),
+           "disconnect": fault_disconnect(server, pool, refs, t_img),
+           "corrupt_adapter": fault_corrupt(server, pool, refs, late, late_path, t_img)}
+    for k, v in out.items():
+        print(f"  fault {k}: {v}", flush=True)
+    return out
+
+
 def fault_oom(server, pool, refs, size: int, t_img: float) -> dict:
     """Three requests of one shape together (a batch over the cap, re-run one by one) and one 2x-size request (four
     times the pixels: over the cap alone even once the merged copies are dropped, a 507). A fourth request runs
@@ -607,16 +617,17 @@ def _run(a) -> dict:
         print(f"  adapter reload: {out['load_profile'].get('reload_s')} s", flush=True)
         out["warm_up"] = warm_shapes(server, pool, a.max_batch, t_img)
         print(f"  warm-up: {out['warm_up']}", flush=True)
+        if a.faults_only:
+            out["faults"] = faults(server, pool, refs, size, t_img, late, paths[late])
+            out["summary"] = summary(out)
+            out["wall_s"] = round(time.perf_counter() - t_start, 1)
+            return out
         mem0 = server.memory()
         # kept for what follows: the faults (~18 images) and the baseline (its build, ~16 images)
         reserve = 44 * t_img + (60 if a.model == "sdxl" else 5)
         load_runs(a, server, pool, refs, t_img, t_start + a.budget_s - reserve, runs, "fdlora")
         mem1 = server.memory()
-        out["faults"] = {"out_of_memory": fault_oom(server, pool, refs, size, t_img),
-                         "disconnect": fault_disconnect(server, pool, refs, t_img),
-                         "corrupt_adapter": fault_corrupt(server, pool, refs, late, paths[late], t_img)}
-        for k, v in out["faults"].items():
-            print(f"  fault {k}: {v}", flush=True)
+        out["faults"] = faults(server, pool, refs, size, t_img, late, paths[late])
         a.checkpoint()
         out["memory"] = memory_report(mem0, mem1, server.memory())
         out["base_ceiling"] = base_ceiling(server, pool, a.max_batch, t_img)

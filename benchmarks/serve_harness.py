@@ -302,10 +302,13 @@ class LocalServer:
             torch.cuda.reset_peak_memory_stats(dev)
             post(self.url, req, 600)
             need = torch.cuda.max_memory_allocated(dev) - base
-            torch.cuda.empty_cache()  # the cap counts reserved memory: blocks cached by earlier batches are not room
-            # a cap within an image's need of a step's peak leaves the step at the limit, where convolutions fall back
-            # to algorithms without workspace and the allocator frees its cache on every miss: slow, never out of memory
-            cap = torch.cuda.memory_reserved(dev) + int(1.6 * need)
+            torch.cuda.empty_cache()
+            # the room under the cap is the cap less what is allocated: free blocks left inside reserved segments are
+            # room too (a cap over the reserved bytes let a batch of three fit beside 2 GiB of such blocks), so the
+            # cap is set over the allocated bytes. A cap within an image's need of a step's peak leaves the step at
+            # the limit, where convolutions fall back to algorithms without workspace and the allocator frees its
+            # cache on every miss: slow, never out of memory
+            cap = torch.cuda.memory_allocated(dev) + int(1.6 * need)
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(cap / total, dev)
             try:
