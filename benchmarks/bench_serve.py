@@ -592,7 +592,8 @@ def _run(a) -> dict:
                     "serve": {"adapters_per_replica": a.slots, "max_batch": a.max_batch,
                               "batch_wait_s": a.batch_wait_s, "max_steps": steps, "max_size": size * 2}})
     pool = request_pool(names, a.pool, size, steps, a.seed)
-    out = {"bench": "serve", "model": a.model, **environment(device), "ray": use_ray, "ray_reason": why,
+    out = {"bench": "serve", "model": a.model, **environment(device), "pid": os.getpid(), "ray": use_ray,
+           "ray_reason": why,
            "config": {"size": size, "steps": steps, "cfg": True, "dtype": m["dtype"], "adapters": a.adapters,
                       "rank": a.rank, "adapters_per_replica": a.slots, "max_batch": a.max_batch,
                       "batch_wait_s": a.batch_wait_s, "pool": a.pool, "budget_s": a.budget_s, "seed": a.seed}}
@@ -664,7 +665,7 @@ def baseline(fields: dict, cfg, paths: dict, pool: list[dict], fd_refs: list[byt
         base = LocalServer.peft(cfg, pipe, paths, a.http)
         try:
             brefs, bt = references(base, pool, timeout_s=600)
-            idle = {"image_s": round(bt, 4), "base_image_s": round(base_s, 4), "process": "fresh",
+            idle = {"image_s": round(bt, 4), "base_image_s": round(base_s, 4), "pid": os.getpid(),
                     "max_diff_to_fdlora": [max_diff(b, r) for b, r in zip(brefs, fd_refs)]}
             end = max(time.perf_counter() + 6 * bt, t_start + a.budget_s - 5)
             load_runs(a, base, pool, brefs, bt, end, runs, "diffusers_peft", (1, 4), open_loop=False)

@@ -39,6 +39,7 @@ def test_whole_flow_tiny(http, tmp_path):
     assert all("engine" not in r for r in d["runs"] if r["server"] == "diffusers_peft")  # no counters to report
     assert d["idle"]["adapter_effect"]  # adapters change the image: a swap is visible
     assert max(d["baseline_idle"]["max_diff_to_fdlora"]) <= 2  # the baseline serves the same adapters
+    assert d["baseline_idle"]["pid"] != d["pid"]  # in a process of its own, not the one the fd-lora server ran in
     f = d["faults"]
     oom = f["out_of_memory"]
     assert oom["batch_served"] == oom["batch_matches"] == 3 and oom["oversized_status"] == 507
