@@ -33,6 +33,9 @@ ceiling of any LoRA server here), device and versions.
     python benchmarks/bench_serve.py --model sdxl --budget-s 540 --out $OUT/serve.json   # one H200, 9 min
     (alone on its host: the eager SDXL step is host-bound; below ~500 s the 16-client run does not fit and is skipped)
     python benchmarks/bench_serve.py --model tiny --budget-s 20 --out /tmp/serve.json    # CPU, the whole flow
+    python benchmarks/bench_serve.py --model sdxl --budget-s 560 --soak --max-requests 1000 --out $OUT/soak.json
+    (one 16-client run as long as the budget allows, memory read every 15 s, then the faults; `--faults-only`: the
+    faults alone)
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def args(argv=None) -> argparse.Namespace:
     ap.add_argument("--http", choices=["auto", "fastapi", "stdlib"], default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults-only", action="store_true", help="the idle references, the warm-up and the faults only")
+    ap.add_argument("--soak", action="store_true", help="the references, the warm-up, one 16-client run until the "
+                    "budget's end or --max-requests with memory read every 15 s, then the faults")
     return ap.parse_args(argv)
 
 
@@ -322,6 +327,45 @@ def load_profile(server, name: str, n: int = 3) -> dict:
     return {"adapter": name, "reload_s": times, "top_cumulative": [
         {"function": f"{Path(f).name}:{line}({fn})", "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)}
         for (f, line, fn), (_, nc, tt, ct, _) in top]}
+
+
+def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: int = 16, every_s: float = 15.0) -> dict:
+    """One closed-loop run of `clients` callers until `end` (perf_counter) or `--max-requests`, every image compared
+    with its reference, the server's memory read every `every_s` seconds meanwhile: memory over a long run at
+    saturation, where a leak would climb."""
+    samples: list[dict] = []
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def sample():
+        while True:
+            m = server.memory()
+            samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": round(m["rss"] / 2**20, 1),
+                            "cuda_allocated": m["cuda_allocated"]})
+            if stop.wait(every_s):
+                return
+
+    reader = threading.Thread(target=sample, daemon=True)
+    reader.start()
+    send_s = end - time.perf_counter() - 0.8 * t_img * clients  # the last requests still in flight when sending stops
+    try:
+        row = a.clients.run(server.url, pool, refs, a.max_requests, send_s, 40 * t_img + 30, a.seed + 1, "closed",
+                            clients)
+    finally:
+        stop.set()
+        reader.join()
+    runs.append({"server": "fdlora", **row})
+    m = server.memory()
+    samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": round(m["rss"] / 2**20, 1),
+                    "cuda_allocated": m["cuda_allocated"]})
+    print(f"  soak: {row}", flush=True)
+    first, last = samples[0], samples[-1]
+    cuda = [x["cuda_allocated"] for x in samples if x["cuda_allocated"] is not None]
+    return {"clients": clients, "requests": row["sent"], "wall_s": row["wall_s"], "samples": samples,
+            "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 1),
+            "rss_range_mb": [min(x["rss_mb"] for x in samples), max(x["rss_mb"] for x in samples)],
+            "cuda_drift_pct": round(100 * (cuda[-1] - cuda[0]) / cuda[0], 3) if cuda else None,
+            "cuda_range_pct": round(100 * (max(cuda) - min(cuda)) / cuda[0], 3) if cuda else None}
 
 
 def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
@@ -618,7 +662,9 @@ def _run(a) -> dict:
         print(f"  adapter reload: {out['load_profile'].get('reload_s')} s", flush=True)
         out["warm_up"] = warm_shapes(server, pool, a.max_batch, t_img)
         print(f"  warm-up: {out['warm_up']}", flush=True)
-        if a.faults_only:
+        if a.faults_only or a.soak:
+            if a.soak:  # what the faults take (~18 images) kept back
+                out["soak"] = soak(a, server, pool, refs, t_img, t_start + a.budget_s - 24 * t_img, runs)
             out["faults"] = faults(server, pool, refs, size, t_img, late, paths[late])
             out["summary"] = summary(out)
             out["wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -63,6 +63,20 @@ def test_whole_flow_tiny(http, tmp_path):
     assert any("load_fd_lora" in f["function"] for f in reload["top_cumulative"])
 
 
+def test_soak_reads_memory_during_one_long_run_then_runs_the_faults(tmp_path):
+    out = tmp_path / "soak.json"
+    rc = bench_serve.main(["--model", "tiny", "--budget-s", "45", "--no-ray", "--http", "stdlib", "--soak",
+                           "--max-requests", "40", "--out", str(out)])
+    d = json.loads(out.read_text())
+    soak, s = d["soak"], d["summary"]
+    assert rc == 0 and s["faults_ok"] and s["mismatches"] == 0 and s["lost"] == 0
+    assert len(d["runs"]) == 1 and d["runs"][0]["clients"] == 16 and s["served"] == s["sent"] == soak["requests"] > 16
+    times = [x["t_s"] for x in soak["samples"]]
+    assert len(times) >= 2 and times == sorted(times) and times[-1] >= soak["wall_s"]  # read meanwhile, then after
+    rss = [x["rss_mb"] for x in soak["samples"]]
+    assert soak["rss_range_mb"] == [min(rss), max(rss)] and soak["rss_growth_mb"] == round(rss[-1] - rss[0], 1)
+
+
 def test_a_swapped_adapter_is_a_mismatch(tmp_path):
     a = bench_serve.args(["--model", "tiny"])
     pipe = bench_serve.make_pipeline("tiny", "cpu")
