@@ -76,7 +76,8 @@ def args(argv=None) -> argparse.Namespace:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--slots", type=int, default=4, help="adapters_per_replica")
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=8, help="requests gathered into one batch")
+    ap.add_argument("--max-call", type=int, default=None, help="images per pipeline call (default: --max-batch)")
     ap.add_argument("--batch-wait-s", type=float, default=0.05)
     ap.add_argument("--pool", type=int, default=8, help="distinct requests (each run alone once for reference)")
     ap.add_argument("--max-requests", type=int, default=64, help="cap on the requests of one load run")
@@ -633,13 +634,13 @@ def _run(a) -> dict:
     cfg = validate({"pipeline": "tiny-sdxl" if a.model == "tiny" else str(tmp / "pipeline"), "device": device,
                     "dtype": m["dtype"], "steps": steps, "size": size,
                     "adapters": [{"name": n, "source": str(p)} for n, p in paths.items()],
-                    "serve": {"adapters_per_replica": a.slots, "max_batch": a.max_batch,
+                    "serve": {"adapters_per_replica": a.slots, "max_batch": a.max_batch, "max_call": a.max_call,
                               "batch_wait_s": a.batch_wait_s, "max_steps": steps, "max_size": size * 2}})
     pool = request_pool(names, a.pool, size, steps, a.seed)
     out = {"bench": "serve", "model": a.model, **environment(device), "pid": os.getpid(), "ray": use_ray,
            "ray_reason": why,
            "config": {"size": size, "steps": steps, "cfg": True, "dtype": m["dtype"], "adapters": a.adapters,
-                      "rank": a.rank, "adapters_per_replica": a.slots, "max_batch": a.max_batch,
+                      "rank": a.rank, "adapters_per_replica": a.slots, "max_batch": a.max_batch, "max_call": a.max_call,
                       "batch_wait_s": a.batch_wait_s, "pool": a.pool, "budget_s": a.budget_s, "seed": a.seed}}
     runs: list[dict] = []
     out["runs"] = runs

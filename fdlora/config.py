@@ -14,7 +14,9 @@
     serve:                         # optional; `fdlora serve` only (fdlora.serve): every key has a default
       replicas: 1                  #   pipelines (or models) on Ray Serve, one per replica
       adapters_per_replica: 4      #   GPU slots per replica (LRU); also Ray's multiplexed models per replica
-      max_batch: 8                 #   requests (any adapters) put into one per-prompt batch
+      max_batch: 8                 #   requests (any adapters) gathered into one batch
+      max_call: null               #   images per pipeline call (default max_batch): a batch naming more
+                                   #   adapters than the slots becomes calls packed up to this many each
       batch_wait_s: 0.05           #   how long a batch waits to fill
       host: 127.0.0.1              #   HTTP interface (loopback unless told otherwise)
       port: 8000
@@ -54,9 +56,9 @@ HUB_TYPES = {"revision": str, "subfolder": str, "weight_name": str, "cache_dir":
 LIMITS = {"steps": (1, 10_000), "size": (8, 16_384), "seed": (0, 2**64 - 1)}  # key: (min, max)
 # serve: key -> (type, default, (min, max) or None)
 SERVE_KEYS = {"replicas": (int, 1, (1, 64)), "adapters_per_replica": (int, 4, (1, 64)), "max_batch": (int, 8, (1, 256)),
-              "batch_wait_s": (float, 0.05, (0.0, 10.0)), "host": (str, "127.0.0.1", None),
-              "port": (int, 8000, (0, 65535)), "address": (str, None, None), "max_steps": (int, 50, (1, 1000)),
-              "max_size": (int, 1024, (8, 4096))}
+              "max_call": (int, None, (1, 256)), "batch_wait_s": (float, 0.05, (0.0, 10.0)),
+              "host": (str, "127.0.0.1", None), "port": (int, 8000, (0, 65535)), "address": (str, None, None),
+              "max_steps": (int, 50, (1, 1000)), "max_size": (int, 1024, (8, 4096))}
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; a bigger file is not one
 _REPR = reprlib.Repr()  # bounded: YAML aliases can nest deep
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 4, 4

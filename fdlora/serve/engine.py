@@ -68,7 +68,9 @@ class Engine:
         heap.limit_arenas()
         self.cfg = cfg
         self.limits = Limits.from_config(cfg)
-        self.slots = (cfg.serve or {}).get("adapters_per_replica", 4)
+        serve = cfg.serve or {}
+        self.slots = serve.get("adapters_per_replica", 4)
+        self.max_call = serve.get("max_call") or serve.get("max_batch", 8)  # images per pipeline call
         self.specs = {a.name: a for a in cfg.adapters}
         self.pipe = pipe if pipe is not None else build(replace(cfg, adapters=[]))
         self._lock = threading.RLock()  # ensure + call, and release, never interleave
@@ -217,12 +219,14 @@ class Engine:
     def plan(self, requests: Sequence[ImageRequest]) -> list[list[int]]:
         """The pipeline calls for a batch, as lists of request indices: requests of one shape share a call, packed
         first-fit in arrival order so that no call names more adapters than the pool has slots (a request naming
-        more goes alone). Calls needing fewer adapter loads run first: an adapter resident now serves its call
-        before a later call evicts it, and what the last call loads stays for the next batch."""
+        more goes alone) or holds more than `max_call` requests. Calls needing fewer adapter loads run first: an
+        adapter resident now serves its call before a later call evicts it, and what the last call loads stays for
+        the next batch."""
         calls: list[tuple[tuple, set[str], list[int]]] = []  # (shape, adapters named, requests)
         for i, r in enumerate(requests):
             names = set(r.adapters)
-            home = next((c for c in calls if c[0] == r.shape and len(c[1] | names) <= self.slots), None)
+            home = next((c for c in calls if c[0] == r.shape and len(c[1] | names) <= self.slots
+                         and len(c[2]) < self.max_call), None)
             if home is None:
                 calls.append((r.shape, names, [i]))
             else:

@@ -44,6 +44,21 @@ def test_plan_packs_first_fit_so_a_later_request_joins_an_earlier_call(engine, m
     assert engine.plan(reqs) == [[0, 2], [1], [3]]  # two calls for three requests; three adapters go alone
 
 
+def test_plan_caps_a_call_at_max_call_requests(engine, monkeypatch):
+    monkeypatch.setattr(engine, "known", lambda: [])
+    monkeypatch.setattr(engine, "max_call", 2)
+    reqs = [R({"e0": 1}), R({"e0": 0.5}), R({"e1": 1}), R({"e0": 1}), R({})]
+    assert engine.plan(reqs) == [[4], [0, 1], [2, 3]]  # the second e0 call: the first was full (no loads first)
+
+
+def test_max_call_defaults_to_max_batch_and_is_validated():
+    base = {"pipeline": "tiny-sd15", "serve": {"max_batch": 16}}
+    assert validate(base).serve["max_call"] is None
+    assert validate({**base, "serve": {"max_batch": 16, "max_call": 8}}).serve["max_call"] == 8
+    with pytest.raises(Exception, match="max_call"):
+        validate({**base, "serve": {"max_call": 0}})
+
+
 def test_a_mixed_batch_equals_each_request_alone(engine):
     reqs = [R({"e0": 0.8}, seed=1), R({"e1": -0.6}, seed=2, prompt="a dog"), R({}, seed=3),
             R({"e0": 0.3, "e1": 0.9}, seed=4), R({"e2": 1.2}, seed=5), R({"e0": 0.8}, seed=1, size=72)]
