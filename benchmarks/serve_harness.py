@@ -304,7 +304,7 @@ class LocalServer:
             need = torch.cuda.max_memory_allocated(dev) - base
             torch.cuda.empty_cache()
             # the room under the cap is the cap less what is allocated: free blocks left inside reserved segments are
-            # room too (a cap over the reserved bytes let a batch of three fit beside 2 GiB of such blocks), so the
+            # room too (gigabytes of them after a load run), so a cap over the reserved bytes can let a batch fit; the
             # cap is set over the allocated bytes. A cap within an image's need of a step's peak leaves the step at
             # the limit, where convolutions fall back to algorithms without workspace and the allocator frees its
             # cache on every miss: slow, never out of memory
