@@ -338,13 +338,15 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
     stop = threading.Event()
     t0 = time.perf_counter()
 
+    def read():
+        m = server.memory()
+        samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": round(m["rss"] / 2**20, 1),
+                        "cuda_allocated": m["cuda_allocated"]})
+
     def sample():
-        while True:
-            m = server.memory()
-            samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": round(m["rss"] / 2**20, 1),
-                            "cuda_allocated": m["cuda_allocated"]})
-            if stop.wait(every_s):
-                return
+        read()
+        while not stop.wait(every_s):
+            read()
 
     reader = threading.Thread(target=sample, daemon=True)
     reader.start()
@@ -356,9 +358,7 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
         stop.set()
         reader.join()
     runs.append({"server": "fdlora", **row})
-    m = server.memory()
-    samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": round(m["rss"] / 2**20, 1),
-                    "cuda_allocated": m["cuda_allocated"]})
+    read()
     print(f"  soak: {row}", flush=True)
     first, last = samples[0], samples[-1]
     cuda = [x["cuda_allocated"] for x in samples if x["cuda_allocated"] is not None]

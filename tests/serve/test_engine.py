@@ -7,6 +7,7 @@ import pytest
 from support import serving
 
 from fdlora.config import validate
+from fdlora.errors import ConfigError
 from fdlora.fixtures import tiny_pipeline as tiny
 from fdlora.fixtures.localcache import populate
 from fdlora.serve import ImageRequest, RequestError
@@ -55,7 +56,7 @@ def test_max_call_defaults_to_max_batch_and_is_validated():
     base = {"pipeline": "tiny-sd15", "serve": {"max_batch": 16}}
     assert validate(base).serve["max_call"] is None
     assert validate({**base, "serve": {"max_batch": 16, "max_call": 8}}).serve["max_call"] == 8
-    with pytest.raises(Exception, match="max_call"):
+    with pytest.raises(ConfigError, match="max_call"):
         validate({**base, "serve": {"max_call": 0}})
 
 
