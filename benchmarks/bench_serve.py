@@ -33,7 +33,7 @@ ceiling of any LoRA server here), device and versions.
     python benchmarks/bench_serve.py --model sdxl --budget-s 540 --out $OUT/serve.json   # one H200, 9 min
     (alone on its host: the eager SDXL step is host-bound; below ~500 s the 16-client run does not fit and is skipped)
     python benchmarks/bench_serve.py --model tiny --budget-s 20 --out /tmp/serve.json    # CPU, the whole flow
-    python benchmarks/bench_serve.py --model sdxl --budget-s 560 --soak --max-requests 1000 --out $OUT/soak.json
+    python benchmarks/bench_serve.py --model sdxl --budget-s 560 --soak --steps 5 --max-requests 1000 --out soak.json
     (one 16-client run as long as the budget allows, memory read every 15 s, then the faults; `--faults-only`: the
     faults alone)
 """
@@ -83,6 +83,8 @@ def args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-requests", type=int, default=64, help="cap on the requests of one load run")
     ap.add_argument("--no-ray", action="store_true", help="the in-process engine even where Ray Serve imports")
     ap.add_argument("--http", choices=["auto", "fastapi", "stdlib"], default="auto")
+    ap.add_argument("--steps", type=int, default=None, help="denoising steps of every request (default: the "
+                    "model's, 20 for sdxl); fewer steps fit more requests into one budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults-only", action="store_true", help="the idle references, the warm-up and the faults only")
     ap.add_argument("--soak", action="store_true", help="the references, the warm-up, one 16-client run until the "
@@ -370,7 +372,7 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
 
 
 def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
-    """One batch of every size up to `max_batch` (pool requests, so mixed adapters; two denoising steps, since every
+    """One batch of every size up to `max_batch` (the largest pipeline call; pool requests, so mixed adapters; two denoising steps, since every
     step has the same shapes), before memory is first read: the kernels, library workspaces and allocator pools a
     server meets with each new batch shape are in place, so the RSS and device-memory figures after the load runs
     show what serving adds, not what a first shape does."""
@@ -624,7 +626,7 @@ def _run(a) -> dict:
     t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     m = MODELS[a.model]
-    size, steps = m["size"], m["steps"]
+    size, steps = m["size"], a.steps or m["steps"]
     use_ray, why = ray_available(a)
     tmp = Path(tempfile.mkdtemp(prefix="fdlora-bench-serve-"))
     pipe = make_pipeline(a.model, device)
@@ -661,7 +663,7 @@ def _run(a) -> dict:
         print(f"fd-lora: one image alone {t_img:.3f} s, {len(pool)} references", flush=True)
         out["load_profile"] = load_profile(server, names[0])
         print(f"  adapter reload: {out['load_profile'].get('reload_s')} s", flush=True)
-        out["warm_up"] = warm_shapes(server, pool, a.max_batch, t_img)
+        out["warm_up"] = warm_shapes(server, pool, min(a.max_batch, a.max_call or a.max_batch), t_img)
         print(f"  warm-up: {out['warm_up']}", flush=True)
         if a.faults_only or a.soak:
             if a.soak:  # what the faults take (~18 images) kept back
