@@ -342,8 +342,9 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
 
     def read():
         m = server.memory()
-        samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": round(m["rss"] / 2**20, 1),
-                        "cuda_allocated": m["cuda_allocated"]})
+        mb = {f"{k}_mb": None if m.get(k) is None else round(m[k] / 2**20, 1)
+              for k in ("rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host")}
+        samples.append({"t_s": round(time.perf_counter() - t0, 1), **mb, "cuda_allocated": m["cuda_allocated"]})
 
     def sample():
         read()
@@ -364,18 +365,31 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
     print(f"  soak: {row}", flush=True)
     first, last = samples[0], samples[-1]
     cuda = [x["cuda_allocated"] for x in samples if x["cuda_allocated"] is not None]
+    half = [x for x in samples if x["t_s"] >= last["t_s"] / 2]
     return {"clients": clients, "requests": row["sent"], "wall_s": row["wall_s"], "samples": samples,
             "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 1),
+            "growth_by_part_mb": {k[:-3]: round(last[k] - first[k], 1) for k in first
+                                  if k.endswith("_mb") and k != "rss_mb" and first[k] is not None},
+            "rss_slope_second_half_mb_per_min": _slope([x["t_s"] / 60 for x in half], [x["rss_mb"] for x in half]),
             "rss_range_mb": [min(x["rss_mb"] for x in samples), max(x["rss_mb"] for x in samples)],
             "cuda_drift_pct": round(100 * (cuda[-1] - cuda[0]) / cuda[0], 3) if cuda else None,
             "cuda_range_pct": round(100 * (max(cuda) - min(cuda)) / cuda[0], 3) if cuda else None}
 
 
+def _slope(x: list[float], y: list[float]) -> float | None:
+    """The least-squares slope of y over x (None for fewer than three points)."""
+    if len(x) < 3:
+        return None
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    den = sum((a - mx) ** 2 for a in x)
+    return round(sum((a - mx) * (b - my) for a, b in zip(x, y)) / den, 2) if den else None
+
+
 def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
-    """One batch of every size up to `max_batch` (the largest pipeline call; pool requests, so mixed adapters; two denoising steps, since every
-    step has the same shapes), before memory is first read: the kernels, library workspaces and allocator pools a
-    server meets with each new batch shape are in place, so the RSS and device-memory figures after the load runs
-    show what serving adds, not what a first shape does."""
+    """One batch of every size up to `max_batch` (the largest pipeline call; pool requests, so mixed adapters; two
+    denoising steps, since every step has the same shapes), before memory is first read: the kernels, library
+    workspaces and allocator pools a server meets with each new batch shape are in place, so the RSS and device-memory
+    figures after the load runs show what serving adds, not what a first shape does."""
     t, sizes = time.perf_counter(), list(range(2, max_batch + 1))
     for b in sizes:
         reqs = [{**pool[(b + i) % len(pool)], "num_inference_steps": min(2, pool[0]["num_inference_steps"]),
