@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import random
 import statistics
 import sys
@@ -351,6 +352,7 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
         while not stop.wait(every_s):
             read()
 
+    wait_idle()  # the first and the last reading on an idle server: like with like
     reader = threading.Thread(target=sample, daemon=True)
     reader.start()
     send_s = end - time.perf_counter() - 0.8 * t_img * clients  # the last requests still in flight when sending stops
@@ -361,6 +363,7 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
         stop.set()
         reader.join()
     runs.append({"server": "fdlora", **row})
+    wait_idle()
     read()
     print(f"  soak: {row}", flush=True)
     first, last = samples[0], samples[-1]
@@ -374,6 +377,14 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
             "rss_range_mb": [min(x["rss_mb"] for x in samples), max(x["rss_mb"] for x in samples)],
             "cuda_drift_pct": round(100 * (cuda[-1] - cuda[0]) / cuda[0], 3) if cuda else None,
             "cuda_range_pct": round(100 * (max(cuda) - min(cuda)) / cuda[0], 3) if cuda else None}
+
+
+def wait_idle() -> None:
+    """Wait until a server that has answered everything is idle in the engine's sense: its delayed heap trim has run
+    (fdlora.serve.heap.trim_later), so a memory reading shows the data that lives, not what the last answers freed."""
+    from fdlora.serve import heap
+
+    time.sleep(2 * heap.IDLE_S)
 
 
 def _slope(x: list[float], y: list[float]) -> float | None:
@@ -593,8 +604,8 @@ def ray_available(a) -> tuple[bool, str | None]:
     return True, None
 
 
-def _load_row(url: str, pool: list[dict], refs: list[bytes] | None, n: int, limit_s: float, timeout_s: float,
-              seed: int, mode: str, x: float) -> dict:
+def _load_row(url: str, shared: str, n: int, limit_s: float, timeout_s: float, seed: int, mode: str, x: float) -> dict:
+    pool, refs = pickle.loads(Path(shared).read_bytes())
     load = Load(url, pool, refs, n, limit_s, timeout_s, seed)
     return load.closed(int(x)) if mode == "closed" else load.open(x)
 
@@ -606,9 +617,22 @@ class Clients:
 
     def __init__(self) -> None:
         self._pool = None
+        self._files: dict[tuple[int, int], Path] = {}
 
-    def run(self, *load_args) -> dict:
-        return self.call(_load_row, *load_args)
+    def run(self, url: str, pool: list[dict], refs: list[bytes] | None, *load_args) -> dict:
+        return self.call(_load_row, url, str(self._shared(pool, refs)), *load_args)
+
+    def _shared(self, pool: list[dict], refs: list[bytes] | None) -> Path:
+        """The pool and its reference images in a file the process reads, written once: sent as arguments, their
+        pickle (megabytes of PNGs) would stay in this process, held by the executor's feeder thread until its next
+        message, and count in the server's RSS."""
+        key = (id(pool), id(refs))
+        if key not in self._files:
+            fd, path = tempfile.mkstemp(prefix="fdlora-bench-refs-", suffix=".pkl")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((pool, refs), f)
+            self._files[key] = Path(path)
+        return self._files[key]
 
     def call(self, fn, *args):
         """`fn(*args)` in the process (a module-level function; arguments and result are pickled)."""
@@ -625,6 +649,8 @@ class Clients:
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+        for path in self._files.values():
+            path.unlink(missing_ok=True)
 
 
 def run(a) -> dict:
@@ -686,13 +712,16 @@ def _run(a) -> dict:
             out["summary"] = summary(out)
             out["wall_s"] = round(time.perf_counter() - t_start, 1)
             return out
+        wait_idle()
         mem0 = server.memory()
         # kept for what follows: the faults (~18 images) and the baseline (its build, ~16 images)
         reserve = 44 * t_img + (60 if a.model == "sdxl" else 5)
         load_runs(a, server, pool, refs, t_img, t_start + a.budget_s - reserve, runs, "fdlora")
+        wait_idle()
         mem1 = server.memory()
         out["faults"] = faults(server, pool, refs, size, t_img, late, paths[late])
         a.checkpoint()
+        wait_idle()
         out["memory"] = memory_report(mem0, mem1, server.memory())
         out["base_ceiling"] = base_ceiling(server, pool, a.max_batch, t_img)
         print(f"  base pipeline, {a.max_batch} images in one batch: {out['base_ceiling']}", flush=True)

@@ -100,29 +100,38 @@ class Batcher:
         self.worker.join()
 
     def _loop(self) -> None:
-        while (item := self.q.get()) is not None:
-            batch, end = [item], time.monotonic() + self.wait_s
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self.q.get(timeout=max(0.0, end - time.monotonic()))
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self.q.put(None)
-                    break
-                batch.append(nxt)
-            live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
-            self.dropped += len(batch) - len(live)
-            if not live:
-                continue
+        while (batch := self._gather()) is not None:
+            self._run(batch)
+            del batch  # the answers are the waiting handlers' now: none held while the next batch is awaited
+
+    def _gather(self) -> list | None:
+        if (item := self.q.get()) is None:
+            return None
+        batch, end = [item], time.monotonic() + self.wait_s
+        while len(batch) < self.max_batch:
             try:
-                outs = self.run_each([r for r, _ in live])
-            except BaseException as e:  # noqa: BLE001 - handed to every waiting request
-                for _, f in live:
-                    f.set_exception(e)
-                continue
-            for (_, f), o in zip(live, outs):
-                f.set_result(o)
+                nxt = self.q.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                break
+            if nxt is None:
+                self.q.put(None)
+                break
+            batch.append(nxt)
+        return batch
+
+    def _run(self, batch: list) -> None:
+        live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
+        self.dropped += len(batch) - len(live)
+        if not live:
+            return
+        try:
+            outs = self.run_each([r for r, _ in live])
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting request
+            for _, f in live:
+                f.set_exception(e)
+            return
+        for (_, f), o in zip(live, outs):
+            f.set_result(o)
 
 
 class LocalImages:

@@ -20,8 +20,8 @@ A failure stays with the requests that cause it (`run_each`): an adapter that fa
 or gone) fails only the requests that name it, with a one-line 500; a call that runs out of device memory drops
 the merged-weight copies (halving their budget) and is run again one request at a time, and only a request that
 still does not fit with no copy left to drop fails, with a 507 naming the limit. An engine caps its process's C heap at
-two arenas and gives the heap's free pages back after each call (fdlora.serve.heap), so the RSS follows the data
-that lives, not the threads that served.
+two arenas and gives the heap's free pages back once a call's images are encoded, and again once the server has been
+idle a second (fdlora.serve.heap), so the RSS follows the data that lives, not the threads that served.
 """
 
 from __future__ import annotations
@@ -268,10 +268,13 @@ class Engine:
                 self.call_s += time.perf_counter() - t
             self._used(names)
             self.paths.update(dispatch_counts(_denoiser(self.pipe)))
-            heap.trim()
             self.calls += 1
             self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
-        return encode(images)
+        pngs = encode(images)
+        del images
+        heap.trim()  # after the images' host buffers are freed too, not only the call's
+        heap.trim_later()  # and what the answers hold, once they are sent and the server is idle
+        return pngs
 
 
 def _denoiser(pipe):

@@ -5,7 +5,9 @@ thread its own arena (up to 8 per core) and, once a freed buffer has raised its 
 those buffers from the arenas, where freed pages stay scattered among live ones. The RSS then follows the threads that
 ever ran rather than the data that lives: on a 16-core host, hundreds of MB over a few hundred 1024² images.
 `limit_arenas` caps the process at two arenas (unless the caller set `MALLOC_ARENA_MAX`), so freed buffers are reused
-and `trim`, after each call, gives the rest back. Pinning the mmap threshold instead keeps the RSS as flat but maps
+and `trim`, after each call, gives the rest back. What a call's answers hold after that (PNG bytes, response bodies)
+is freed once they are sent: `trim_later` gives it back when the server has been idle a moment, so an idle server's
+RSS is the data that lives. Pinning the mmap threshold instead keeps the RSS as flat but maps
 and faults in every large host tensor afresh, a quarter slower on CPU-bound steps.
 """
 
@@ -14,11 +16,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
 
 M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 ARENAS = 2
+IDLE_S = 1.0  # seconds without a call before `trim_later` trims
 _libc = None
 _limited = False
+_timer: threading.Timer | None = None
+_timer_lock = threading.Lock()
 
 
 def _glibc():
@@ -48,3 +54,15 @@ def trim() -> None:
     lib = _glibc()
     if lib:
         lib.malloc_trim(0)
+
+
+def trim_later(after_s: float = IDLE_S) -> None:
+    """Trim once `after_s` seconds pass without another call to this one (each call restarts the wait), on a daemon
+    timer thread: under load the wait never ends and each call's own trim is what runs."""
+    global _timer
+    with _timer_lock:
+        if _timer is not None:
+            _timer.cancel()
+        _timer = threading.Timer(after_s, trim)
+        _timer.daemon = True
+        _timer.start()

@@ -146,3 +146,37 @@ def test_python_memory_stays_flat_under_load_once_every_batch_shape_ran(tmp_path
     assert loads >= 8  # evictions and reloads happened throughout
     grew = (max(traced[1:]) - traced[0]) / 2**10
     assert (grew > 128) if leak else (grew <= 128), [t // 2**10 for t in traced]
+
+
+def test_the_batcher_holds_no_answer_once_it_is_handed_over():
+    import gc
+    import weakref
+
+    class Answer:
+        pass
+
+    made: list[weakref.ref] = []
+
+    def run_each(reqs):
+        out = [Answer() for _ in reqs]
+        made.extend(weakref.ref(a) for a in out)
+        return out
+
+    batcher = serve_harness.Batcher(run_each, max_batch=4, wait_s=0.05)
+    try:
+        futs = [batcher.submit(i) for i in range(3)]
+        assert all(isinstance(f.result(timeout=10), Answer) for f in futs)
+        del futs
+        gc.collect()
+        assert len(made) == 3 and all(r() is None for r in made)  # while the worker waits for the next request
+    finally:
+        batcher.close()
+
+
+def test_the_load_runs_callers_read_the_pool_from_a_file_removed_at_the_end():
+    pool, refs = [{"prompt": "p"}], [b"png"]
+    with bench_serve.Clients() as clients:
+        path = clients._shared(pool, refs)
+        assert clients._shared(pool, refs) == path and clients._shared(pool, [b"other"]) != path  # written once
+        assert bench_serve.pickle.loads(path.read_bytes()) == (pool, refs)
+    assert not path.exists()

@@ -97,3 +97,21 @@ def test_rss_stays_flat_while_threads_make_and_free_megabyte_images():
     growth = run(THREADED_IMAGES, "limited")["growth_mb"]  # glibc's defaults here: medians of 107-165 MB
     # the median: now and then a round ends with 10-60 MB not yet given back, gone by the next round
     assert sorted(growth)[2] <= 10, f"RSS grew {growth} MB over 5 rounds of 16 threads with two arenas"
+
+
+def test_trim_later_trims_once_after_the_last_of_several_calls(monkeypatch):
+    import threading
+    import time
+
+    from fdlora.serve import heap
+
+    done, times = threading.Event(), []
+    monkeypatch.setattr(heap, "trim", lambda: (times.append(time.monotonic()), done.set()))
+    start = time.monotonic()
+    for _ in range(5):  # each call restarts the wait
+        heap.trim_later(0.2)
+        time.sleep(0.05)
+    last = time.monotonic()
+    assert done.wait(5)
+    time.sleep(0.3)
+    assert len(times) == 1 and times[0] - last >= 0.1 and times[0] - start >= 0.35
