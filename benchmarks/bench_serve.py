@@ -428,8 +428,9 @@ def base_ceiling(server, pool: list[dict], n: int, t_img: float) -> dict:
 
 def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name: str, clients=(16, 1, 4),
               open_loop: bool = True) -> None:
-    """Closed loop with `clients` callers (16 measures saturation: first, and given at least the time its clients'
-    requests take plus four images, up to 0.6 of what is left, so that a slow host skips the others rather than it),
+    """Closed loop with `clients` callers (16 measures saturation: first, and given at least twice the time its
+    clients' requests take alone plus four images, up to 0.6 of what is left, so that it spans several rounds of its
+    clients' requests, not only the first, and a slow host skips the others rather than it),
     then open loop at 50/70/100% of the 16-client throughput; all done by `end` (perf_counter): each run gets a share
     of the time left, stops sending early enough for the requests in flight to finish, and is skipped when too little
     is left."""
@@ -440,8 +441,8 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
     for i, ((mode, x), share) in enumerate(shares):
         left = end - time.perf_counter()
         limit = left * share / sum(w for _, w in shares[i:])
-        if i == 0 and mode == "closed":  # the saturation run: enough for its clients' requests and a few more,
-            limit = max(limit, min(0.6 * left, (0.8 * x + 4) * t_img))  # however slow the host
+        if i == 0 and mode == "closed":  # the saturation run: several rounds of its clients' requests, however slow
+            limit = max(limit, min(0.6 * left, (1.6 * x + 4) * t_img))  # the host (a batched image costs < one alone)
         seed += 1
         engine_before = server.stats()
         if mode == "closed":
