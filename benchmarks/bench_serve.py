@@ -388,12 +388,13 @@ def wait_idle() -> None:
 
 
 def _slope(x: list[float], y: list[float]) -> float | None:
-    """The least-squares slope of y over x (None for fewer than three points)."""
+    """The least-squares slope of y over x (None for fewer than three points, or all at one x)."""
     if len(x) < 3:
         return None
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    den = sum((a - mx) ** 2 for a in x)
-    return round(sum((a - mx) * (b - my) for a, b in zip(x, y)) / den, 2) if den else None
+    try:
+        return round(statistics.linear_regression(x, y).slope, 2)
+    except statistics.StatisticsError:
+        return None
 
 
 def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
@@ -618,7 +619,7 @@ class Clients:
 
     def __init__(self) -> None:
         self._pool = None
-        self._files: dict[tuple[int, int], Path] = {}
+        self._files: dict[tuple[int, int], tuple[list, list | None, Path]] = {}  # the objects kept: ids stay theirs
 
     def run(self, url: str, pool: list[dict], refs: list[bytes] | None, *load_args) -> dict:
         return self.call(_load_row, url, str(self._shared(pool, refs)), *load_args)
@@ -632,8 +633,8 @@ class Clients:
             fd, path = tempfile.mkstemp(prefix="fdlora-bench-refs-", suffix=".pkl")
             with os.fdopen(fd, "wb") as f:
                 pickle.dump((pool, refs), f)
-            self._files[key] = Path(path)
-        return self._files[key]
+            self._files[key] = (pool, refs, Path(path))
+        return self._files[key][2]
 
     def call(self, fn, *args):
         """`fn(*args)` in the process (a module-level function; arguments and result are pickled)."""
@@ -650,7 +651,7 @@ class Clients:
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-        for path in self._files.values():
+        for _, _, path in self._files.values():
             path.unlink(missing_ok=True)
 
 
