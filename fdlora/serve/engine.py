@@ -19,9 +19,9 @@ name order (`_arrange`), so sums over slots meet them in one order whatever the 
 A failure stays with the requests that cause it (`run_each`): an adapter that fails to load (its file corrupt
 or gone) fails only the requests that name it, with a one-line 500; a call that runs out of device memory drops
 the merged-weight copies (halving their budget) and is run again one request at a time, and only a request that
-still does not fit with no copy left to drop fails, with a 507 naming the limit. An engine caps its process's C heap at
-two arenas and gives the heap's free pages back once a call's images are encoded, and again once the server has been
-idle a second (fdlora.serve.heap), so the RSS follows the data that lives, not the threads that served.
+still does not fit with no copy left to drop fails, with a 507 naming the limit. An engine puts its process's C heap
+on one glibc arena and gives the heap's free pages back once a call's images are encoded, and again once the server
+has been idle a second (fdlora.serve.heap), so the RSS follows the data that lives, not the threads that served.
 """
 
 from __future__ import annotations

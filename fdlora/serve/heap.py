@@ -4,11 +4,14 @@ A call decodes and encodes megabyte images and host tensors on whichever threads
 thread its own arena (up to 8 per core) and, once a freed buffer has raised its mmap threshold (up to 32 MiB), serves
 those buffers from the arenas, where freed pages stay scattered among live ones. The RSS then follows the threads that
 ever ran rather than the data that lives: on a 16-core host, hundreds of MB over a few hundred 1024² images.
-`limit_arenas` caps the process at two arenas (unless the caller set `MALLOC_ARENA_MAX`), so freed buffers are reused
-and `trim`, after each call, gives the rest back. What a call's answers hold after that (PNG bytes, response bodies)
-is freed once they are sent: `trim_later` gives it back when the server has been idle a moment, so an idle server's
-RSS is the data that lives. Pinning the mmap threshold instead keeps the RSS as flat but maps
-and faults in every large host tensor afresh, a quarter slower on CPU-bound steps.
+`limit_arenas` puts every thread on the main arena (unless the caller set `MALLOC_ARENA_MAX`), so freed buffers are
+reused, and `trim`, after each call, gives the rest back: `malloc_trim` returns the main arena's top and every arena's
+free chunks, but another arena keeps its top mapped up to the trim threshold, which follows the mmap threshold to twice
+its size (24 MiB once a 1024² float32 image has been freed). Behind glibc's per-thread caches one arena costs the
+threads no measurable time. What a call's answers hold after that (PNG bytes, response bodies) is freed once they are
+sent: `trim_later` gives it back when the server has been idle a moment, so an idle server's RSS is the data that
+lives. Pinning the mmap threshold instead keeps the RSS as flat but maps and faults in every large host tensor afresh,
+a quarter slower on CPU-bound steps.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import threading
 
 M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
-ARENAS = 2
+ARENAS = 1
 IDLE_S = 1.0  # seconds without a call before `trim_later` trims
 _libc = None
 _limited = False
@@ -39,8 +42,8 @@ def _glibc():
 
 
 def limit_arenas() -> bool:
-    """At most two glibc arenas for this process; True when the number is capped (here or by the environment).
-    Threads that start later share them; arenas made before stay."""
+    """One glibc arena for this process; True when the number is capped (here or by the environment).
+    Threads that start later share it; arenas made before stay."""
     global _limited
     if _limited or "MALLOC_ARENA_MAX" in os.environ:
         return True
