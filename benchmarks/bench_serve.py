@@ -336,7 +336,9 @@ def load_profile(server, name: str, n: int = 3) -> dict:
 def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: int = 16, every_s: float = 15.0) -> dict:
     """One closed-loop run of `clients` callers until `end` (perf_counter) or `--max-requests`, every image compared
     with its reference, the server's memory read every `every_s` seconds meanwhile: memory over a long run at
-    saturation, where a leak would climb."""
+    saturation, where a leak would climb. Each reading splits the RSS (anonymous, file-backed, adapter cache, pinned
+    blocks; the C heap's bytes in use and free; Python's blocks) and counts the kinds of call run so far, so a rise
+    shows whether it is data that lives, pages no trim returned, or the first calls of a new kind."""
     samples: list[dict] = []
     stop = threading.Event()
     t0 = time.perf_counter()
@@ -344,8 +346,9 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
     def read():
         m = server.memory()
         mb = {f"{k}_mb": None if m.get(k) is None else round(m[k] / 2**20, 1)
-              for k in ("rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host")}
-        samples.append({"t_s": round(time.perf_counter() - t0, 1), **mb, "cuda_allocated": m["cuda_allocated"]})
+              for k in ("rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host", "heap_in_use", "heap_free")}
+        samples.append({"t_s": round(time.perf_counter() - t0, 1), **mb, "cuda_allocated": m["cuda_allocated"],
+                        "py_blocks": m.get("py_blocks"), "call_kinds": server.stats().get("call_kinds")})
 
     def sample():
         read()
@@ -373,6 +376,8 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
             "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 1),
             "growth_by_part_mb": {k[:-3]: round(last[k] - first[k], 1) for k in first
                                   if k.endswith("_mb") and k != "rss_mb" and first[k] is not None},
+            "py_blocks_growth": None if first["py_blocks"] is None else last["py_blocks"] - first["py_blocks"],
+            "call_kinds": [first["call_kinds"], last["call_kinds"]],
             "rss_slope_second_half_mb_per_min": _slope([x["t_s"] / 60 for x in half], [x["rss_mb"] for x in half]),
             "rss_range_mb": [min(x["rss_mb"] for x in samples), max(x["rss_mb"] for x in samples)],
             "cuda_drift_pct": round(100 * (cuda[-1] - cuda[0]) / cuda[0], 3) if cuda else None,

@@ -344,6 +344,7 @@ class LocalServer:
     def stats(self) -> dict:
         e = self.engine
         return {"calls": getattr(e, "calls", None), "mixed_calls": getattr(e, "mixed", None),
+                "call_kinds": len(e.kinds) if hasattr(e, "kinds") else None,
                 "loads": getattr(e, "loads", None), "oom_retries": e.oom_retries,
                 "failed_loads": getattr(e, "failed_loads", None), "dropped_before_running": self.batcher.dropped,
                 "load_s": round(getattr(e, "load_s", 0.0), 2), "pipeline_s": round(getattr(e, "call_s", 0.0), 2),
@@ -443,7 +444,8 @@ class RayServer:
 
     def memory(self) -> dict:
         s = self.stats()
-        return {k: s.get(k) for k in ("cuda_allocated", "rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host")}
+        return {k: s.get(k) for k in ("cuda_allocated", "rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host",
+                                      "heap_in_use", "heap_free", "py_blocks")}
 
     def dropped(self) -> None:
         return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..extras import require
+from . import heap
 from .engine import Engine, json_body, make_engine
 from .schema import (
     MAX_BODY_BYTES,
@@ -122,7 +123,8 @@ def make_app(cfg, *, num_gpus: float = 0.0):
 
         def stats(self) -> dict[str, Any]:
             return {"replica": self.replica, "known": self.engine.known(), "calls": self.engine.calls,
-                    "mixed_calls": self.engine.mixed, "loads": self.engine.loads, "pid": os.getpid(),
+                    "mixed_calls": self.engine.mixed, "call_kinds": len(self.engine.kinds), "loads": self.engine.loads,
+                    "pid": os.getpid(),
                     "oom_retries": self.engine.oom_retries, "failed_loads": self.engine.failed_loads,
                     **process_memory()}
 
@@ -195,10 +197,12 @@ def build_api(images, cfg):
 
 def process_memory() -> dict[str, Any]:
     """This process's CUDA memory allocated by torch (None without CUDA), resident set size (and its anonymous and
-    file-backed parts), and the two parts of the RSS that are caches by design: the in-RAM adapter cache
+    file-backed parts), the two parts of the RSS that are caches by design: the in-RAM adapter cache
     (`FDLORA_CACHE_BYTES`) and the page-locked blocks torch's host allocator keeps for reuse (None without CUDA), in
-    bytes."""
+    bytes, and where the anonymous part lives: the C heap's bytes in use and free (`heap.usage`) and Python's
+    allocated small-object blocks (a count)."""
     import resource
+    import sys
 
     import torch
 
@@ -211,7 +215,7 @@ def process_memory() -> dict[str, Any]:
     with open("/proc/self/statm") as f:  # current RSS (ru_maxrss is the peak)
         rss = int(f.read().split()[1]) * resource.getpagesize()
     return {"cuda_allocated": cuda, "rss": rss, **_rss_parts(), "adapter_cache": cached_bytes(),
-            "pinned_host": pinned}
+            "pinned_host": pinned, **heap.usage(), "py_blocks": sys.getallocatedblocks()}
 
 
 def _rss_parts() -> dict[str, int | None]:

@@ -77,6 +77,7 @@ class Engine:
         self.calls = 0  # pipeline calls (a batch of several shapes makes several)
         self.loads = 0
         self.mixed = 0  # calls whose requests named different adapter sets: one per-prompt batch for all
+        self.kinds: set[tuple[int, int, int]] = set()  # (images, distinct adapter sets, adapters) of every call so far
         self.oom_retries = 0  # calls that ran out of device memory and were run again one request at a time
         self.failed_loads = 0
         self.load_s = 0.0  # wall seconds spent loading adapters (files read, banks written)
@@ -84,6 +85,13 @@ class Engine:
         self.paths: collections.Counter = collections.Counter()  # fused layers by dispatch path, over every call
         self.held: set[str] = set()  # adapters Ray's multiplexed LRU holds (hold / release)
         self.partners: dict[str, None] = {}  # other adapters of recent calls, least recently used first
+
+    def _count(self, reqs: list, names: Sequence[str]) -> None:
+        """A call's counters: every call, mixed ones, and the kinds of call (which new kernels and plans follow)."""
+        sets = {tuple(sorted(r.adapters)) for r in reqs}
+        self.calls += 1
+        self.mixed += len(sets) > 1
+        self.kinds.add((len(reqs), len(sets), len(names)))
 
     # --- adapters ------------------------------------------------------------------------------
     def known(self) -> list[str]:
@@ -268,8 +276,7 @@ class Engine:
                 self.call_s += time.perf_counter() - t
             self._used(names)
             self.paths.update(dispatch_counts(_denoiser(self.pipe)))
-            self.calls += 1
-            self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
+            self._count(reqs, names)
         pngs = encode(images)
         del images
         heap.trim()  # after the images' host buffers are freed too, not only the call's
@@ -418,8 +425,7 @@ class TextEngine(Engine):
             self._used(names)
             self.paths.update(dispatch_counts(self.pipe))
             heap.trim()
-            self.calls += 1
-            self.mixed += len({tuple(sorted(r.adapters)) for r in reqs}) > 1
+            self._count(reqs, names)
         return [_until_eos(row.tolist(), eos) for row in out]
 
 

@@ -59,6 +59,23 @@ def trim() -> None:
         lib.malloc_trim(0)
 
 
+class _Mallinfo2(ctypes.Structure):  # malloc.h's struct mallinfo2 (glibc 2.33+), every field a size_t
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def usage() -> dict[str, int | None]:
+    """The C heap's bytes in use (blocks malloc handed out and not freed, mmapped ones included) and free (held in the
+    arenas' bins, whether or not their pages are resident); None where glibc has no mallinfo2. A rise in use is data
+    that lives; a rise in free with the RSS is pages a trim could not return."""
+    lib = _glibc()
+    if not lib or not hasattr(lib, "mallinfo2"):
+        return {"heap_in_use": None, "heap_free": None}
+    lib.mallinfo2.restype = _Mallinfo2
+    m = lib.mallinfo2()
+    return {"heap_in_use": m.uordblks + m.hblkhd, "heap_free": m.fordblks}
+
+
 def trim_later(after_s: float = IDLE_S) -> None:
     """Trim once `after_s` seconds pass without another call to this one (each call restarts the wait), on a daemon
     timer thread: under load the wait never ends and each call's own trim is what runs."""

@@ -76,6 +76,10 @@ def test_soak_reads_memory_during_one_long_run_then_runs_the_faults(tmp_path):
     assert len(times) >= 2 and times == sorted(times) and times[-1] >= soak["wall_s"]  # read meanwhile, then after
     rss = [x["rss_mb"] for x in soak["samples"]]
     assert soak["rss_range_mb"] == [min(rss), max(rss)] and soak["rss_growth_mb"] == round(rss[-1] - rss[0], 1)
+    first, last = soak["samples"][0], soak["samples"][-1]
+    assert last["heap_in_use_mb"] > 0 and last["heap_free_mb"] >= 0 and last["py_blocks"] > 0
+    assert soak["growth_by_part_mb"]["heap_in_use"] == round(last["heap_in_use_mb"] - first["heap_in_use_mb"], 1)
+    assert 1 <= soak["call_kinds"][0] <= soak["call_kinds"][1]  # the warm-up's calls, then the run's new kinds
 
 
 def test_a_swapped_adapter_is_a_mismatch(tmp_path):

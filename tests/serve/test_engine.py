@@ -67,6 +67,7 @@ def test_a_mixed_batch_equals_each_request_alone(engine):
     batch = engine.run(reqs)
     assert engine.calls - calls == 3  # [0..3], [4] (a third adapter past 2 slots), [5] (another size)
     assert engine.mixed - mixed == 1  # e0, e1, none and a blend in one per-prompt call
+    assert {(4, 4, 2), (1, 1, 1)} <= engine.kinds  # (images, adapter sets, adapters): the per-prompt call, the others
     alone = [engine.run([r])[0] for r in reqs]
     for b, a in zip(batch, alone):
         d = abs(serving.decode_png(b) - serving.decode_png(a))

@@ -116,3 +116,15 @@ def test_trim_later_trims_once_after_the_last_of_several_calls(monkeypatch):
     assert done.wait(5)
     time.sleep(0.3)
     assert len(times) == 1 and times[0] - last >= 0.1 and times[0] - start >= 0.35
+
+
+def test_usage_counts_a_block_in_use_until_it_is_freed():
+    from fdlora.serve import heap
+
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    before = heap.usage()["heap_in_use"]
+    block = libc.malloc(64 << 20)
+    held = heap.usage()["heap_in_use"]
+    libc.free(block)
+    after = heap.usage()["heap_in_use"]
+    assert held - before >= 64 << 20 and held - after >= 64 << 20
