@@ -403,18 +403,28 @@ def _slope(x: list[float], y: list[float]) -> float | None:
 
 
 def warm_shapes(server, pool: list[dict], max_batch: int, t_img: float) -> dict:
-    """One batch of every size up to `max_batch` (the largest pipeline call; pool requests, so mixed adapters; two
-    denoising steps, since every step has the same shapes), before memory is first read: the kernels, library
-    workspaces and allocator pools a server meets with each new batch shape are in place, so the RSS and device-memory
-    figures after the load runs show what serving adds, not what a first shape does."""
-    t, sizes = time.perf_counter(), list(range(2, max_batch + 1))
-    for b in sizes:
-        reqs = [{**pool[(b + i) % len(pool)], "num_inference_steps": min(2, pool[0]["num_inference_steps"]),
-                 "seed": 800 + 10 * b + i} for i in range(b)]
+    """One batch of every size up to `max_batch` (the largest pipeline call; distinct pool requests, so mixed
+    adapters), then batches of `max_batch` in which one request is repeated 2..`max_batch` times beside another
+    (under load, clients drawing from the same pool send the same adapters in groups, and a group's size sets its
+    GEMMs' rows on the per-prompt path), all at two denoising steps, since every step has the same shapes. Before
+    memory is first read: the kernels, library workspaces and allocator pools a server meets with each new shape are
+    in place, so the RSS and device-memory figures after the load runs show what serving adds, not what a first shape
+    does. The idle server's RSS is read before, between and after (`rss_mb`)."""
+    t, sizes, steps = time.perf_counter(), list(range(2, max_batch + 1)), min(2, pool[0]["num_inference_steps"])
+    groups = list(range((max_batch + 1) // 2, max_batch + 1)) if len(pool) > 1 else []  # g and max_batch - g
+    batches = [[pool[(b + i) % len(pool)] for i in range(b)] for b in sizes]
+    batches += [[pool[0]] * g + [pool[1]] * (max_batch - g) for g in groups]
+    rss = [round(server.memory()["rss"] / 2**20, 1)]
+    for k, batch in enumerate(batches):
+        reqs = [{**r, "num_inference_steps": steps, "seed": 800 + 10 * k + i} for i, r in enumerate(batch)]
         bad = [s for s, _ in burst(server.url, reqs, 40 * t_img + 30) if s != 200]
         if bad:
-            raise RuntimeError(f"warm-up batch of {b} failed on the idle server: {bad}")
-    return {"batch_sizes": [1, *sizes], "s": round(time.perf_counter() - t, 1)}
+            raise RuntimeError(f"warm-up batch {k} of {len(batch)} failed on the idle server: {bad}")
+        if k in (len(sizes) - 1, len(batches) - 1):
+            wait_idle()
+            rss.append(round(server.memory()["rss"] / 2**20, 1))
+    return {"batch_sizes": [1, *sizes], "group_sizes": sorted({*groups, *(max_batch - g for g in groups)} - {0}),
+            "rss_mb": rss, "s": round(time.perf_counter() - t, 1)}
 
 
 def base_ceiling(server, pool: list[dict], n: int, t_img: float) -> dict:

@@ -56,6 +56,8 @@ def test_whole_flow_tiny(http, tmp_path):
     mem = d["memory"]  # the adapter cache's part of the RSS is measured, and taken out of the growth a leak shows
     assert mem["adapter_cache_growth_mb"] >= 0 and mem["pinned_host_growth_mb"] is None  # no CUDA: no pinned blocks
     assert mem["rss_growth_outside_caches_mb"] == round(mem["rss_growth_mb"] - mem["adapter_cache_growth_mb"], 1)
+    assert d["warm_up"]["batch_sizes"] == d["warm_up"]["group_sizes"] == list(range(1, 9))
+    assert len(d["warm_up"]["rss_mb"]) == 3  # before, after the sizes, after the groups
     ceiling = d["base_ceiling"]
     assert ceiling["batch"] == 8 and ceiling["ips"] > 0 and s["base_batch_ips"] == ceiling["ips"]
     reload = d["load_profile"]  # an evicted adapter's way back, timed and profiled on the idle server
@@ -80,6 +82,22 @@ def test_soak_reads_memory_during_one_long_run_then_runs_the_faults(tmp_path):
     assert last["heap_in_use_mb"] > 0 and last["heap_free_mb"] >= 0 and last["py_blocks"] > 0
     assert soak["growth_by_part_mb"]["heap_in_use"] == round(last["heap_in_use_mb"] - first["heap_in_use_mb"], 1)
     assert 1 <= soak["call_kinds"][0] <= soak["call_kinds"][1]  # the warm-up's calls, then the run's new kinds
+
+
+def test_warm_up_sends_every_batch_size_and_every_group_size_of_one_adapter_set(monkeypatch):
+    import collections
+
+    sent = []
+    monkeypatch.setattr(bench_serve, "burst", lambda url, reqs, t: (sent.append(reqs), [(200, b"")] * len(reqs))[1])
+    monkeypatch.setattr(bench_serve, "wait_idle", lambda: None)
+    server = type("S", (), {"url": "", "memory": lambda self: {"rss": 2**30}})()
+    pool = [{"adapters": {f"a{i}": 1.0}, "prompt": f"p{i}", "num_inference_steps": 20} for i in range(8)]
+    w = bench_serve.warm_shapes(server, pool, 8, 1.0)
+    assert sorted(len(b) for b in sent if len({r["prompt"] for r in b}) == len(b)) == list(range(2, 9))
+    groups = {n for b in sent for n in collections.Counter(r["prompt"] for r in b).values()}
+    assert groups == set(range(1, 9)) and all(r["num_inference_steps"] == 2 for b in sent for r in b)
+    assert w["group_sizes"] == list(range(1, 9)) and w["rss_mb"] == [1024.0] * 3
+    assert len({r["seed"] for b in sent for r in b}) == sum(map(len, sent))  # every image its own seed
 
 
 def test_a_swapped_adapter_is_a_mismatch(tmp_path):
