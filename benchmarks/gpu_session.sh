@@ -103,7 +103,7 @@ for stage in "$@"; do
     probe-tma) TAIL=5 step 300 python3 benchmarks/probes/probe_tma_gemm.py --out "$OUT/results/probe_tma.json" ;;
     probe-padded-k) TAIL=40 step 150 python3 benchmarks/probes/probe_padded_k.py --out "$OUT/results/padded_k.json" ;;
     probe-rss) TAIL=10 step 120 python3 benchmarks/probes/probe_rss_shapes.py --out "$OUT/results/rss_shapes.json" ;;
-    serve) TAIL=30 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 560 --out "$OUT/results/serve.json" ;;
+    serve) TAIL=30 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 545 --max-batch 16 --max-call 8 --out "$OUT/results/serve.json" ;;
     serve-soak) TAIL=20 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 565 --soak --steps 3 \
         --max-requests 1000 --out "$OUT/results/serve_soak.json" ;;
     per-prompt-forms) for m in sdxl flux; do TAIL=6 step 200 python3 benchmarks/probes/probe_per_prompt_forms.py \
