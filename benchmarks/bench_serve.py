@@ -491,12 +491,13 @@ def load_runs(a, server, pool, refs, t_img: float, end: float, runs: list, name:
 
 def engine_share(before: dict, after: dict, row: dict) -> dict:
     """Where a run's time went on the replica: its pipeline calls and adapter loads (seconds, and their share of the
-    run's wall time), images per call, and pipeline seconds per image served (against the base pipeline's batch of
-    8, `base_ceiling`, this is the per-prompt step's cost)."""
-    d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in ("calls", "mixed_calls", "loads", "load_s",
-                                                                   "pipeline_s")}
+    run's wall time), requests per batch gathered, images per call, and pipeline seconds per image served (against
+    the base pipeline's batch, `base_ceiling`, this is the per-prompt step's cost)."""
+    d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in ("calls", "batches", "mixed_calls", "loads",
+                                                                   "load_s", "pipeline_s")}
     wall = row.get("wall_s") or 0
     return {**{k: round(v, 2) for k, v in d.items()},
+            "requests_per_batch": round(row["served"] / d["batches"], 2) if d["batches"] else None,
             "images_per_call": round(row["served"] / d["calls"], 2) if d["calls"] else None,
             "pipeline_s_per_image": round(d["pipeline_s"] / row["served"], 3),
             "busy_share": round((d["pipeline_s"] + d["load_s"]) / wall, 3) if wall else None,

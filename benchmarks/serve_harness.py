@@ -343,7 +343,8 @@ class LocalServer:
 
     def stats(self) -> dict:
         e = self.engine
-        return {"calls": getattr(e, "calls", None), "mixed_calls": getattr(e, "mixed", None),
+        return {"calls": getattr(e, "calls", None), "batches": getattr(e, "batches", None),
+                "mixed_calls": getattr(e, "mixed", None),
                 "call_kinds": len(e.kinds) if hasattr(e, "kinds") else None,
                 "loads": getattr(e, "loads", None), "oom_retries": e.oom_retries,
                 "failed_loads": getattr(e, "failed_loads", None), "dropped_before_running": self.batcher.dropped,

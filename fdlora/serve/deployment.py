@@ -123,6 +123,7 @@ def make_app(cfg, *, num_gpus: float = 0.0):
 
         def stats(self) -> dict[str, Any]:
             return {"replica": self.replica, "known": self.engine.known(), "calls": self.engine.calls,
+                    "batches": self.engine.batches,
                     "mixed_calls": self.engine.mixed, "call_kinds": len(self.engine.kinds), "loads": self.engine.loads,
                     "pid": os.getpid(),
                     "oom_retries": self.engine.oom_retries, "failed_loads": self.engine.failed_loads,

@@ -75,6 +75,7 @@ class Engine:
         self.pipe = pipe if pipe is not None else build(replace(cfg, adapters=[]))
         self._lock = threading.RLock()  # ensure + call, and release, never interleave
         self.calls = 0  # pipeline calls (a batch of several shapes makes several)
+        self.batches = 0  # batches handed to run_each (what Ray's or the bench's batcher gathered)
         self.loads = 0
         self.mixed = 0  # calls whose requests named different adapter sets: one per-prompt batch for all
         self.kinds: set[tuple[int, int, int]] = set()  # (images, distinct adapter sets, adapters) of every call so far
@@ -169,6 +170,7 @@ class Engine:
     def run_each(self, requests: Sequence[ImageRequest]) -> list:
         """`run`, with each request's own outcome: its output, or the RequestError that failed it alone."""
         out: dict[int, Any] = {}
+        self.batches += 1
         for group in self.plan(requests):
             out.update(zip(group, self._outcomes([requests[i] for i in group])))
         return [out[i] for i in range(len(requests))]

@@ -34,7 +34,8 @@ def test_whole_flow_tiny(http, tmp_path):
     assert {r["mode"] for r in fd} == {"closed", "open"} and any(r["server"] == "diffusers_peft" for r in d["runs"])
     for r in fd:  # where each run's time went on the replica: its calls and loads, counted during that run only
         e = r["engine"]
-        assert e["calls"] >= 1 and e["pipeline_s"] > 0 and 1 <= e["images_per_call"] <= 8
+        assert e["calls"] >= e["batches"] >= 1 and e["pipeline_s"] > 0 and 1 <= e["images_per_call"] <= 8
+        assert e["requests_per_batch"] == round(r["served"] / e["batches"], 2) >= e["images_per_call"]
         assert e["pipeline_s_per_image"] == round(e["pipeline_s"] / r["served"], 3) and 0 < e["busy_share"] <= 1.05
     assert all("engine" not in r for r in d["runs"] if r["server"] == "diffusers_peft")  # no counters to report
     assert d["idle"]["adapter_effect"]  # adapters change the image: a swap is visible

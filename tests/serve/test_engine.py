@@ -63,9 +63,10 @@ def test_max_call_defaults_to_max_batch_and_is_validated():
 def test_a_mixed_batch_equals_each_request_alone(engine):
     reqs = [R({"e0": 0.8}, seed=1), R({"e1": -0.6}, seed=2, prompt="a dog"), R({}, seed=3),
             R({"e0": 0.3, "e1": 0.9}, seed=4), R({"e2": 1.2}, seed=5), R({"e0": 0.8}, seed=1, size=72)]
-    calls, mixed = engine.calls, engine.mixed
+    calls, mixed, batches = engine.calls, engine.mixed, engine.batches
     batch = engine.run(reqs)
     assert engine.calls - calls == 3  # [0..3], [4] (a third adapter past 2 slots), [5] (another size)
+    assert engine.batches - batches == 1
     assert engine.mixed - mixed == 1  # e0, e1, none and a blend in one per-prompt call
     assert {(4, 4, 2), (1, 1, 1)} <= engine.kinds  # (images, adapter sets, adapters): the per-prompt call, the others
     alone = [engine.run([r])[0] for r in reqs]

@@ -118,6 +118,8 @@ def test_64_concurrent_requests_with_random_adapters_equal_each_run_alone(live, 
     calls = sum(s["calls"] for s in stats)
     assert calls < len(reqs), f"{calls} pipeline calls for {len(reqs)} requests: no batching"
     assert sum(s["mixed_calls"] for s in stats) > 0  # requests with different adapters shared one call
+    assert 1 <= sum(s["batches"] for s in stats) <= calls and all(s["call_kinds"] >= 1 for s in stats)
+    assert all(s["heap_in_use"] is None or s["heap_in_use"] > 0 for s in stats)  # where the replica's RSS lives
     print(f"\n64 requests in {wall:.1f}s, {calls} pipeline calls, {exact}/64 bit-exact, stats {stats}")
 
 
