@@ -122,12 +122,10 @@ def make_app(cfg, *, num_gpus: float = 0.0):
             return await asyncio.get_running_loop().run_in_executor(None, self.engine.run_each, reqs)
 
         def stats(self) -> dict[str, Any]:
-            return {"replica": self.replica, "known": self.engine.known(), "calls": self.engine.calls,
-                    "batches": self.engine.batches,
-                    "mixed_calls": self.engine.mixed, "call_kinds": len(self.engine.kinds), "loads": self.engine.loads,
-                    "pid": os.getpid(),
-                    "oom_retries": self.engine.oom_retries, "failed_loads": self.engine.failed_loads,
-                    **process_memory()}
+            e = self.engine
+            return {"replica": self.replica, "known": e.known(), "calls": e.calls, "batches": e.batches,
+                    "mixed_calls": e.mixed, "call_kinds": len(e.kinds), "loads": e.loads, "pid": os.getpid(),
+                    "oom_retries": e.oom_retries, "failed_loads": e.failed_loads, **process_memory()}
 
     @serve.deployment(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=1000)
