@@ -69,7 +69,7 @@ def test_whole_flow_tiny(http, tmp_path):
 def test_soak_reads_memory_during_one_long_run_then_runs_the_faults(tmp_path):
     out = tmp_path / "soak.json"
     rc = bench_serve.main(["--model", "tiny", "--budget-s", "60", "--no-ray", "--http", "stdlib", "--soak",
-                           "--steps", "1", "--max-requests", "40", "--out", str(out)])
+                           "--steps", "1", "--max-requests", "40", "--max-batch", "4", "--out", str(out)])
     d = json.loads(out.read_text())
     soak, s = d["soak"], d["summary"]
     assert rc == 0 and s["faults_ok"] and s["mismatches"] == 0 and s["lost"] == 0
