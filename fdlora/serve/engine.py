@@ -88,7 +88,7 @@ class Engine:
         self.partners: dict[str, None] = {}  # other adapters of recent calls, least recently used first
 
     def _count(self, reqs: list, names: Sequence[str]) -> None:
-        """A call's counters: every call, mixed ones, and the kinds of call (which new kernels and plans follow)."""
+        """A call's counters: every call, mixed ones, and the kinds of call (images, adapter sets, adapters)."""
         sets = {tuple(sorted(r.adapters)) for r in reqs}
         self.calls += 1
         self.mixed += len(sets) > 1

@@ -30,12 +30,19 @@ _timer: threading.Timer | None = None
 _timer_lock = threading.Lock()
 
 
+class _Mallinfo2(ctypes.Structure):  # malloc.h's struct mallinfo2 (glibc 2.33+), every field a size_t
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 def _glibc():
     global _libc
     if _libc is None:
         try:
             lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _libc = lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else False
+            if _libc and hasattr(lib, "mallinfo2"):
+                lib.mallinfo2.restype = _Mallinfo2
         except OSError:
             _libc = False
     return _libc
@@ -59,11 +66,6 @@ def trim() -> None:
         lib.malloc_trim(0)
 
 
-class _Mallinfo2(ctypes.Structure):  # malloc.h's struct mallinfo2 (glibc 2.33+), every field a size_t
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def usage() -> dict[str, int | None]:
     """The C heap's bytes in use (blocks malloc handed out and not freed, mmapped ones included) and free (held in the
     arenas' bins, whether or not their pages are resident); None where glibc has no mallinfo2. A rise in use is data
@@ -71,7 +73,6 @@ def usage() -> dict[str, int | None]:
     lib = _glibc()
     if not lib or not hasattr(lib, "mallinfo2"):
         return {"heap_in_use": None, "heap_free": None}
-    lib.mallinfo2.restype = _Mallinfo2
     m = lib.mallinfo2()
     return {"heap_in_use": m.uordblks + m.hblkhd, "heap_free": m.fordblks}
 
