@@ -9,7 +9,7 @@
 #           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels),
 #           sweep (every delta config per shape; fused vs split components), probe-tma (Hopper TMA GEMM vs cuBLAS),
 #           probe-padded-k (per-call LoRA forms vs the cuBLAS base GEMM), probe-rss (RSS over new batch shapes),
-#           serve (bench_serve.py, full-size SDXL, alone on its GPU: the whole 10-minute call), serve-soak (one 16-client
+#           serve (bench_serve.py, full-size SDXL, alone on its GPU: the whole 10-minute call), serve-soak (the committed serving configuration: one 16-client
 #           run at 3 steps until 1000 requests or the call's end, memory read every 15 s, then the faults: the whole call),
 #           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call),
 #           tests-fast (GPU-marked tests, 6 workers: ~3 min; .whl must hold pytest-xdist + execnet), tests-cuda (the same
@@ -105,7 +105,7 @@ for stage in "$@"; do
     probe-rss) TAIL=10 step 120 python3 benchmarks/probes/probe_rss_shapes.py --out "$OUT/results/rss_shapes.json" ;;
     serve) TAIL=30 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 545 --max-batch 16 --max-call 8 --out "$OUT/results/serve.json" ;;
     serve-soak) TAIL=20 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 565 --soak --steps 3 \
-        --max-requests 1000 --out "$OUT/results/serve_soak.json" ;;
+        --max-batch 16 --max-call 8 --max-requests 1000 --out "$OUT/results/serve_soak.json" ;;
     per-prompt-forms) for m in sdxl flux; do TAIL=6 step 200 python3 benchmarks/probes/probe_per_prompt_forms.py \
         --model $m --out "$OUT/results/per_prompt_forms_$m.json"; done ;;
   esac
