@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from serve_harness import (  # noqa: E402
+    MEMORY_KEYS,
     LocalServer,
     RayServer,
     compare,
@@ -345,10 +346,10 @@ def soak(a, server, pool, refs, t_img: float, end: float, runs: list, clients: i
 
     def read():
         m = server.memory()
-        mb = {f"{k}_mb": None if m.get(k) is None else round(m[k] / 2**20, 1)
-              for k in ("rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host", "heap_in_use", "heap_free")}
+        mb = {f"{k}_mb": None if m[k] is None else round(m[k] / 2**20, 1)
+              for k in MEMORY_KEYS if k not in ("cuda_allocated", "py_blocks")}
         samples.append({"t_s": round(time.perf_counter() - t0, 1), **mb, "cuda_allocated": m["cuda_allocated"],
-                        "py_blocks": m.get("py_blocks"), "call_kinds": server.stats().get("call_kinds")})
+                        "py_blocks": m["py_blocks"], "call_kinds": m["call_kinds"]})
 
     def sample():
         read()

@@ -26,7 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from fdlora.serve.deployment import process_memory
+from fdlora.serve.deployment import MEMORY_KEYS, process_memory
 from fdlora.serve.engine import Engine, png
 from fdlora.serve.schema import MAX_BODY_BYTES, ImageRequest, Limits, RequestError, error_body, parse_body
 
@@ -291,7 +291,8 @@ class LocalServer:
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return process_memory()
+        kinds = getattr(self.engine, "kinds", None)
+        return {**process_memory(), "call_kinds": None if kinds is None else len(kinds)}
 
     @contextlib.contextmanager
     def memory_cap(self, req: dict):
@@ -445,8 +446,7 @@ class RayServer:
 
     def memory(self) -> dict:
         s = self.stats()
-        return {k: s.get(k) for k in ("cuda_allocated", "rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host",
-                                      "heap_in_use", "heap_free", "py_blocks")}
+        return {**{k: s.get(k) for k in MEMORY_KEYS}, "call_kinds": s.get("call_kinds")}
 
     def dropped(self) -> None:
         return None

@@ -194,6 +194,10 @@ def build_api(images, cfg):
     return api
 
 
+MEMORY_KEYS = ("cuda_allocated", "rss", "rss_anon", "rss_file", "adapter_cache", "pinned_host", "heap_in_use",
+               "heap_free", "py_blocks")  # process_memory's keys: every one in bytes but py_blocks (a count)
+
+
 def process_memory() -> dict[str, Any]:
     """This process's CUDA memory allocated by torch (None without CUDA), resident set size (and its anonymous and
     file-backed parts), the two parts of the RSS that are caches by design: the in-RAM adapter cache

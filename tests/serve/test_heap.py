@@ -128,3 +128,12 @@ def test_usage_counts_a_block_in_use_until_it_is_freed():
     libc.free(block)
     after = heap.usage()["heap_in_use"]
     assert held - before >= 64 << 20 and held - after >= 64 << 20
+
+
+def test_process_memory_reads_every_listed_key_and_the_heap_inside_the_rss():
+    from fdlora.serve.deployment import MEMORY_KEYS, process_memory
+
+    m = process_memory()
+    assert tuple(m) == MEMORY_KEYS  # the benchmarks read these keys by this list
+    assert 0 < m["rss_anon"] < m["rss"] and m["py_blocks"] > 0
+    assert m["heap_in_use"] > 0 and m["heap_free"] >= 0
