@@ -9,8 +9,9 @@
 #           (layer paths; dispatch by the cost model / by FDLORA_DISPATCH=measure), delta (delta kernels),
 #           sweep (every delta config per shape; fused vs split components), probe-tma (Hopper TMA GEMM vs cuBLAS),
 #           probe-padded-k (per-call LoRA forms vs the cuBLAS base GEMM), probe-rss (RSS over new batch shapes),
-#           serve (bench_serve.py, full-size SDXL, alone on its GPU: the whole 10-minute call), serve-soak (the committed serving configuration: one 16-client
-#           run at 3 steps until 1000 requests or the call's end, memory read every 15 s, then the faults: the whole call),
+#           serve (bench_serve.py, full-size SDXL, alone on its GPU: the whole 10-minute call), serve-soak (the same
+#           serving configuration, one 16-client run at 3 steps until 1000 requests or the call's end, memory read every
+#           15 s, then the faults: the whole call),
 #           captured (SDXL + Flux steps in CUDA graphs: merged-weight cache checked on the device vs per-call),
 #           tests-fast (GPU-marked tests, 6 workers: ~3 min; .whl must hold pytest-xdist + execnet), tests-cuda (the same
 #           under FDLORA_BACKEND=cuda), tests-notriton (triton's package moved away for the run, then back),

@@ -130,7 +130,7 @@ def test_usage_counts_a_block_in_use_until_it_is_freed():
     assert held - before >= 64 << 20 and held - after >= 64 << 20
 
 
-def test_process_memory_reads_every_listed_key_and_the_heap_inside_the_rss():
+def test_process_memory_reads_every_listed_key():
     from fdlora.serve.deployment import MEMORY_KEYS, process_memory
 
     m = process_memory()
