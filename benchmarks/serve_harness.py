@@ -291,8 +291,7 @@ class LocalServer:
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        kinds = getattr(self.engine, "kinds", None)
-        return {**process_memory(), "call_kinds": None if kinds is None else len(kinds)}
+        return {**process_memory(), "call_kinds": self.stats()["call_kinds"]}
 
     @contextlib.contextmanager
     def memory_cap(self, req: dict):
