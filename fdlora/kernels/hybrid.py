@@ -27,6 +27,7 @@ from .cuda.ops import (
     prepare_linear,
     prepare_linear_rows,
     prepare_samples,
+    prepare_samples_banked,
 )
 from .triton.ops import (
     lora_delta_rows,
@@ -40,7 +41,8 @@ from .triton.ops import (
 
 __all__ = ["lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear", "lora_merge", "lora_merge_many",
            "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups", "prepare_linear",
-           "prepare_linear_rows", "prepare_merge", "prepare_merge_many", "prepare_samples"]
+           "prepare_linear_rows", "prepare_merge", "prepare_merge_many", "prepare_samples",
+           "prepare_samples_banked"]
 
 NOT_IMPLEMENTED = {"lora_conv_delta": "conv LoRA runs on the torch or cuda backend "
                                       "(the registry routes conv layers there)"}

@@ -418,18 +418,23 @@ def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("banked", [True, False])  # every blend merged by one merge-kernel launch / cuBLASLt per blend
 @pytest.mark.parametrize("ranks", [{"a": 8, "b": 32, "c": 4}, {"a": 4, "b": 6, "c": 2}])  # n x R: 96; 18, padded
-def test_per_prompt_without_copies_is_one_bound_cuda_call(cops, monkeypatch, ranks) -> None:
+def test_per_prompt_without_copies_is_one_bound_cuda_call(cops, monkeypatch, ranks, banked) -> None:
     """With the merged-weight cache off, an eager per-prompt call on the extension is one C++ call per layer, kept on
-    the hot path: BoundSamples (each blend merged into scratch by cuBLASLt, W read in place; the GEMMs as one
+    the hot path: BoundSamples (every blend merged into scratch, by one launch of the merge kernel from the bank for
+    weights up to SMALL_MERGE elements, else by cuBLASLt per blend with W read in place; the GEMMs as one
     strided-batched matmul over the copies for one sample per blend, else per run or per CFG position, W itself for
-    samples with no adapter) where the scratch form moves fewer bytes, the extension's lora_linear otherwise (few
-    rows per sample). First call and repeats equal the float reference; samples never see each other's adapters."""
+    samples with no adapter) where the scratch form moves fewer bytes or the host limits the layer (more rows than the
+    few-row delta kernel takes), the extension's lora_linear otherwise (few rows). First call and repeats equal the
+    float reference; samples never see each other's adapters."""
     pytest.importorskip("triton")
     import fdlora
-    from fdlora.layers.fastpath import hot
+    from fdlora.layers.fastpath import hot, percall
 
     monkeypatch.setenv("FDLORA_DISPATCH", "cublas")  # the cuBLAS forms on every GPU, calibrated or not
+    if not banked:
+        monkeypatch.setattr(percall, "SMALL_MERGE", 0)
     monkeypatch.setattr(registry.backends()["triton+cuda"], "_probed", False)
     with fdlora.use_backend("auto"):
         model, adapters = mlp_with_adapters(ranks)
@@ -443,6 +448,7 @@ def test_per_prompt_without_copies_is_one_bound_cuda_call(cops, monkeypatch, ran
             if path == "bound per-sample scratch":
                 assert {type(lay.merged.hot[hot.FN]).__name__ for lay in layers} == {"BoundSamples"}
                 assert all(lay.merged.hot[hot.FN].planned for lay in layers)
+                assert {lay.merged.hot[hot.FN].banked for lay in layers} == {banked}
 
         def spec(s):
             return {} if s is None else {s: 1.0} if isinstance(s, str) else s
@@ -458,6 +464,9 @@ def test_per_prompt_without_copies_is_one_bound_cuda_call(cops, monkeypatch, ran
                     x = torch.randn(len(specs), 80, 64, device="cuda", dtype=torch.float16)
                     with fdlora.per_sample(model, specs):
                         check(x, [spec(s) for s in specs], "bound per-sample scratch")
+                        x_mid = torch.randn(len(specs), 12, 64, device="cuda", dtype=torch.float16)  # delta: fewer
+                        # bytes; the host's launches decide (percall.host_merge), where the merges are small
+                        check(x_mid, [spec(s) for s in specs], "bound per-sample " + ("scratch" if banked else "delta"))
                         x_few = torch.randn(len(specs), 3, 64, device="cuda", dtype=torch.float16)
                         check(x_few, [spec(s) for s in specs], "bound per-sample delta")
         finally:

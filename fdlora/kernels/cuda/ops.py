@@ -29,7 +29,7 @@ _bias = _ops.lora_bias_add.default
 
 __all__ = ["lora_bias_add", "lora_conv_delta", "lora_delta", "lora_delta_rows", "lora_expand_add", "lora_linear",
            "lora_merge", "lora_merge_many", "lora_shrink", "merge_table", "prepare_delta_rows", "prepare_groups",
-           "prepare_linear", "prepare_linear_rows", "prepare_samples"]
+           "prepare_linear", "prepare_linear_rows", "prepare_samples", "prepare_samples_banked"]
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:  # [M, K], [S, R, K] -> [M, S*R] fp32
@@ -128,6 +128,20 @@ def prepare_samples(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
         return None
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     run = _C.BoundSamples(W, bias, A, Bg, jobs, M)
+    return run if run.planned else None
+
+
+def prepare_samples_banked(x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor,
+                           B: torch.Tensor, scale: torch.Tensor, ranks: torch.Tensor, blends: torch.Tensor,
+                           jobs: list[int]):
+    """prepare_samples with the blends merged from the bank (A [S, R, K], B [N, S, R], scale [S] and ranks [S] as the
+    ops take them, blends [nb, S] fp32: each blend's slot weights) by one launch of the extension's merge kernel for
+    all of them: W'_b = W + sum_s scale[s] blends[b, s] B_s A_s. None where prepare_samples' form would be."""
+    if (not (direct(x, W, A, B, scale, ranks, blends) and (bias is None or direct(bias))) or W.dtype != x.dtype
+            or W.device != x.device):
+        return None
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    run = _C.BoundSamples(W, bias, A, B, scale, ranks, blends, jobs, M)
     return run if run.planned else None
 
 

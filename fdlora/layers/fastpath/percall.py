@@ -68,6 +68,20 @@ def gpu_bound(M: int, K: int, N: int) -> bool:
     return 2 * M * K * N >= GPU_BOUND_FLOPS
 
 
+SMALL_ROWS = 32  # the extension's delta for this many rows or fewer is one kernel after the GEMM (csrc/ops.cpp SMALL_M)
+SMALL_MERGE = 1 << 23  # elements: weights the extension's merge kernel merges, every blend in one launch (SDXL's up
+# to 1280 x 5120; above, one cuBLASLt matmul per blend: Flux's), and per-sample merges small enough that their bytes
+# cost less GPU time than the launches they save cost host time
+
+
+def host_merge(M: int, K: int, N: int, blends: int) -> bool:
+    """A per-sample layer the host limits takes the extension's scratch form even where the delta moves fewer bytes:
+    two launches (every blend merged in one, then the batch's GEMMs) against the delta's five (the GEMM, the bank's
+    masking, shrink, weighting, expand), for merges of at most SMALL_MERGE elements, and more rows than the
+    extension's one-kernel delta for few rows takes (SDXL's cross-attention keys and values, 77 rows a sample)."""
+    return M > SMALL_ROWS and not gpu_bound(M, K, N) and blends * N * K <= SMALL_MERGE
+
+
 LARGE_WEIGHT = 1 << 24  # elements: the extension's merge kernel trails cuBLAS's addmm on weights this large (Flux's
 # MLPs: the eager no-cache step 1.15x base through BoundLinear, 1.10x through addmm on an H200); SDXL's largest, 13M,
 # run faster on BoundLinear (1.22-1.25x against 1.29-1.31x with its feed-forward layers on addmm)
@@ -155,12 +169,14 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
         return None
     unit = layer.scale_unit
     samples = bound and x.is_cuda and hasattr(layer._ops, "prepare_samples")  # the extension's per-sample forms
-    if scratch_wins(M, K, N, G):
-        groups = st.groups.get(x.shape[0])
-        if samples and groups is not None:
-            run = _bound_samples(layer, x, W, bias, groups, slots, unit, rows, M, K, N)
+    groups = st.groups.get(x.shape[0])
+    if samples and groups is not None:  # its scratch merges each distinct blend once, whatever the sample count
+        live = [b for b, blend in enumerate(groups.blends) if any(blend[s] for s in slots)]
+        if live and (scratch_wins(M, K, N, len(live)) or host_merge(M, K, N, len(live))):
+            run = _bound_samples(layer, x, W, bias, groups, live, slots, unit, rows, M, K, N)
             if run is not None:
                 return run, "bound per-sample scratch"
+    if scratch_wins(M, K, N, G):
         if groups is not None and (gpu_bound(M, K, N) or x.shape[0] != G):
             return _grouped(layer, W, bias, groups, rows, M, K, N), "cublas per-blend scratch"
         if x.dim() >= 2 and x.shape[0] == G:
@@ -182,24 +198,16 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
     return delta, "cublas per-sample delta"
 
 
-def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, groups, slots: list[int],
-                   unit: torch.Tensor, rows: int, M: int, K: int, N: int):
+def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, groups, live: list[int],
+                   slots: list[int], unit: torch.Tensor, rows: int, M: int, K: int, N: int):
     """The CUDA extension's per-sample scratch in one C++ call (BoundSamples): W'_b = W + B diag(alpha/r · w_b) A for
-    each distinct blend b with an adapter on this layer, then the batch's GEMMs (SampleGroups.jobs) on the copies, W
-    itself for samples with none. A batch whose runs are one per blend, of equal length, is one strided-batched
-    GEMM over the copies where the host is the limit (not `gpu_bound`). None where cuBLASLt has no plan for these
-    shapes. On an H200 this cuts a per-prompt SDXL step's LoRA GPU time by a tenth to a quarter against the torch
-    forms (benchmarks/probes/probe_per_prompt_forms.py)."""
-    live = [b for b, blend in enumerate(groups.blends) if any(blend[s] for s in slots)]
-    if not live:
-        return None
-    idx = torch.tensor(slots, device=W.device)
-    A, B1 = _factors(layer, slots, unit[idx])  # [n·R, K], [N, n·R]
-    n, nR = len(slots), A.shape[0]
-    w = torch.tensor([[groups.blends[b][s] for s in slots] for b in live], device=W.device).to(B1.dtype)
-    Bg = (B1.view(N, n, nR // n)[None] * w[:, None, :, None]).reshape(len(live), N, nR)
-    pad = -nR % 8  # cuBLASLt's 16-byte alignment of Bg's rows
-    A, Bg = F.pad(A, (0, 0, 0, pad)).contiguous(), F.pad(Bg, (0, pad)).contiguous()
+    each distinct blend b in `live` (those with an adapter on this layer), then the batch's GEMMs
+    (SampleGroups.jobs) on the copies, W itself for samples with none. Weights of at most SMALL_MERGE elements are
+    merged from the bank by the extension's merge kernel, every blend in one launch; larger ones by one cuBLASLt
+    matmul per blend that reads W in place. A batch whose runs are one per blend, of equal length, is one
+    strided-batched GEMM over the copies where the host is the limit (not `gpu_bound`). None where cuBLASLt has no
+    plan for these shapes. On an H200 the cuBLASLt merges cut a per-prompt SDXL step's LoRA GPU time by a tenth to a
+    quarter against the torch forms (benchmarks/probes/probe_per_prompt_forms.py)."""
     index = {b: i for i, b in enumerate(live)}
     jobs = [(index.get(g, len(live)), first, n_rows, count, stride, 0)
             for g, first, n_rows, count, stride in groups.jobs(rows)]
@@ -207,7 +215,24 @@ def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor |
     if (len(jobs) > 1 and not gpu_bound(M, K, N)
             and all(job == (i, i * size, size, 1, 0, 0) for i, job in enumerate(jobs))):
         jobs = [(0, 0, size, len(jobs), size, 1)]
-    return layer._ops.prepare_samples(x, W, bias, A, Bg, [v for job in jobs for v in job])
+    flat = [v for job in jobs for v in job]
+    banked = getattr(layer._ops, "prepare_samples_banked", None)
+    if banked is not None and N * K <= SMALL_MERGE:
+        b = layer.bank
+        S = b.A.shape[0]
+        blends = torch.zeros(len(live), S)
+        for i, g in enumerate(live):
+            for s in slots:
+                blends[i, s] = groups.blends[g][s]
+        return banked(x, W, bias, b.A, b.B, unit[:S].contiguous(), b.ranks, blends.to(W.device), flat)
+    idx = torch.tensor(slots, device=W.device)
+    A, B1 = _factors(layer, slots, unit[idx])  # [n·R, K], [N, n·R]
+    n, nR = len(slots), A.shape[0]
+    w = torch.tensor([[groups.blends[g][s] for s in slots] for g in live], device=W.device).to(B1.dtype)
+    Bg = (B1.view(N, n, nR // n)[None] * w[:, None, :, None]).reshape(len(live), N, nR)
+    pad = -nR % 8  # cuBLASLt's 16-byte alignment of Bg's rows
+    A, Bg = F.pad(A, (0, 0, 0, pad)).contiguous(), F.pad(Bg, (0, pad)).contiguous()
+    return layer._ops.prepare_samples(x, W, bias, A, Bg, flat)
 
 
 def _bound_delta(layer, W: torch.Tensor, bias: torch.Tensor | None, gw: torch.Tensor, K: int, N: int):

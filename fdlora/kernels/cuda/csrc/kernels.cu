@@ -149,6 +149,7 @@ struct MergeArgs {
   int64_t gw_s1;
   int* stamp;  // [S + 2] or null
   const int* version;
+  int64_t gw_s0, blend_out;  // blend blockIdx.y: its multipliers' row in gw, its output's offset in elements
 };
 
 template <typename T>
@@ -170,11 +171,12 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
   }
   const int S = (int)a.S, R = (int)a.R;
   const float* scale = reinterpret_cast<const float*>(e.scale);
+  const float* gw = a.gw ? a.gw + blockIdx.y * a.gw_s0 : nullptr;
   if (a.stamp != nullptr) {
     if (threadIdx.x == 0) {
       int c = a.stamp[S] != a.version[0];
       for (int s = 0; s < S && !c; ++s) {
-        float v = scale[s] * (a.gw ? a.gw[s * a.gw_s1] : 1.f);
+        float v = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
         c = a.stamp[s] != __float_as_int(v);
       }
       changed = c;
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
   const T* W = reinterpret_cast<const T*>(e.W);
   const T* A = reinterpret_cast<const T*>(e.A);
   const T* B = reinterpret_cast<const T*>(e.B);
-  T* out = reinterpret_cast<T*>(e.out);
+  T* out = reinterpret_cast<T*>(e.out) + blockIdx.y * a.blend_out;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;  // rows ty + 16i (i < 4), columns tx + 16j (j < 8)
   float acc[4][8];
 #pragma unroll
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
     }
   }
   for (int s = 0; s < S; ++s) {
-    const float ws = scale[s] * (a.gw ? a.gw[s * a.gw_s1] : 1.f);
+    const float ws = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
     if (ws == 0.f) continue;
     const int live = a.ranks ? min(R, granule(a.ranks[s])) : R;
     for (int r0 = 0; r0 < live; r0 += MERGE_RC) {
@@ -247,7 +249,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
       const int done = atomicAdd(&a.stamp[S + 1], 1);
       if (done == (int)gridDim.x - 1) {
         for (int s = 0; s < S; ++s)
-          a.stamp[s] = __float_as_int(scale[s] * (a.gw ? a.gw[s * a.gw_s1] : 1.f));
+          a.stamp[s] = __float_as_int(scale[s] * (gw ? gw[s * a.gw_s1] : 1.f));
         a.stamp[S] = a.version[0];
         a.stamp[S + 1] = 0;
         __threadfence();
@@ -335,12 +337,16 @@ bool launch_delta_small(at::Tensor& y, const at::Tensor& x, const at::Tensor& A,
 
 void launch_merge(at::ScalarType dtype, const MergeEntry& one, const at::Tensor* table, int64_t n_entries,
                   int64_t total_tiles, int64_t S, int64_t R, const int* ranks, const float* gw, int64_t gw_s1,
-                  int* stamp, const int* version, c10::Device device) {
-  if (total_tiles == 0) return;
+                  int* stamp, const int* version, c10::Device device, int64_t blends, int64_t gw_s0,
+                  int64_t blend_out) {
+  if (total_tiles == 0 || blends == 0) return;
+  TORCH_CHECK(blends == 1 || (stamp == nullptr && table == nullptr && gw != nullptr && blends < 65536),
+              "fdlora_cuda: a merge of many blends takes one entry, their multipliers and no stamp");
   MergeArgs a{one, table ? reinterpret_cast<const MergeEntry*>(table->data_ptr()) : nullptr, n_entries, S, R, ranks,
-              gw, gw_s1, stamp, version};
+              gw, gw_s1, stamp, version, gw_s0, blend_out};
   auto stream = at::cuda::getCurrentCUDAStream(device.index());
-  FDLORA_DISPATCH(dtype, T, [&] { merge_kernel<T><<<(unsigned)total_tiles, MERGE_THREADS, 0, stream>>>(a); });
+  const dim3 grid((unsigned)total_tiles, (unsigned)blends);
+  FDLORA_DISPATCH(dtype, T, [&] { merge_kernel<T><<<grid, MERGE_THREADS, 0, stream>>>(a); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

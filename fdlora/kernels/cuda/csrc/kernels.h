@@ -50,8 +50,11 @@ constexpr int MERGE_BK = 128;
 
 // Merge every entry in one launch (entries: a device int64 table of MergeEntry rows, or one entry passed by value
 // when the table is null). stamp/version: skip on the device when the stamp says nothing changed, then stamp.
+// blends > 1 (no stamp): as many merges of the one entry, blend b with the multipliers gw + b * gw_s0 into
+// out + b * blend_out elements (each per-prompt blend's W' in one launch).
 void launch_merge(at::ScalarType dtype, const MergeEntry& one, const at::Tensor* table, int64_t n_entries,
                   int64_t total_tiles, int64_t S, int64_t R, const int* ranks, const float* gw, int64_t gw_s1,
-                  int* stamp, const int* version, c10::Device device);
+                  int* stamp, const int* version, c10::Device device, int64_t blends = 1, int64_t gw_s0 = 0,
+                  int64_t blend_out = 0);
 
 }  // namespace fdlora_cuda

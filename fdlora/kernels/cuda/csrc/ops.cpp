@@ -425,6 +425,22 @@ struct LtJob : LtPlan {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 constexpr size_t LT_WORKSPACE = 4 << 20;  // bytes a planned matmul may use (Hopper's split-K kernels want some)
 
+// The planned matmuls' workspace: PyTorch's own cuBLASLt workspace of the current device and stream where it holds
+// LT_WORKSPACE bytes (no allocation per call; calls on one stream run in order), else LT_WORKSPACE bytes from the
+// caching allocator, held until the call's launches are queued.
+struct LtWorkspace {
+  at::Tensor owned;
+  void* ptr = nullptr;
+  explicit LtWorkspace(const at::TensorOptions& options) {
+    if (at::cuda::getCUDABlasLtWorkspaceSize() >= LT_WORKSPACE) {
+      ptr = at::cuda::getCUDABlasLtWorkspace();
+    } else {
+      owned = at::empty({(int64_t)LT_WORKSPACE}, options.dtype(at::kByte));
+      ptr = owned.data_ptr();
+    }
+  }
+};
+
 // lora_linear with every argument but x bound, for the M rows it was bound for: what an eager layer keeps and calls
 // (one pybind call, no dispatcher argument parsing). The path (merged: one merge kernel into scratch, then the GEMM
 // on W'; else the GEMM, then the delta) is chosen once, and the GEMM is one cuBLASLt matmul planned once (layouts,
@@ -460,11 +476,11 @@ struct BoundLinear {
     c10::cuda::CUDAGuard guard(x.device());
     const at::Tensor Wx = merged ? merged_scratch(W, A, B, scale, group_weight, ranks) : W;
     at::Tensor y = at::empty({M, N}, x.options());
-    at::Tensor ws = at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));
+    const LtWorkspace ws(x.options());
     const float alpha = 1.f, beta = 0.f;
     TORCH_CUDABLAS_CHECK(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), lt->op, &alpha, Wx.data_ptr(), lt->a,
                                         x.data_ptr(), lt->b, &beta, y.data_ptr(), lt->c, y.data_ptr(), lt->c,
-                                        &lt->algo, ws.data_ptr(), LT_WORKSPACE, at::cuda::getCurrentCUDAStream()));
+                                        &lt->algo, ws.ptr, LT_WORKSPACE, at::cuda::getCurrentCUDAStream()));
     if (!merged)
       delta_impl(y, x, A, B, scale, ranks, weights_of(scale, group_weight, c10::nullopt, M), "lora_linear");
     return y;
@@ -505,21 +521,21 @@ struct GroupJobs {
       lt.push_back(job);
     }
   }
-  // y = the batch's rows, each block on its weight; weights: [N, K] row-major in x's dtype on x's device. `ws`: a
-  // caller's LT_WORKSPACE bytes for the planned matmuls (one is allocated when none is given).
-  at::Tensor run(const at::Tensor& x_in, const std::vector<at::Tensor>& weights, const char* who,
-                 const at::Tensor* ws_given = nullptr) const {
-    const at::Tensor& W0 = weights.at(0);
+  // y = the batch's rows, each block on its weight; weights: addresses of [N, K] row-major weights in the dtype and
+  // on the device of `like` (one of them), which x must share.
+  at::Tensor run(const at::Tensor& x_in, const std::vector<const void*>& weights, const at::Tensor& like,
+                 const char* who) const {
     TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K && x_in.numel() == M * K && x_in.scalar_type() ==
-                W0.scalar_type() && x_in.device() == W0.device(), "fdlora_cuda.", who, ": x ", x_in.sizes(),
-                " is not the ", M, " rows of ", K, " in ", W0.scalar_type(), " on ", W0.device(), " it was bound for");
+                like.scalar_type() && x_in.device() == like.device(), "fdlora_cuda.", who, ": x ", x_in.sizes(),
+                " is not the ", M, " rows of ", K, " in ", like.scalar_type(), " on ", like.device(),
+                " it was bound for");
     std::vector<int64_t> sizes = x_in.sizes().vec();
     sizes.back() = N;
     const at::Tensor x = x_in.reshape({M, K}).contiguous();
     c10::cuda::CUDAGuard guard(x.device());
     const int64_t elt = x.element_size();
     bool planned = all_lt && aligned16(x.data_ptr());
-    for (const at::Tensor& w : weights) planned = planned && aligned16(w.data_ptr());
+    for (const void* w : weights) planned = planned && aligned16(w);
     float beta = 0.f;
     at::Tensor y;
     if (bias.has_value() && !planned) {
@@ -533,11 +549,11 @@ struct GroupJobs {
     const cudaDataType_t t = cuda_type(x.scalar_type());
     auto* xp = static_cast<char*>(x.data_ptr());
     auto* yp = static_cast<char*>(y.data_ptr());
-    at::Tensor ws;  // a planned matmul's workspace, from the caching allocator
+    c10::optional<LtWorkspace> ws;  // the planned matmuls' workspace
     cublasLtHandle_t lt_handle = nullptr;
     cublasHandle_t handle = nullptr;
     if (planned) {
-      ws = ws_given != nullptr ? *ws_given : at::empty({(int64_t)LT_WORKSPACE}, x.options().dtype(at::kByte));
+      ws.emplace(x.options());
       lt_handle = at::cuda::getCurrentCUDABlasLtHandle();
     } else {
       handle = at::cuda::getCurrentCUDABlasHandle();
@@ -550,10 +566,10 @@ struct GroupJobs {
                   "fdlora_cuda.", who, ": a job reaches past the ", M, " rows");
       TORCH_CHECK(wi >= 0 && wi + (count - 1) * step < (int64_t)weights.size(), "fdlora_cuda.", who,
                   ": a job names a weight past the ", weights.size(), " given");
-      const at::Tensor& W = weights[wi];
+      const void* W = weights[wi];
       for (int64_t b = 1; step != 0 && b < count; ++b)  // the blocks' weights: one buffer, step [N, K] apart
-        TORCH_CHECK(static_cast<char*>(weights[wi + b * step].data_ptr()) ==
-                    static_cast<char*>(W.data_ptr()) + b * step * N * K * elt, "fdlora_cuda.", who,
+        TORCH_CHECK(static_cast<const char*>(weights[wi + b * step]) ==
+                    static_cast<const char*>(W) + b * step * N * K * elt, "fdlora_cuda.", who,
                     ": a job's weights are not consecutive blocks of one buffer");
       if (rows == 0) continue;
       void* xb = xp + first * K * elt;
@@ -561,11 +577,11 @@ struct GroupJobs {
       if (planned) {
         TORCH_CHECK(aligned16(xb) && aligned16(yb), "fdlora_cuda.", who, ": a block is not 16-byte aligned");
         const LtJob& p = *lt[i];
-        TORCH_CUDABLAS_CHECK(cublasLtMatmul(lt_handle, p.op, &alpha, W.data_ptr(), p.a, xb, p.b, &beta, yb, p.c, yb,
-                                            p.c, &p.algo, ws.data_ptr(), LT_WORKSPACE, stream));
+        TORCH_CUDABLAS_CHECK(cublasLtMatmul(lt_handle, p.op, &alpha, W, p.a, xb, p.b, &beta, yb, p.c, yb, p.c,
+                                            &p.algo, ws->ptr, LT_WORKSPACE, stream));
       } else {  // y block^T (column-major N x rows) = W (row-major N x K, read transposed) x block^T
         TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
-            handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &alpha, W.data_ptr(), t, (int)W.stride(0),
+            handle, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &alpha, W, t, (int)K,
             step * N * K, xb, t, (int)K, stride * K, &beta, yb, t, (int)N, stride * N, (int)count,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       }
@@ -596,7 +612,12 @@ struct BoundGroups {
     all_lt = plan.all_lt;
     for (const at::Tensor& w : weights) all_lt = all_lt && aligned16(w.data_ptr());
   }
-  at::Tensor operator()(const at::Tensor& x) const { return plan.run(x, weights, "BoundGroups"); }
+  at::Tensor operator()(const at::Tensor& x) const {
+    std::vector<const void*> ptrs;
+    ptrs.reserve(weights.size());
+    for (const at::Tensor& w : weights) ptrs.push_back(w.data_ptr());
+    return plan.run(x, ptrs, weights.at(0), "BoundGroups");
+  }
 };
 
 // W' = W + Bg A as one cuBLASLt matmul with W read as C and W' written as D (fp32 sum, one rounding), planned once:
@@ -612,13 +633,18 @@ struct LtMerge : LtPlan {
 };
 
 // Per-prompt blends with no kept copy (the merged-weight cache off or full), bound for x's row count: each call
-// merges every blend's W'_b = W + Bg_b A into one scratch [nb, N, K] (one planned cuBLASLt matmul per blend, W read
-// as C: no copy of W first) and runs the batch's GEMMs on the copies (GroupJobs; a batch of one sample per blend is
-// one strided-batched matmul over the scratch). Weight index nb is W itself (samples with no adapter). A [nR, K] and
-// Bg [nb, N, nR] (each blend's B columns scaled by alpha/r and its weights; nR a multiple of 8) are bound.
+// merges every blend's W'_b into one scratch [nb, N, K] and runs the batch's GEMMs on the copies (GroupJobs; a batch
+// of one sample per blend is one strided-batched matmul over the scratch). Weight index nb is W itself (samples with
+// no adapter). Two ways to merge, bound at construction:
+// - from the bank (A [S, R, K], B [N, S, R], scale [S], ranks [S], blends [nb, S] fp32): every blend in one launch
+//   of the merge kernel (W'_b = W + sum_s scale[s] blends[b, s] B_s A_s, fp32 sum, one rounding): for weights small
+//   enough that the call's launches, not its bytes, set its cost;
+// - from factors (A [nR, K], Bg [nb, N, nR]: each blend's B columns scaled by alpha/r and its weights, nR a multiple
+//   of 8): one planned cuBLASLt matmul per blend, W read in place as C (faster on large weights).
 // `planned` false: some matmul has no Lt plan, and the caller keeps its other form.
 struct BoundSamples {
-  at::Tensor W, A, Bg;
+  at::Tensor W, A, Bg;  // factors
+  at::Tensor bankA, bankB, scale, ranks, blends;  // bank (defined when the merge kernel merges)
   GroupJobs plan;
   std::shared_ptr<LtMerge> merge;
   bool planned = false;
@@ -640,28 +666,49 @@ struct BoundSamples {
     merge = std::move(m);
     planned = true;
   }
+  BoundSamples(at::Tensor W_, c10::optional<at::Tensor> bias, at::Tensor A_, at::Tensor B_, at::Tensor scale_,
+               at::Tensor ranks_, at::Tensor blends_, std::vector<int64_t> jobs, int64_t M)
+      : W(std::move(W_)), bankA(std::move(A_)), bankB(std::move(B_)), scale(std::move(scale_)),
+        ranks(std::move(ranks_)), blends(std::move(blends_)), plan(W, std::move(bias), std::move(jobs), M) {
+    check_bank(W, bankA, bankB, "BoundSamples");
+    check_merge(W, W, bankA, bankB, scale);
+    check_device("BoundSamples", W, {&ranks, &blends});
+    TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.numel() == bankA.size(0) && ranks.is_contiguous() &&
+                blends.scalar_type() == at::kFloat && blends.dim() == 2 && blends.size(1) == bankA.size(0) &&
+                blends.is_contiguous() && scale.numel() == bankA.size(0), "fdlora_cuda.BoundSamples: expected ranks "
+                "int32 [S], scale fp32 [S] and blends fp32 [nb, S] for a bank of ", bankA.size(0), " slots");
+    planned = W.is_contiguous() && aligned16(W.data_ptr()) && plan.all_lt;
+  }
   at::Tensor operator()(const at::Tensor& x) const {
     TORCH_CHECK(planned, "fdlora_cuda.BoundSamples: no cuBLASLt plan for these shapes; use the unbound form");
-    const int64_t nb = Bg.size(0), N = W.size(0), K = W.size(1);
+    const bool banked = blends.defined();
+    const int64_t nb = banked ? blends.size(0) : Bg.size(0), N = W.size(0), K = W.size(1);
     c10::cuda::CUDAGuard guard(W.device());
     at::Tensor scratch = at::empty({nb, N, K}, W.options());
-    at::Tensor ws = at::empty({(int64_t)LT_WORKSPACE}, W.options().dtype(at::kByte));
-    const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    const float alpha = 1.f, beta = 1.f;
-    const LtMerge& m = *merge;
     const int64_t elt = W.element_size();
-    char* bg = static_cast<char*>(Bg.data_ptr());
-    std::vector<at::Tensor> weights;
-    weights.reserve(nb + 1);
-    for (int64_t b = 0; b < nb; ++b) {
-      weights.push_back(scratch.select(0, b));
-      TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, m.op, &alpha, A.data_ptr(), m.a, bg + b * N * A.size(0) * elt, m.b,
-                                          &beta, W.data_ptr(), m.c, weights.back().data_ptr(), m.c, &m.algo,
-                                          ws.data_ptr(), LT_WORKSPACE, stream));
+    char* out = static_cast<char*>(scratch.data_ptr());
+    if (banked) {
+      MergeEntry e = entry_of(scratch.select(0, 0), W, bankA, bankB, scale);
+      launch_merge(W.scalar_type(), e, nullptr, 1, tiles_of(N, K), bankA.size(0), bankA.size(1),
+                   ranks.data_ptr<int>(), blends.data_ptr<float>(), 1, nullptr, nullptr, W.device(), nb, blends.size(1),
+                   N * K);
+    } else {
+      const LtWorkspace ws(W.options());
+      const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+      const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+      const float alpha = 1.f, beta = 1.f;
+      const LtMerge& m = *merge;
+      char* bg = static_cast<char*>(Bg.data_ptr());
+      for (int64_t b = 0; b < nb; ++b)
+        TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, m.op, &alpha, A.data_ptr(), m.a, bg + b * N * A.size(0) * elt, m.b,
+                                            &beta, W.data_ptr(), m.c, out + b * N * K * elt, m.c, &m.algo, ws.ptr,
+                                            LT_WORKSPACE, stream));
     }
-    weights.push_back(W);
-    return plan.run(x, weights, "BoundSamples", &ws);
+    std::vector<const void*> weights;
+    weights.reserve(nb + 1);
+    for (int64_t b = 0; b < nb; ++b) weights.push_back(out + b * N * K * elt);
+    weights.push_back(W.data_ptr());
+    return plan.run(x, weights, W, "BoundSamples");
   }
 };
 
@@ -690,8 +737,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &fdlora_cuda::BoundGroups::operator());
   pybind11::class_<fdlora_cuda::BoundSamples>(m, "BoundSamples")
       .def_readonly("planned", &fdlora_cuda::BoundSamples::planned)
+      .def_property_readonly("banked", [](const fdlora_cuda::BoundSamples& b) { return b.blends.defined(); })
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, std::vector<int64_t>,
                           int64_t>())
+      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, std::vector<int64_t>, int64_t>())
       .def("__call__", &fdlora_cuda::BoundSamples::operator());
 }
 
