@@ -24,9 +24,10 @@ host work (`gpu_bound`: cuBLAS's batched GEMM runs Flux-size products slower tha
 
 Where the CUDA extension is built (the triton+cuda and cuda backends), its C++-bound calls cost less host time than
 these forms and take the layers the host limits: BoundLinear (blend), BoundRows (per-row, and decode steps of
-per-sample batches), BoundSamples (per-sample scratch: each blend merged by one cuBLASLt matmul that reads W in place,
-then the batch's GEMMs) and its lora_linear (per-sample delta); these forms keep the blend layers of very large
-weights (`LARGE_WEIGHT`).
+per-sample batches), BoundSamples (per-sample scratch: every blend merged into scratch, by one merge-kernel launch or
+one cuBLASLt matmul per blend, then the batch's GEMMs) and its lora_linear (per-sample delta), the two per-sample
+forms weighed by bytes and launches (`bound_scratch_wins`); these forms keep the blend layers of very large weights
+(`LARGE_WEIGHT`).
 """
 
 from __future__ import annotations
@@ -68,18 +69,23 @@ def gpu_bound(M: int, K: int, N: int) -> bool:
     return 2 * M * K * N >= GPU_BOUND_FLOPS
 
 
-SMALL_ROWS = 32  # the extension's delta for this many rows or fewer is one kernel after the GEMM (csrc/ops.cpp SMALL_M)
 SMALL_MERGE = 1 << 23  # elements: weights the extension's merge kernel merges, every blend in one launch (SDXL's up
-# to 1280 x 5120; above, one cuBLASLt matmul per blend: Flux's), and per-sample merges small enough that their bytes
-# cost less GPU time than the launches they save cost host time
+# to 1280 x 5120); larger ones are merged by one cuBLASLt matmul per blend (Flux's), faster on weights this large
+SMALL_ROWS = 32  # the extension's delta for this many rows or fewer is one kernel after the GEMM (csrc/ops.cpp SMALL_M)
+LAUNCH_BYTES = 10e6  # a launch with its host work, as bytes of memory traffic (csrc/ops.cpp merged_wins)
 
 
-def host_merge(M: int, K: int, N: int, blends: int) -> bool:
-    """A per-sample layer the host limits takes the extension's scratch form even where the delta moves fewer bytes:
-    two launches (every blend merged in one, then the batch's GEMMs) against the delta's five (the GEMM, the bank's
-    masking, shrink, weighting, expand), for merges of at most SMALL_MERGE elements, and more rows than the
-    extension's one-kernel delta for few rows takes (SDXL's cross-attention keys and values, 77 rows a sample)."""
-    return M > SMALL_ROWS and not gpu_bound(M, K, N) and blends * N * K <= SMALL_MERGE
+def bound_scratch_wins(M: int, K: int, N: int, blends: int, elt: int) -> bool:
+    """The extension's per-sample scratch form costs less than its delta, counting bytes moved and launches at
+    LAUNCH_BYTES each. Scratch: each distinct blend's W read and W' written (the GEMMs then read W' instead of W), one
+    merge launch for all blends (SMALL_MERGE) or one per blend, and the GEMMs. Delta: x re-read, y read and written;
+    the GEMM then the bank's masking, shrink, weighting and expand, or one kernel for SMALL_ROWS rows or fewer. So the
+    host-limited layers of a per-prompt SDXL step (its cross-attention keys and values: 77 rows a sample) take two
+    launches where the delta takes five."""
+    merges = 1 if N * K <= SMALL_MERGE else blends
+    scratch = 2 * blends * N * K * elt + (merges + 1) * LAUNCH_BYTES
+    delta = M * (K + 2 * N) * elt + (2 if M <= SMALL_ROWS else 5) * LAUNCH_BYTES
+    return scratch < delta
 
 
 LARGE_WEIGHT = 1 << 24  # elements: the extension's merge kernel trails cuBLAS's addmm on weights this large (Flux's
@@ -172,7 +178,7 @@ def _samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
     groups = st.groups.get(x.shape[0])
     if samples and groups is not None:  # its scratch merges each distinct blend once, whatever the sample count
         live = [b for b, blend in enumerate(groups.blends) if any(blend[s] for s in slots)]
-        if live and (scratch_wins(M, K, N, len(live)) or host_merge(M, K, N, len(live))):
+        if live and bound_scratch_wins(M, K, N, len(live), x.element_size()):
             run = _bound_samples(layer, x, W, bias, groups, live, slots, unit, rows, M, K, N)
             if run is not None:
                 return run, "bound per-sample scratch"
@@ -204,15 +210,15 @@ def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor |
     each distinct blend b in `live` (those with an adapter on this layer), then the batch's GEMMs
     (SampleGroups.jobs) on the copies, W itself for samples with none. Weights of at most SMALL_MERGE elements are
     merged from the bank by the extension's merge kernel, every blend in one launch; larger ones by one cuBLASLt
-    matmul per blend that reads W in place. A batch whose runs are one per blend, of equal length, is one
-    strided-batched GEMM over the copies where the host is the limit (not `gpu_bound`). None where cuBLASLt has no
-    plan for these shapes. On an H200 the cuBLASLt merges cut a per-prompt SDXL step's LoRA GPU time by a tenth to a
-    quarter against the torch forms (benchmarks/probes/probe_per_prompt_forms.py)."""
+    matmul per blend that reads W in place. A batch whose runs are one per blend, of equal length, every sample with
+    an adapter, is one strided-batched GEMM over the copies where the host is the limit (not `gpu_bound`). None
+    where cuBLASLt has no plan for these shapes. On an H200 the cuBLASLt merges cut a per-prompt SDXL step's LoRA GPU
+    time by a tenth to a quarter against the torch forms (benchmarks/probes/probe_per_prompt_forms.py)."""
     index = {b: i for i, b in enumerate(live)}
     jobs = [(index.get(g, len(live)), first, n_rows, count, stride, 0)
             for g, first, n_rows, count, stride in groups.jobs(rows)]
     size = jobs[0][2]
-    if (len(jobs) > 1 and not gpu_bound(M, K, N)
+    if (1 < len(jobs) == len(live) and not gpu_bound(M, K, N)  # each job on its own copy, none on W
             and all(job == (i, i * size, size, 1, 0, 0) for i, job in enumerate(jobs))):
         jobs = [(0, 0, size, len(jobs), size, 1)]
     flat = [v for job in jobs for v in job]
