@@ -422,12 +422,12 @@ def test_auto_takes_the_hybrid_once_built_and_every_mode_matches(cops, monkeypat
 @pytest.mark.parametrize("ranks", [{"a": 8, "b": 32, "c": 4}, {"a": 4, "b": 6, "c": 2}])  # n x R: 96; 18, padded
 def test_per_prompt_without_copies_is_one_bound_cuda_call(cops, monkeypatch, ranks, banked) -> None:
     """With the merged-weight cache off, an eager per-prompt call on the extension is one C++ call per layer, kept on
-    the hot path: BoundSamples (for weights up to SMALL_MERGE elements, one copy per sample merged from the bank by
-    one launch of the merge kernel, then one strided-batched matmul over the copies; else each blend merged by
-    cuBLASLt with W read in place, the GEMMs as one strided-batched matmul over the copies for one sample per blend,
-    else per run or per CFG position, W itself for samples with no adapter) where the scratch form costs less in
-    bytes and launches, the extension's lora_linear otherwise (few rows). First call and repeats equal the float
-    reference; samples never see each other's adapters."""
+    the hot path: BoundSamples (every blend merged into scratch, by one launch of the merge kernel from the bank for
+    weights up to SMALL_MERGE elements, else by cuBLASLt per blend with W read in place; the GEMMs as one
+    strided-batched matmul over the copies for one sample per blend, else per run or per CFG position, W itself for
+    samples with no adapter) where the scratch form costs less in bytes and launches, the extension's lora_linear
+    otherwise (few rows). First call and repeats equal the float reference; samples never see each other's
+    adapters."""
     pytest.importorskip("triton")
     import fdlora
     from fdlora.layers.fastpath import hot, percall

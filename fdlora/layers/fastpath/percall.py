@@ -210,9 +210,8 @@ def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor |
     each distinct blend b in `live` (those with an adapter on this layer), then the batch's GEMMs
     (SampleGroups.jobs) on the copies, W itself for samples with none. Weights of at most SMALL_MERGE elements are
     merged from the bank by the extension's merge kernel, every blend in one launch; larger ones by one cuBLASLt
-    matmul per blend that reads W in place. Where the host is the limit (not `gpu_bound`), a batch whose runs are one
-    per blend, of equal length, every sample with an adapter, is one strided-batched GEMM over the copies, and so is
-    any batch of the merge kernel's (one copy per sample, merged in its one launch). None
+    matmul per blend that reads W in place. A batch whose runs are one per blend, of equal length, every sample with
+    an adapter, is one strided-batched GEMM over the copies where the host is the limit (not `gpu_bound`). None
     where cuBLASLt has no plan for these shapes. On an H200 the cuBLASLt merges cut a per-prompt SDXL step's LoRA GPU
     time by a tenth to a quarter against the torch forms (benchmarks/probes/probe_per_prompt_forms.py)."""
     index = {b: i for i, b in enumerate(live)}
@@ -225,16 +224,10 @@ def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor |
     flat = [v for job in jobs for v in job]
     banked = getattr(layer._ops, "prepare_samples_banked", None)
     if banked is not None and N * K <= SMALL_MERGE:
-        copies = live
-        G = len(groups.of_sample)
-        if len(jobs) > 1 and not gpu_bound(M, K, N) and G * N * K <= 4 * SMALL_MERGE:
-            # one copy per sample (a zero blend copies W), in the same merge launch: the batch is one strided GEMM
-            # where a CFG batch or runs of samples would take one per position or run (one launch less a layer)
-            copies, flat = groups.of_sample, [0, 0, rows, G, rows, 1]
         b = layer.bank
         S = b.A.shape[0]
-        blends = torch.zeros(len(copies), S)
-        for i, g in enumerate(copies):
+        blends = torch.zeros(len(live), S)
+        for i, g in enumerate(live):
             for s in slots:
                 blends[i, s] = groups.blends[g][s]
         return banked(x, W, bias, b.A, b.B, unit[:S].contiguous(), b.ranks, blends.to(W.device), flat)
