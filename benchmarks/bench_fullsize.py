@@ -734,9 +734,11 @@ def combine(files: list[Path], out: Path, note: str | None, sha: str | None) -> 
 def fresh(args: argparse.Namespace) -> int:
     """Each case alone in a fresh process, `args.runs` times: state an earlier case leaves (caches, autotuning,
     dispatch decisions, allocator pools) cannot decide a number. A case's row is its median run's, with every run's
-    x_base and their min and max; the exit code is 1 if any run failed its verification."""
+    x_base and their min and max, written to --out as soon as its runs end (a timeout keeps the cases finished before
+    it); the exit code is 1 if any run failed its verification."""
     cases = args.cases.split(",") if args.cases else [c for c in TARGETS[args.model] if c != "compile_time_x"]
     rows, failed, env = [], False, {}
+    method = f"each case alone in a fresh process, {args.runs} runs, the median run's row"
     for case in cases:
         runs = []
         for i in range(args.runs):
@@ -752,9 +754,8 @@ def fresh(args: argparse.Namespace) -> int:
                     runs += [c for c in data["cases"] if c["case"] == case]
         if runs:
             rows.append(median_row(runs))
-    if args.out:
-        method = f"each case alone in a fresh process, {args.runs} runs, the median run's row"
-        write(args.out, {**env, "method": method}, rows)
+            if args.out:
+                write(args.out, {**env, "method": method}, rows)
     table(rows)
     return 1 if failed else 0
 
@@ -787,6 +788,7 @@ def main() -> int:
             ap.error("--combine needs --out")
         return combine(args.combine, args.out, args.note, args.sha)
     if not (args.one_process or args.smoke or args.profile or args.swap_check):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: the running case's process is killed
         return fresh(args)
     r = Run(args)
     if r.swap_check and (r.model != "llama" or r.out_path):

@@ -79,3 +79,31 @@ def test_a_rerun_replaces_only_its_own_cases(merged):
     after = json.loads(out.read_text())["cases"]
     assert len(after) == len(before)
     assert {(c["model"], c["case"]) for c in after} == {(c["model"], c["case"]) for c in before}
+
+
+def test_fresh_runs_write_each_case_when_its_runs_end(tmp_path, monkeypatch):
+    """Each case's row is in --out as soon as its fresh-process runs end: a timeout (SIGTERM: SystemExit 124) in a
+    later case keeps it, the median run's row with every run's x."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench_fullsize as bf
+
+    xs = iter([1.3, 1.1, 1.2])
+
+    def run(cmd, **kwargs):
+        case, out = cmd[cmd.index("--cases") + 1], Path(cmd[cmd.index("--out") + 1])
+        if case == "per_prompt_cfg_nocopy":
+            raise SystemExit(124)
+        x = next(xs)
+        out.write_text(json.dumps({"device": "fake", "cases": [{"model": "sdxl", "case": case, "x_base": x}]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bf.subprocess, "run", run)
+    out = tmp_path / "fullsize.json"
+    args = bf.argparse.Namespace(model="sdxl", cases="per_prompt_2_nocopy,per_prompt_cfg_nocopy", runs=3, rounds=None,
+                                 out=out)
+    with pytest.raises(SystemExit):
+        bf.fresh(args)
+    data = json.loads(out.read_text())
+    assert data["method"].startswith("each case alone in a fresh process, 3 runs")
+    (row,) = data["cases"]
+    assert (row["case"], row["x_base"], row["runs_x_base"]) == ("per_prompt_2_nocopy", 1.2, [1.3, 1.1, 1.2])
