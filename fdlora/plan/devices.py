@@ -26,8 +26,11 @@ DEVICES: dict[str, Device] = {
     "h200": H100.scaled(name="h200", source="datasheet: H100 compute, 4.8 TB/s HBM3e, 141 GB; per-call host time "
                         "fitted (bench_fullsize no-copy rows, CUDA extension built)",
                         hbm_gbs=4800 * _BW, memory_gib=141.0,
-                        host_percall_us=25.0,  # SDXL no-copy step: +15 ms over 722 layers, each case alone
-                        host_percall_group_us=28.0),  # SDXL per_prompt_2_nocopy (two blends): 1.548x at a2a6bc6
+                        # SDXL's no-copy steps, each case alone (nocache_1 1.25x at 28822a7; per_prompt_2_nocopy
+                        # 1.12x, per_prompt_cfg_nocopy 1.22x at 0b3c9e7): the planner within 8% of all three. On the
+                        # extension a further blend of a per-prompt batch adds no launch to a layer (every blend is
+                        # merged in one, and a two-prompt batch's GEMMs run as one): host_percall_group_us stays 0
+                        host_percall_us=20.0),
     "a100": H100.scaled(name="a100", source="datasheet: A100 SXM 312 TFLOP/s bf16, 2.04 TB/s, 80 GB, 108 SMs",
                         peak_tflops=312 * _PEAK, hbm_gbs=2039 * _BW, sms=108, l2_bytes=40e6, memory_gib=80.0,
                         merge_us_per_mel=H100.merge_us_per_mel * 2500 / (2039 * _BW)),
