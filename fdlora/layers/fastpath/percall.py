@@ -222,20 +222,18 @@ def _bound_samples(layer, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor |
             and all(job == (i, i * size, size, 1, 0, 0) for i, job in enumerate(jobs))):
         jobs = [(0, 0, size, len(jobs), size, 1)]
     flat = [v for job in jobs for v in job]
+    w = torch.tensor([[groups.blends[g][s] for s in slots] for g in live], device=W.device)  # [nb, n] fp32
     banked = getattr(layer._ops, "prepare_samples_banked", None)
     if banked is not None and N * K <= SMALL_MERGE:
         b = layer.bank
         S = b.A.shape[0]
-        blends = torch.zeros(len(live), S)
-        for i, g in enumerate(live):
-            for s in slots:
-                blends[i, s] = groups.blends[g][s]
-        return banked(x, W, bias, b.A, b.B, unit[:S].contiguous(), b.ranks, blends.to(W.device), flat)
+        blends = torch.zeros(len(live), S, device=W.device)
+        blends[:, slots] = w
+        return banked(x, W, bias, b.A, b.B, unit[:S].contiguous(), b.ranks, blends, flat)
     idx = torch.tensor(slots, device=W.device)
     A, B1 = _factors(layer, slots, unit[idx])  # [n·R, K], [N, n·R]
     n, nR = len(slots), A.shape[0]
-    w = torch.tensor([[groups.blends[g][s] for s in slots] for g in live], device=W.device).to(B1.dtype)
-    Bg = (B1.view(N, n, nR // n)[None] * w[:, None, :, None]).reshape(len(live), N, nR)
+    Bg = (B1.view(N, n, nR // n)[None] * w.to(B1.dtype)[:, None, :, None]).reshape(len(live), N, nR)
     pad = -nR % 8  # cuBLASLt's 16-byte alignment of Bg's rows
     A, Bg = F.pad(A, (0, 0, 0, pad)).contiguous(), F.pad(Bg, (0, pad)).contiguous()
     return layer._ops.prepare_samples(x, W, bias, A, Bg, flat)

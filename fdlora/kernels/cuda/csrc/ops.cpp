@@ -213,12 +213,14 @@ void lora_delta_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, con
   delta_impl(y, x, A, B, scale, ranks, weights_of(scale, c10::nullopt, row_slot, x.size(0)), "lora_delta_rows");
 }
 
-void merge_one(at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
+// out = W + sum_s scale[s] gw[s] B_s A_s; blends > 1: as many merges, blend b's multipliers gw + b * gw_s0, its
+// output the b-th [N, K] block after out's start (out: the first block of a contiguous [blends, N, K]).
+void merge_one(const at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
                const at::Tensor& scale, const at::Tensor& ranks, const float* gw, int64_t gw_s1, int* stamp,
-               const int* version) {
+               const int* version, int64_t blends = 1, int64_t gw_s0 = 0) {
   MergeEntry e = entry_of(out, W, A, B, scale);
   launch_merge(W.scalar_type(), e, nullptr, 1, tiles_of(W.size(0), W.size(1)), A.size(0), A.size(1),
-               ranks.data_ptr<int>(), gw, gw_s1, stamp, version, W.device());
+               ranks.data_ptr<int>(), gw, gw_s1, stamp, version, W.device(), blends, gw_s0, W.numel());
 }
 
 // y = x W^T (+ bias), x [M, K] rows contiguous: cuBLAS directly for a row-major W without bias, else at::linear.
@@ -522,9 +524,10 @@ struct GroupJobs {
     }
   }
   // y = the batch's rows, each block on its weight; weights: addresses of [N, K] row-major weights in the dtype and
-  // on the device of `like` (one of them), which x must share.
+  // on the device of `like` (one of them), which x must share. `ws`: a caller's workspace for the planned matmuls
+  // (one is taken when none is given).
   at::Tensor run(const at::Tensor& x_in, const std::vector<const void*>& weights, const at::Tensor& like,
-                 const char* who) const {
+                 const char* who, const LtWorkspace* ws_given = nullptr) const {
     TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K && x_in.numel() == M * K && x_in.scalar_type() ==
                 like.scalar_type() && x_in.device() == like.device(), "fdlora_cuda.", who, ": x ", x_in.sizes(),
                 " is not the ", M, " rows of ", K, " in ", like.scalar_type(), " on ", like.device(),
@@ -549,11 +552,12 @@ struct GroupJobs {
     const cudaDataType_t t = cuda_type(x.scalar_type());
     auto* xp = static_cast<char*>(x.data_ptr());
     auto* yp = static_cast<char*>(y.data_ptr());
-    c10::optional<LtWorkspace> ws;  // the planned matmuls' workspace
+    c10::optional<LtWorkspace> own;  // the planned matmuls' workspace, where the caller gave none
+    const LtWorkspace* ws = ws_given;
     cublasLtHandle_t lt_handle = nullptr;
     cublasHandle_t handle = nullptr;
     if (planned) {
-      ws.emplace(x.options());
+      if (ws == nullptr) ws = &own.emplace(x.options());
       lt_handle = at::cuda::getCurrentCUDABlasLtHandle();
     } else {
       handle = at::cuda::getCurrentCUDABlasHandle();
@@ -670,7 +674,6 @@ struct BoundSamples {
                at::Tensor ranks_, at::Tensor blends_, std::vector<int64_t> jobs, int64_t M)
       : W(std::move(W_)), bankA(std::move(A_)), bankB(std::move(B_)), scale(std::move(scale_)),
         ranks(std::move(ranks_)), blends(std::move(blends_)), plan(W, std::move(bias), std::move(jobs), M) {
-    check_bank(W, bankA, bankB, "BoundSamples");
     check_merge(W, W, bankA, bankB, scale);
     check_device("BoundSamples", W, {&ranks, &blends});
     TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.numel() == bankA.size(0) && ranks.is_contiguous() &&
@@ -687,13 +690,11 @@ struct BoundSamples {
     at::Tensor scratch = at::empty({nb, N, K}, W.options());
     const int64_t elt = W.element_size();
     char* out = static_cast<char*>(scratch.data_ptr());
+    const LtWorkspace ws(W.options());  // the cuBLASLt merges' and the GEMMs'
     if (banked) {
-      MergeEntry e = entry_of(scratch.select(0, 0), W, bankA, bankB, scale);
-      launch_merge(W.scalar_type(), e, nullptr, 1, tiles_of(N, K), bankA.size(0), bankA.size(1),
-                   ranks.data_ptr<int>(), blends.data_ptr<float>(), 1, nullptr, nullptr, W.device(), nb, blends.size(1),
-                   N * K);
+      merge_one(scratch.select(0, 0), W, bankA, bankB, scale, ranks, blends.data_ptr<float>(), 1, nullptr, nullptr, nb,
+                blends.size(1));
     } else {
-      const LtWorkspace ws(W.options());
       const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
       const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
       const float alpha = 1.f, beta = 1.f;
@@ -708,7 +709,7 @@ struct BoundSamples {
     weights.reserve(nb + 1);
     for (int64_t b = 0; b < nb; ++b) weights.push_back(out + b * N * K * elt);
     weights.push_back(W.data_ptr());
-    return plan.run(x, weights, W, "BoundSamples");
+    return plan.run(x, weights, W, "BoundSamples", &ws);
   }
 };
 
