@@ -9,6 +9,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
+#include <type_traits>
+
 namespace fdlora_cuda {
 namespace {
 
@@ -138,6 +141,25 @@ __global__ void __launch_bounds__(SMALL_THREADS) delta_small_kernel(
 
 // ---- merge ------------------------------------------------------------------------------------------------------
 constexpr int MERGE_THREADS = 256;
+
+// Eight contiguous elements at a 16-byte aligned address, in one (16-bit types) or two (fp32) 16-byte accesses.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* v) {
+  alignas(16) T t[8];
+#pragma unroll
+  for (int q = 0; q < (int)(8 * sizeof(T) / 16); ++q)
+    reinterpret_cast<uint4*>(t)[q] = reinterpret_cast<const uint4*>(p)[q];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = to_f(t[j]);
+}
+
+template <typename T> __device__ __forceinline__ void store8(T* p, const float* v) {
+  alignas(16) T t[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) t[j] = from_f<T>(v[j]);
+#pragma unroll
+  for (int q = 0; q < (int)(8 * sizeof(T) / 16); ++q)
+    reinterpret_cast<uint4*>(p)[q] = reinterpret_cast<const uint4*>(t)[q];
+}
 constexpr int MERGE_RC = 16;  // rank chunk
 
 struct MergeArgs {
@@ -152,38 +174,78 @@ struct MergeArgs {
   int64_t gw_s0, blend_out;  // blend blockIdx.y: its multipliers' row in gw, its output's offset in elements
 };
 
+// The entry of merge tile t: the one entry, or the table row with table[lo].first <= t < table[lo + 1].first.
+__device__ __forceinline__ MergeEntry entry_at(const MergeArgs& a, int64_t t) {
+  if (a.table == nullptr) return a.one;
+  int64_t lo = 0, hi = a.n_entries;
+  while (hi - lo > 1) {
+    int64_t mid = (lo + hi) / 2;
+    if (a.table[mid].first <= t) lo = mid; else hi = mid;
+  }
+  return a.table[lo];
+}
+
+constexpr int MERGE_SLOTS = 128;  // slots whose multiplier and live rank a merge block keeps in shared memory
+
+// Each slot's multiplier (scale x group weight) and live rank (rounded up to 16; 0 where the multiplier is 0) into
+// shared memory, read by as many threads at once: the block's first global reads cost one memory latency, not one
+// per slot. Slots past MERGE_SLOTS are read where used (slot()). Returns whether the block merges: always without a
+// stamp; with one, when the version or a multiplier differs from it.
+__device__ bool slots_of(const MergeArgs& a, const float* scale, const float* gw, float* ws, int* live) {
+  int changed = 0;
+  for (int64_t s = threadIdx.x; s < a.S; s += blockDim.x) {
+    const float v = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
+    if (s < MERGE_SLOTS) {
+      ws[s] = v;
+      live[s] = v == 0.f ? 0 : a.ranks ? min((int)a.R, granule(a.ranks[s])) : (int)a.R;
+    }
+    if (a.stamp != nullptr) changed |= a.stamp[s] != __float_as_int(v);
+  }
+  if (a.stamp != nullptr && threadIdx.x == 0) changed |= a.stamp[a.S] != a.version[0];
+  return __syncthreads_or(changed) || a.stamp == nullptr;
+}
+
+__device__ __forceinline__ void slot(const MergeArgs& a, const float* scale, const float* gw, const float* ws_s,
+                                     const int* live_s, int s, float& ws, int& live) {
+  if (s < MERGE_SLOTS) {
+    ws = ws_s[s], live = live_s[s];
+    return;
+  }
+  ws = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
+  live = ws == 0.f ? 0 : a.ranks ? min((int)a.R, granule(a.ranks[s])) : (int)a.R;
+}
+
+// The last block done writes the stamp (every block has read it by then).
+__device__ void stamp_merged(const MergeArgs& a, const float* scale, const float* gw, const float* ws_s) {
+  if (a.stamp == nullptr) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int64_t S = a.S;
+    const int done = atomicAdd(&a.stamp[S + 1], 1);
+    if (done == (int)gridDim.x - 1) {
+      for (int64_t s = 0; s < S; ++s)
+        a.stamp[s] = __float_as_int(s < MERGE_SLOTS ? ws_s[s] : scale[s] * (gw ? gw[s * a.gw_s1] : 1.f));
+      a.stamp[S] = a.version[0];
+      a.stamp[S + 1] = 0;
+      __threadfence();
+    }
+  }
+}
+
+// fp32 weights: the product on CUDA cores.
 template <typename T>
 __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
   __shared__ float Bs[MERGE_BN][MERGE_RC + 1];
-  __shared__ float As[MERGE_RC][MERGE_BK];
-  __shared__ int changed;
+  __shared__ __align__(16) float As[MERGE_RC][MERGE_BK];
   const int64_t t = blockIdx.x;
-  MergeEntry e;
-  if (a.table == nullptr) {
-    e = a.one;
-  } else {  // binary search: table[lo].first <= t < table[lo + 1].first
-    int64_t lo = 0, hi = a.n_entries;
-    while (hi - lo > 1) {
-      int64_t mid = (lo + hi) / 2;
-      if (a.table[mid].first <= t) lo = mid; else hi = mid;
-    }
-    e = a.table[lo];
-  }
+  const MergeEntry e = entry_at(a, t);
   const int S = (int)a.S, R = (int)a.R;
   const float* scale = reinterpret_cast<const float*>(e.scale);
   const float* gw = a.gw ? a.gw + blockIdx.y * a.gw_s0 : nullptr;
-  if (a.stamp != nullptr) {
-    if (threadIdx.x == 0) {
-      int c = a.stamp[S] != a.version[0];
-      for (int s = 0; s < S && !c; ++s) {
-        float v = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
-        c = a.stamp[s] != __float_as_int(v);
-      }
-      changed = c;
-    }
-    __syncthreads();
-    if (!changed) return;
-  }
+  __shared__ float slot_w[MERGE_SLOTS];
+  __shared__ int slot_live[MERGE_SLOTS];
+  if (!slots_of(a, scale, gw, slot_w, slot_live)) return;
   const int64_t tiles_k = (e.K + MERGE_BK - 1) / MERGE_BK;
   const int64_t local = t - e.first;
   const int64_t n0 = (local / tiles_k) * MERGE_BN, k0 = (local % tiles_k) * MERGE_BK;
@@ -191,21 +253,30 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
   const T* A = reinterpret_cast<const T*>(e.A);
   const T* B = reinterpret_cast<const T*>(e.B);
   T* out = reinterpret_cast<T*>(e.out) + blockIdx.y * a.blend_out;
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;  // rows ty + 16i (i < 4), columns tx + 16j (j < 8)
+  // Thread (ty, tx): rows n0 + ty + 16i (i < 4), columns k0 + 8tx .. 8tx + 7, so a warp reads and writes two rows of
+  // 256 contiguous bytes; 16-byte accesses where the rows are contiguous and aligned, one element at a time elsewhere.
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const int64_t kt = k0 + 8 * tx;
+  const bool vec = e.swk == 1 && e.sok == 1 && e.K % 8 == 0 && e.swn % 8 == 0 && e.son % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(W) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   float acc[4][8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t n = n0 + ty + 16 * i;
+    if (vec && n < e.N && kt < e.K) {
+      load8(W + n * e.swn + kt, acc[i]);
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int64_t k = k0 + tx + 16 * j;
+      const int64_t k = kt + j;
       acc[i][j] = (n < e.N && k < e.K) ? to_f(W[n * e.swn + k * e.swk]) : 0.f;
     }
   }
   for (int s = 0; s < S; ++s) {
-    const float ws = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
-    if (ws == 0.f) continue;
-    const int live = a.ranks ? min(R, granule(a.ranks[s])) : R;
+    float ws;
+    int live;
+    slot(a, scale, gw, slot_w, slot_live, s, ws, live);
     for (int r0 = 0; r0 < live; r0 += MERGE_RC) {
       __syncthreads();
       for (int i = threadIdx.x; i < MERGE_BN * MERGE_RC; i += MERGE_THREADS) {
@@ -224,8 +295,9 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
         float b[4], av[8];
 #pragma unroll
         for (int i = 0; i < 4; ++i) b[i] = Bs[ty + 16 * i][rr];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) av[j] = As[rr][tx + 16 * j];
+        const float4 a0 = *reinterpret_cast<const float4*>(&As[rr][8 * tx]);
+        const float4 a1 = *reinterpret_cast<const float4*>(&As[rr][8 * tx + 4]);
+        av[0] = a0.x, av[1] = a0.y, av[2] = a0.z, av[3] = a0.w, av[4] = a1.x, av[5] = a1.y, av[6] = a1.z, av[7] = a1.w;
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -236,28 +308,161 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t n = n0 + ty + 16 * i;
+    if (vec && n < e.N && kt < e.K) {
+      store8(out + n * e.son + kt, acc[i]);
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int64_t k = k0 + tx + 16 * j;
+      const int64_t k = kt + j;
       if (n < e.N && k < e.K) out[n * e.son + k * e.sok] = from_f<T>(acc[i][j]);
     }
   }
-  if (a.stamp != nullptr) {  // the last block done writes the stamp (every block has read it by then)
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int done = atomicAdd(&a.stamp[S + 1], 1);
-      if (done == (int)gridDim.x - 1) {
-        for (int s = 0; s < S; ++s)
-          a.stamp[s] = __float_as_int(scale[s] * (gw ? gw[s * a.gw_s1] : 1.f));
-        a.stamp[S] = a.version[0];
-        a.stamp[S + 1] = 0;
-        __threadfence();
+  stamp_merged(a, scale, gw, slot_w);
+}
+
+// 16-bit weights: the product B' A on tensor cores (mma.sync m16n8k16, fp32 accumulators that start as W, so the sum
+// and its one rounding are merge_kernel's). Warp w of the block's 64 x 128 tile owns rows 16 (w / 2) .. + 16 and
+// columns 64 (w % 2) .. + 64: eight 16 x 8 accumulator tiles. Each 16-rank chunk of A goes through shared memory
+// transposed, a column's ranks contiguous (row stride MERGE_AT: conflict-free fragment reads); B' = B * multiplier,
+// rounded to T, is read straight into the A-operand fragment.
+constexpr int MERGE_AT = 24;
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T a = from_f<T>(lo), b = from_f<T>(hi);
+  uint16_t ua, ub;
+  memcpy(&ua, &a, 2);
+  memcpy(&ub, &b, 2);
+  return (uint32_t)ua | ((uint32_t)ub << 16);
+}
+
+template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                               uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();
+#endif
+}
+
+// Two neighbouring elements (n, k), (n, k + 1) in one 4-byte access where `pair` (unit column stride, even sizes and
+// strides, aligned), else one at a time; zero outside the [N, K] weight.
+template <typename T> struct alignas(2 * sizeof(T)) Two { T lo, hi; };
+
+template <typename T> __device__ __forceinline__ void load2(const T* p, int64_t N, int64_t K, int64_t sn, int64_t sk,
+                                                            int64_t n, int64_t k, bool pair, float* v) {
+  if (pair && n < N && k < K) {
+    const Two<T> w = *reinterpret_cast<const Two<T>*>(p + n * sn + k);
+    v[0] = to_f(w.lo), v[1] = to_f(w.hi);
+    return;
+  }
+  v[0] = n < N && k < K ? to_f(p[n * sn + k * sk]) : 0.f;
+  v[1] = n < N && k + 1 < K ? to_f(p[n * sn + (k + 1) * sk]) : 0.f;
+}
+
+template <typename T> __device__ __forceinline__ void store2(T* p, int64_t N, int64_t K, int64_t sn, int64_t sk,
+                                                             int64_t n, int64_t k, bool pair, const float* v) {
+  if (pair && n < N && k < K) {
+    *reinterpret_cast<Two<T>*>(p + n * sn + k) = Two<T>{from_f<T>(v[0]), from_f<T>(v[1])};
+    return;
+  }
+  if (n < N && k < K) p[n * sn + k * sk] = from_f<T>(v[0]);
+  if (n < N && k + 1 < K) p[n * sn + (k + 1) * sk] = from_f<T>(v[1]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(MERGE_THREADS, 3) merge_mma_kernel(MergeArgs a) {
+  static_assert(MERGE_RC * MERGE_BK == 8 * MERGE_THREADS, "a thread moves eight elements of A's chunk");
+  __shared__ __align__(16) T At[MERGE_BK][MERGE_AT];
+  __shared__ float slot_w[MERGE_SLOTS];
+  __shared__ int slot_live[MERGE_SLOTS];
+  const int64_t t = blockIdx.x;
+  const MergeEntry e = entry_at(a, t);
+  const int S = (int)a.S, R = (int)a.R;
+  const float* scale = reinterpret_cast<const float*>(e.scale);
+  const float* gw = a.gw ? a.gw + blockIdx.y * a.gw_s0 : nullptr;
+  const int64_t tiles_k = (e.K + MERGE_BK - 1) / MERGE_BK;
+  const int64_t local = t - e.first;
+  const int64_t n0 = (local / tiles_k) * MERGE_BN, k0 = (local % tiles_k) * MERGE_BK;
+  const T* W = reinterpret_cast<const T*>(e.W);
+  const T* A = reinterpret_cast<const T*>(e.A);
+  const T* B = reinterpret_cast<const T*>(e.B);
+  T* out = reinterpret_cast<T*>(e.out) + blockIdx.y * a.blend_out;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  const int cw = 64 * (warp % 2);  // the warp's first column in the tile
+  const int64_t rn = n0 + 16 * (warp / 2) + g, ck = k0 + cw + 2 * q;  // rows rn, rn + 8; columns ck + 8j, + 1
+  const bool pair = e.sok == 1 && e.swk == 1 && e.K % 2 == 0 && e.son % 2 == 0 && e.swn % 2 == 0 &&
+                    reinterpret_cast<uintptr_t>(W) % (2 * sizeof(T)) == 0 &&
+                    reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0;
+  // Every global read a thread makes is issued before it waits on any: W's tile (before the slots, unless a stamp
+  // may skip the block), then each chunk's A and B' together, so a block pays about one memory latency.
+  float acc[8][4];
+  auto load_w = [&] {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      load2(W, e.N, e.K, e.swn, e.swk, rn, ck + 8 * j, pair, acc[j]);
+      load2(W, e.N, e.K, e.swn, e.swk, rn + 8, ck + 8 * j, pair, acc[j] + 2);
+    }
+  };
+  if (a.stamp == nullptr) load_w();
+  if (!slots_of(a, scale, gw, slot_w, slot_live)) return;
+  if (a.stamp != nullptr) load_w();
+  // A's chunk: thread (fr, fk) reads rank fr's columns fk .. fk + 7 (16 bytes where A's rows are aligned).
+  const int fr = threadIdx.x % MERGE_RC, fk = threadIdx.x / MERGE_RC * 8;
+  const bool avec = e.K % 8 == 0 && reinterpret_cast<uintptr_t>(A) % 16 == 0;
+  const bool bpair = e.ldb % 2 == 0 && R % 2 == 0 && reinterpret_cast<uintptr_t>(B) % (2 * sizeof(T)) == 0;
+  for (int s = 0; s < S; ++s) {
+    float ws;
+    int live;
+    slot(a, scale, gw, slot_w, slot_live, s, ws, live);
+    for (int r0 = 0; r0 < live; r0 += MERGE_RC) {
+      float av[8];
+      const int64_t k = k0 + fk;
+      const T* src = A + ((int64_t)s * R + r0 + fr) * e.K + k;
+      const bool ok = r0 + fr < live;
+      if (ok && avec && k + 8 <= e.K) {
+        load8(src, av);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) av[j] = ok && k + j < e.K ? to_f(src[j]) : 0.f;
+      }
+      float bv[4][2];  // B rows rn (f 0, 2) and rn + 8 (1, 3), ranks 2q, 2q + 1 (f 0, 1) and 2q + 8, 2q + 9 (2, 3)
+#pragma unroll
+      for (int f = 0; f < 4; ++f)
+        load2(B, e.N, (int64_t)s * R + live, e.ldb, 1, rn + 8 * (f % 2), (int64_t)s * R + r0 + 2 * q + 8 * (f / 2),
+              bpair, bv[f]);
+      __syncthreads();  // the previous chunk's reads of At are done
+#pragma unroll
+      for (int j = 0; j < 8; ++j) At[fk + j][fr] = from_f<T>(av[j]);
+      uint32_t af[4];  // the A operand: B' = B * ws rounded to T
+#pragma unroll
+      for (int f = 0; f < 4; ++f) af[f] = pack2<T>(bv[f][0] * ws, bv[f][1] * ws);
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const T* col = At[cw + 8 * j + g];  // column ck + 8j's ranks: 2q, 2q + 1 and 2q + 8, 2q + 9
+        mma16816<T>(acc[j], af, *reinterpret_cast<const uint32_t*>(col + 2 * q),
+                    *reinterpret_cast<const uint32_t*>(col + 2 * q + 8));
       }
     }
   }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    store2(out, e.N, e.K, e.son, e.sok, rn, ck + 8 * j, pair, acc[j]);
+    store2(out, e.N, e.K, e.son, e.sok, rn + 8, ck + 8 * j, pair, acc[j] + 2);
+  }
+  stamp_merged(a, scale, gw, slot_w);
 }
-
 }  // namespace
 
 #define FDLORA_DISPATCH(dtype, NAME, ...)                                              \
@@ -346,7 +551,13 @@ void launch_merge(at::ScalarType dtype, const MergeEntry& one, const at::Tensor*
               gw, gw_s1, stamp, version, gw_s0, blend_out};
   auto stream = at::cuda::getCurrentCUDAStream(device.index());
   const dim3 grid((unsigned)total_tiles, (unsigned)blends);
-  FDLORA_DISPATCH(dtype, T, [&] { merge_kernel<T><<<grid, MERGE_THREADS, 0, stream>>>(a); });
+  if (dtype == at::kFloat) {
+    merge_kernel<float><<<grid, MERGE_THREADS, 0, stream>>>(a);
+  } else {
+    FDLORA_DISPATCH(dtype, T, [&] {
+      if constexpr (!std::is_same<T, float>::value) merge_mma_kernel<T><<<grid, MERGE_THREADS, 0, stream>>>(a);
+    });
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -130,13 +130,14 @@ void delta_impl(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& A, cons
   y.copy_(yc);
 }
 
-// The merged path pays the merge (one kernel: W read, W' written, CUDA-core FMAs over the live rank; the GEMM then
-// reads W' instead of W) instead of the delta's bytes (x re-read, y read-modify-written) and its launches and
-// scratch: a rough cost model in bytes-equivalents, a launch with its host work counted as 10e6 (on an H100 host,
-// SDXL's text-attention k/v, 154 x 2048 -> 1280, took 59.5 us of host per call on the delta path, ~21 us on the merged
-// path, where F.linear takes 17; benchmarks/probes/probe_bound_linear.py re-measures it).
+// The merged path pays the merge (one kernel: W read, W' written, the live rank's product on tensor cores, on CUDA
+// cores for fp32; the GEMM then reads W' instead of W) instead of the delta's bytes (x re-read, y read-modify-written)
+// and its launches and scratch: a rough cost model in bytes-equivalents (the merge runs at about a third of a copy's
+// bandwidth on an H200: benchmarks/probes/probe_merge_kernel.py), a launch with its host work counted as 10e6 (on an
+// H100 host, SDXL's text-attention k/v, 154 x 2048 -> 1280, took 59.5 us of host per call on the delta path, ~21 us
+// on the merged path, where F.linear takes 17; benchmarks/probes/probe_bound_linear.py re-measures it).
 bool merged_wins(int64_t M, int64_t N, int64_t K, int64_t SR, int64_t elt) {
-  const double merge = (double)N * K * 3 * elt + 2 * 10e6;  // W read, W' written, + the FMAs; merge + GEMM
+  const double merge = (double)N * K * 3 * elt + 2 * 10e6;  // W read, W' written, + the product; merge + GEMM
   const double delta = (double)M * (K * elt + 2 * N * elt + (double)SR * 8) + 4 * 10e6;  // GEMM, mask, shrink, expand
   return merge < delta;
 }
