@@ -3,7 +3,8 @@
 # Showed (be8a9bb, H200): tensor cores 2.25-3.6x the copy, CUDA cores 2.6-4.3x, addmm 1.7-2.7x on every shape
 # (results/nvidia-h200/merge_kernel.json, merge_kernel_cuda_cores.json).
 """Merge-kernel probe: one adapter of rank 16 in a bank of `--slots` slots, bf16, GPU time with L2 flushed
-(triton.testing.do_bench, median). Each kernel's W' is checked against the float64 merge first.
+(triton.testing.do_bench, median) and in a CUDA graph of 20 calls, against the Triton backend's merge kernel too.
+Each kernel's W' is checked against the float64 merge first.
 
     python benchmarks/probes/probe_merge_kernel.py --out $OUT/merge_kernel.json
 """
@@ -28,7 +29,7 @@ SHAPES = {  # (N, K) of the weights
 }
 
 
-def measure(ops, model: str, N: int, K: int, S: int) -> dict:
+def measure(ops, launch_merge, model: str, N: int, K: int, S: int) -> dict:
     dev, dt, R = "cuda", torch.bfloat16, 16
     W = torch.randn(N, K, device=dev, dtype=dt) * 0.02
     A = torch.randn(S, R, K, device=dev, dtype=dt) * 0.02
@@ -42,12 +43,39 @@ def measure(ops, model: str, N: int, K: int, S: int) -> dict:
     ops.lora_merge(out, W, A, B, scale, ranks)
     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, (model, N, K, err)
+    gw = torch.ones(1, S, device=dev)
+    launch_merge(W, A, B, scale, gw, ranks, out=out.view(1, N, K))
+    err_triton = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err_triton < 1e-2, (model, N, K, err_triton)
     forms = {"copy": lambda: out.copy_(W), "addmm": lambda: torch.addmm(W, Bs, A[0], out=out),
-             "kernel": lambda: ops.lora_merge(out, W, A, B, scale, ranks)}
+             "kernel": lambda: ops.lora_merge(out, W, A, B, scale, ranks),
+             "triton": lambda: launch_merge(W, A, B, scale, gw, ranks, out=out.view(1, N, K))}
     us = {k: triton.testing.do_bench(f, return_mode="median") * 1e3 for k, f in forms.items()}
+    us_graph = {k: graph_us(f) for k, f in forms.items()}
     gbs = {k: 2 * W.numel() * W.element_size() / (v * 1e-6) / 1e9 for k, v in us.items()}
-    return {"model": model, "N": N, "K": K, "elements": N * K, "rel_err": err, "us": us, "GB_s": gbs,
-            "x_copy": {k: v / us["copy"] for k, v in us.items()}}
+    return {"model": model, "N": N, "K": K, "elements": N * K, "rel_err": err, "rel_err_triton": err_triton, "us": us,
+            "GB_s": gbs, "x_copy": {k: v / us["copy"] for k, v in us.items()}, "us_graph": us_graph,
+            "x_copy_graph": {k: v / us_graph["copy"] for k, v in us_graph.items()}}
+
+
+def graph_us(fn, calls: int = 20) -> float:
+    """GPU microseconds a call: `calls` calls captured in one CUDA graph (no host time, L2 not flushed between
+    them), the median of 5 replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    ts = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(ts)[2]
 
 
 def main() -> int:
@@ -56,21 +84,25 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4)
     args = ap.parse_args()
     from fdlora.kernels.cuda import ops
+    from fdlora.kernels.triton.merge.lora_merge import launch_merge
 
     torch.manual_seed(0)
     rows = []
     for model, shapes in SHAPES.items():
         for N, K in shapes:
-            r = measure(ops, model, N, K, args.slots)
+            r = measure(ops, launch_merge, model, N, K, args.slots)
             rows.append(r)
             us, x = r["us"], r["x_copy"]
-            print(f"{model:6s} {N:6d}x{K:<6d} copy {us['copy']:7.1f} us  addmm {x['addmm']:.2f}x  "
-                  f"kernel {x['kernel']:.2f}x  ({r['GB_s']['kernel']:.0f} GB/s)  err {r['rel_err']:.1e}", flush=True)
+            xg = r["x_copy_graph"]
+            print(f"{model:6s} {N:6d}x{K:<6d} copy {us['copy']:7.1f} us  addmm {x['addmm']:.2f}x  kernel "
+                  f"{x['kernel']:.2f}x  triton {x['triton']:.2f}x | in a graph: copy {r['us_graph']['copy']:.1f} us "
+                  f"addmm {xg['addmm']:.2f}x kernel {xg['kernel']:.2f}x triton {xg['triton']:.2f}x", flush=True)
     if args.out:
+        timing = ("us: triton.testing.do_bench median, L2 flushed; us_graph: 20 calls in a CUDA graph, median of 5 "
+                  "replays")
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "dtype": "bfloat16", "rank": 16, "slots": args.slots, "active": 1,
-                                        "timing": "triton.testing.do_bench median, L2 flushed", "rows": rows},
-                                       indent=1))
+                                        "timing": timing, "rows": rows}, indent=1))
     return 0
 
 
