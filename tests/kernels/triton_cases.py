@@ -43,6 +43,7 @@ class Case:
     dtype: str = "fp32"
     strided: bool = False  # x is a column slice of a wider tensor, y a slice too
     split: bool | None = False  # True: two-launch shrink + expand path; False: fused kernel; None: dispatch.py
+    segments: tuple[tuple[int, int], ...] = ()  # rows mode: (slot, rows) runs in order (-1: base); () = random slots
 
     @property
     def S(self) -> int:
@@ -78,6 +79,23 @@ CASES = [
     _c("rows-S2-M3-strided-fp16", "rows", 3, 17, 9, 16, [16, 3], [1.0, 2.0], dtype="fp16", strided=True),
     _c("rows-S4-r16-bf16", "rows", 24, 32, 24, 16, [16, 16, 8, 16], [1.0, 0.5, 2.0, 0.0], dtype="bf16"),
 ]
+
+
+
+def _ragged(n: int) -> Case:
+    """Per-row batch of n adapters (1..8) in contiguous runs of uneven length, a base run after the first, and for
+    n >= 3 the first adapter again at the end (a slot in two runs), as an LLM batch of several users' requests."""
+    runs = [(s, 1 + (5 * s + 3) % 7) for s in range(n)]
+    runs.insert(1, (-1, 2))
+    if n >= 3:
+        runs.append((0, 3))
+    dtype = ("fp32", "fp16", "bf16")[n % 3]
+    return _c(f"rows-ragged-S{n}-M{sum(r for _, r in runs)}-{dtype}", "rows", sum(r for _, r in runs), 24, 20, 16,
+              [16, 3, 8, 16, 1, 12, 16, 5][:n], [1.0, 0.5, 2.0, 0.25, 1.5, 0.75, 1.0, 0.3][:n], dtype=dtype,
+              segments=tuple(runs))
+
+
+CASES += [_ragged(n) for n in range(1, 9)]
 
 # Realistic widths (GPU only): SDXL / Flux / LLM layers with a 4-slot bank.
 REALISTIC = [
@@ -133,6 +151,9 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> dict:
                 gw[i] = torch.rand(S, generator=g)  # a blended sample
             else:
                 gw[i, i % S] = 1.0
+    elif case.mode == "rows" and case.segments:
+        row_slot = torch.tensor([s for s, rows in case.segments for _ in range(rows)], dtype=torch.int32)
+        assert row_slot.shape == (M,), f"{case.id}: the segments hold {row_slot.shape[0]} rows, not M={M}"
     elif case.mode == "rows":
         row_slot = torch.randint(-1, S, (M,), generator=g, dtype=torch.int32)
         row_slot[: min(M, S)] = torch.arange(min(M, S), dtype=torch.int32)  # every slot appears
