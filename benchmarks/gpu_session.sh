@@ -26,7 +26,8 @@
 #           at 3 / 2 / 1.5 / 1 GiB free, fd-lora vs diffusers+PEFT: reliability.json with a "gpu" key, to copy back), prefetch (bench_prefetch.py), shared-shrink
 #           (bench_shared_shrink.py), per-prompt-forms (probe_per_prompt_forms.py, SDXL and Flux: the extension's
 #           bound per-sample forms vs percall's torch forms; after build-cuda), probe-merge (probe_merge_kernel.py: the
-#           extension's merge kernel, the Triton one, addmm and a copy on every full-size weight; after build-cuda), build-cuda (the extension, before anything that should
+#           extension's merge kernel, the Triton one, addmm, a copy and the candidate merge_stream.cu on every
+#           full-size weight; after build-cuda), build-cuda (the extension, before anything that should
 #           run on the triton+cuda backend auto takes once it is built), quant-tests (the GPU tests of the
 #           dequant-merge kernels and layers, and of training), offload-flux (bench_offload's Flux model-offload
 #           rows alone), calibrate (`fdlora plan --calibrate`, its JSON <device>.json copied to results/)
@@ -108,7 +109,7 @@ for stage in "$@"; do
     serve) TAIL=30 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 545 --max-batch 16 --max-call 8 --out "$OUT/results/serve.json" ;;
     serve-soak) TAIL=20 step 590 python3 benchmarks/bench_serve.py --model sdxl --budget-s 565 --soak --steps 3 \
         --max-batch 16 --max-call 8 --max-requests 1000 --out "$OUT/results/serve_soak.json" ;;
-    probe-merge) TAIL=18 step 200 python3 benchmarks/probes/probe_merge_kernel.py --out "$OUT/results/merge_kernel.json" ;;
+    probe-merge) TAIL=18 step 300 python3 benchmarks/probes/probe_merge_kernel.py --stream --out "$OUT/results/merge_kernel.json" ;;
     per-prompt-forms) for m in sdxl flux; do TAIL=6 step 200 python3 benchmarks/probes/probe_per_prompt_forms.py \
         --model $m --out "$OUT/results/per_prompt_forms_$m.json"; done ;;
   esac

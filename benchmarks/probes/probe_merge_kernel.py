@@ -6,12 +6,16 @@
 (triton.testing.do_bench, median) and in a CUDA graph of 20 calls, against the Triton backend's merge kernel too.
 Each kernel's W' is checked against the float64 merge first.
 
-    python benchmarks/probes/probe_merge_kernel.py --out $OUT/merge_kernel.json
+    python benchmarks/probes/probe_merge_kernel.py --out $OUT/merge_kernel.json [--stream]
+
+--stream also builds merge_stream.cu (a persistent, pipelined candidate; about a minute) and times it with 2, 3 and
+4 stages of W tiles in flight.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -29,7 +33,7 @@ SHAPES = {  # (N, K) of the weights
 }
 
 
-def measure(ops, launch_merge, model: str, N: int, K: int, S: int) -> dict:
+def measure(ops, launch_merge, stream, model: str, N: int, K: int, S: int) -> dict:
     dev, dt, R = "cuda", torch.bfloat16, 16
     W = torch.randn(N, K, device=dev, dtype=dt) * 0.02
     A = torch.randn(S, R, K, device=dev, dtype=dt) * 0.02
@@ -50,12 +54,19 @@ def measure(ops, launch_merge, model: str, N: int, K: int, S: int) -> dict:
     forms = {"copy": lambda: out.copy_(W), "addmm": lambda: torch.addmm(W, Bs, A[0], out=out),
              "kernel": lambda: ops.lora_merge(out, W, A, B, scale, ranks),
              "triton": lambda: launch_merge(W, A, B, scale, gw, ranks, out=out.view(1, N, K))}
+    errs = {}
+    for stages in (2, 3, 4) if stream else ():  # the candidate (merge_stream.cu): timed only where it is right
+        out.fill_(float("nan"))
+        stream.merge_stream(out, W, A, B, scale, ranks, stages, 2)
+        errs[f"stream{stages}"] = ((out.double() - ref).abs().max() / ref.abs().max()).nan_to_num(1.0).item()
+        if errs[f"stream{stages}"] < 1e-2:
+            forms[f"stream{stages}"] = functools.partial(stream.merge_stream, out, W, A, B, scale, ranks, stages, 2)
     us = {k: triton.testing.do_bench(f, return_mode="median") * 1e3 for k, f in forms.items()}
     us_graph = {k: graph_us(f) for k, f in forms.items()}
     gbs = {k: 2 * W.numel() * W.element_size() / (v * 1e-6) / 1e9 for k, v in us.items()}
-    return {"model": model, "N": N, "K": K, "elements": N * K, "rel_err": err, "rel_err_triton": err_triton, "us": us,
-            "GB_s": gbs, "x_copy": {k: v / us["copy"] for k, v in us.items()}, "us_graph": us_graph,
-            "x_copy_graph": {k: v / us_graph["copy"] for k, v in us_graph.items()}}
+    return {"model": model, "N": N, "K": K, "elements": N * K, "rel_err": err, "rel_err_triton": err_triton,
+            "rel_err_stream": errs, "us": us, "GB_s": gbs, "x_copy": {k: v / us["copy"] for k, v in us.items()},
+            "us_graph": us_graph, "x_copy_graph": {k: v / us_graph["copy"] for k, v in us_graph.items()}}
 
 
 def graph_us(fn, calls: int = 20) -> float:
@@ -82,21 +93,31 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--stream", action="store_true", help="also build and time the candidate in merge_stream.cu")
     args = ap.parse_args()
     from fdlora.kernels.cuda import ops
     from fdlora.kernels.triton.merge.lora_merge import launch_merge
 
+    stream = None
+    if args.stream:
+        from torch.utils.cpp_extension import load
+
+        major, minor = torch.cuda.get_device_capability()
+        stream = load(name="fdlora_probe_merge_stream", sources=[str(Path(__file__).with_name("merge_stream.cu"))],
+                      extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
     torch.manual_seed(0)
     rows = []
     for model, shapes in SHAPES.items():
         for N, K in shapes:
-            r = measure(ops, launch_merge, model, N, K, args.slots)
+            r = measure(ops, launch_merge, stream, model, N, K, args.slots)
             rows.append(r)
             us, x = r["us"], r["x_copy"]
             xg = r["x_copy_graph"]
+            cands = "".join(f" {k} {v:.2f}x" for k, v in x.items() if k.startswith("stream"))
             print(f"{model:6s} {N:6d}x{K:<6d} copy {us['copy']:7.1f} us  addmm {x['addmm']:.2f}x  kernel "
-                  f"{x['kernel']:.2f}x  triton {x['triton']:.2f}x | in a graph: copy {r['us_graph']['copy']:.1f} us "
-                  f"addmm {xg['addmm']:.2f}x kernel {xg['kernel']:.2f}x triton {xg['triton']:.2f}x", flush=True)
+                  f"{x['kernel']:.2f}x  triton {x['triton']:.2f}x{cands} | in a graph: copy {r['us_graph']['copy']:.1f}"
+                  f" us, " + " ".join(f"{k} {v:.2f}x" for k, v in xg.items() if k != "copy")
+                  + "".join(f" [{k} err {e:.1e}]" for k, e in r["rel_err_stream"].items() if e >= 1e-2), flush=True)
     if args.out:
         timing = ("us: triton.testing.do_bench median, L2 flushed; us_graph: 20 calls in a CUDA graph, median of 5 "
                   "replays")

@@ -1,0 +1,226 @@
+// A candidate for the extension's merge (W' = W + sum_s scale[s] B_s A_s, fp32 sum, one rounding), built and timed
+// by probe_merge_kernel.py --stream; not part of the library. It keeps W's reads in flight while it merges: a
+// persistent block owns one 128-column strip and walks its 64-row tiles, copying the next STAGES - 1 tiles of W into
+// a shared-memory ring (cp.async, 16 bytes a copy) while the current tile is merged (mma.sync m16n8k16, fp32
+// accumulators that start as W) and stored. A's live rank chunks for the strip stay in shared memory, transposed.
+// Limits of the candidate: one [N, K] weight with contiguous rows, K a multiple of 8, 16-bit types, at most 64 slots.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int BN = 64, BK = 128, THREADS = 256, RC = 16, MAX_SLOTS = 64;
+constexpr int WS = BK + 8;  // elements per shared row of a W tile: fragment reads without bank conflicts
+constexpr int AT = 24;  // elements per shared row of A^T (a column's 16 ranks + 8): likewise
+
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ int granule(int r) { return (r + 15) / 16 * 16; }
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T a = from_f<T>(lo), b = from_f<T>(hi);
+  uint16_t ua, ub;
+  memcpy(&ua, &a, 2);
+  memcpy(&ub, &b, 2);
+  return (uint32_t)ua | ((uint32_t)ub << 16);
+}
+
+template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                               uint32_t b1) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <typename T> struct alignas(4) Two { T lo, hi; };
+
+template <typename T, int STAGES>
+__global__ void __launch_bounds__(THREADS, 2) merge_stream_kernel(T* __restrict__ out, const T* __restrict__ W,
+                                                                  const T* __restrict__ A, const T* __restrict__ B,
+                                                                  const float* __restrict__ scale,
+                                                                  const int* __restrict__ ranks, int N, int K, int S,
+                                                                  int R) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* Wt = reinterpret_cast<T*>(smem);  // [STAGES][BN][WS]
+  T* At = Wt + STAGES * BN * WS;  // [chunks][BK][AT]
+  __shared__ float slot_w[MAX_SLOTS];
+  __shared__ int slot_live[MAX_SLOTS], slot_c0[MAX_SLOTS + 1];
+  const int tiles_k = (K + BK - 1) / BK, tiles_n = (N + BN - 1) / BN;
+  const int kt = blockIdx.x % tiles_k, n_first = blockIdx.x / tiles_k, n_step = gridDim.x / tiles_k;
+  const int k0 = kt * BK;
+  const int my_tiles = n_first < tiles_n ? (tiles_n - n_first + n_step - 1) / n_step : 0;
+  const int ldb = S * R;
+
+  // The ring's first tiles, before anything waits.
+  auto issue = [&](int i) {
+    if (i < my_tiles) {
+      const int64_t n0 = (int64_t)(n_first + i * n_step) * BN;
+      T* dst = Wt + (i % STAGES) * BN * WS;
+#pragma unroll
+      for (int u = 0; u < BN * BK / 8 / THREADS; ++u) {
+        const int idx = threadIdx.x + u * THREADS, row = idx / (BK / 8), col = idx % (BK / 8) * 8;
+        const bool in = n0 + row < N && k0 + col < K;
+        cp_async16(dst + row * WS + col, in ? W + (n0 + row) * K + k0 + col : W, in);
+      }
+    }
+    cp_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+
+  if (threadIdx.x < S) {
+    const float v = scale[threadIdx.x];
+    slot_w[threadIdx.x] = v;
+    slot_live[threadIdx.x] = v == 0.f ? 0 : min(R, granule(ranks[threadIdx.x]));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int c = 0;
+    for (int s = 0; s < S; ++s) {
+      slot_c0[s] = c;
+      c += (slot_live[s] + RC - 1) / RC;
+    }
+    slot_c0[S] = c;
+  }
+  __syncthreads();
+  // A^T of every live chunk of this strip: thread (fr, fk) moves rank fr's columns fk .. fk + 7 of each chunk.
+  const int fr = threadIdx.x % RC, fk = threadIdx.x / RC * 8;
+  for (int s = 0; s < S; ++s) {
+    for (int c = slot_c0[s]; c < slot_c0[s + 1]; ++c) {
+      const int r = (c - slot_c0[s]) * RC + fr;
+      const bool ok = r < slot_live[s] && k0 + fk < K;
+      alignas(16) T v[8];
+      if (ok) {
+        *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(A + ((int64_t)s * R + r) * K + k0 + fk);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = from_f<T>(0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) At[(c * BK + fk + j) * AT + fr] = v[j];
+    }
+  }
+
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  const int rl = 16 * (warp / 2) + g, cw = 64 * (warp % 2);  // rows rl, rl + 8; columns cw + 8j + 2q, + 1
+  for (int i = 0; i < my_tiles; ++i) {
+    cp_wait<STAGES - 2>();
+    __syncthreads();  // tile i landed for every thread; the stage read in the previous iteration is free
+    issue(i + STAGES - 1);
+    const int64_t n0 = (int64_t)(n_first + i * n_step) * BN;
+    const T* tile = Wt + (i % STAGES) * BN * WS;
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const Two<T> w = *reinterpret_cast<const Two<T>*>(tile + (rl + 8 * h) * WS + cw + 8 * j + 2 * q);
+        acc[j][2 * h] = to_f(w.lo), acc[j][2 * h + 1] = to_f(w.hi);
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const float ws = slot_w[s];
+      const int live = slot_live[s];
+      for (int c = slot_c0[s]; c < slot_c0[s + 1]; ++c) {
+        const int r0 = (c - slot_c0[s]) * RC;
+        uint32_t af[4];  // B' rows rl (af 0, 2), rl + 8 (1, 3); ranks 2q, 2q + 1 (0, 1), 2q + 8, 2q + 9 (2, 3)
+#pragma unroll
+        for (int f = 0; f < 4; ++f) {
+          const int64_t n = n0 + rl + 8 * (f % 2);
+          const int r = r0 + 2 * q + 8 * (f / 2);
+          float b0 = 0.f, b1 = 0.f;
+          if (n < N && r < live) {
+            const Two<T> b = *reinterpret_cast<const Two<T>*>(B + n * ldb + (int64_t)s * R + r);
+            b0 = to_f(b.lo) * ws, b1 = r + 1 < live ? to_f(b.hi) * ws : 0.f;
+          }
+          af[f] = pack2<T>(b0, b1);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const T* col = At + (c * BK + cw + 8 * j + g) * AT;
+          mma16816<T>(acc[j], af, *reinterpret_cast<const uint32_t*>(col + 2 * q),
+                      *reinterpret_cast<const uint32_t*>(col + 2 * q + 8));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + rl + 8 * h;
+        const int k = k0 + cw + 8 * j + 2 * q;
+        if (n < N && k < K)
+          *reinterpret_cast<Two<T>*>(out + n * K + k) = Two<T>{from_f<T>(acc[j][2 * h]), from_f<T>(acc[j][2 * h + 1])};
+      }
+    }
+  }
+  cp_wait<0>();
+}
+
+template <typename T, int STAGES>
+void launch(at::Tensor& out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale,
+            const at::Tensor& ranks, int64_t blocks_per_sm) {
+  const int N = (int)W.size(0), K = (int)W.size(1), S = (int)A.size(0), R = (int)A.size(1);
+  const int tiles_k = (K + BK - 1) / BK, tiles_n = (N + BN - 1) / BN;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int per_strip = std::max(1, std::min(tiles_n, (int)(sms * blocks_per_sm) / tiles_k));
+  const size_t smem = (size_t)STAGES * BN * WS * sizeof(T) + (size_t)S * ((R + RC - 1) / RC) * BK * AT * sizeof(T);
+  auto kernel = merge_stream_kernel<T, STAGES>;
+  static size_t allowed = 0;  // raised outside any graph capture: the first (warm) call of a shape comes first
+  if (smem > allowed) {
+    TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess,
+                "merge_stream: ", smem, " bytes of shared memory refused");
+    allowed = smem;
+  }
+  kernel<<<tiles_k * per_strip, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const T*>(W.data_ptr()),
+      reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const T*>(B.data_ptr()), scale.data_ptr<float>(),
+      ranks.data_ptr<int>(), N, K, S, R);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void merge_stream(at::Tensor out, const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
+                  const at::Tensor& scale, const at::Tensor& ranks, int64_t stages, int64_t blocks_per_sm) {
+  TORCH_CHECK(W.is_cuda() && W.dim() == 2 && W.is_contiguous() && out.is_contiguous() && A.is_contiguous() &&
+              B.is_contiguous() && W.size(1) % 8 == 0 && A.size(0) <= MAX_SLOTS && A.size(1) % 2 == 0 &&
+              (W.scalar_type() == at::kHalf || W.scalar_type() == at::kBFloat16),
+              "merge_stream: contiguous 16-bit W [N, K] (K a multiple of 8), A [S <= 64, R even, K], B [N, S, R]");
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (stages == 2) launch<T, 2>(out, W, A, B, scale, ranks, blocks_per_sm);
+    else if (stages == 3) launch<T, 3>(out, W, A, B, scale, ranks, blocks_per_sm);
+    else if (stages == 4) launch<T, 4>(out, W, A, B, scale, ranks, blocks_per_sm);
+    else TORCH_CHECK(false, "merge_stream: stages 2, 3 or 4");
+  };
+  if (W.scalar_type() == at::kHalf) run(__half());
+  else run(__nv_bfloat16());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("merge_stream", &merge_stream); }
