@@ -1,6 +1,6 @@
 // fd-lora CUDA backend: hand-written kernels for what cuBLAS cannot do well or at all: the gathers of per-row and
-// per-sample weights, the small-M (decode) delta, the masking of dead bank chunks, and the merge of many layers in
-// one launch with a device-side "nothing changed" check. Numerics as the Triton kernels: fp32 accumulation, scaled
+// per-sample weights, the small-M (decode) delta, the masking of dead bank chunks, and the merge (its product on
+// tensor cores for 16-bit weights) of many layers or blends in one launch with a device-side "nothing changed" check. Numerics as the Triton kernels: fp32 accumulation, scaled
 // intermediates rounded to the operand dtype before their product, one rounding of the result.
 #include "kernels.h"
 
@@ -160,6 +160,7 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const float* 
   for (int q = 0; q < (int)(8 * sizeof(T) / 16); ++q)
     reinterpret_cast<uint4*>(p)[q] = reinterpret_cast<const uint4*>(t)[q];
 }
+
 constexpr int MERGE_RC = 16;  // rank chunk
 
 struct MergeArgs {
