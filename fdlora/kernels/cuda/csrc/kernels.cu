@@ -1,7 +1,8 @@
 // fd-lora CUDA backend: hand-written kernels for what cuBLAS cannot do well or at all: the gathers of per-row and
 // per-sample weights, the small-M (decode) delta, the masking of dead bank chunks, and the merge (its product on
-// tensor cores for 16-bit weights) of many layers or blends in one launch with a device-side "nothing changed" check. Numerics as the Triton kernels: fp32 accumulation, scaled
-// intermediates rounded to the operand dtype before their product, one rounding of the result.
+// tensor cores for 16-bit weights) of many layers or blends in one launch with a device-side "nothing changed"
+// check. Numerics as the Triton kernels: fp32 accumulation, scaled intermediates rounded to the operand dtype before
+// their product, one rounding of the result.
 #include "kernels.h"
 
 #include <ATen/cuda/CUDAContext.h>
