@@ -3,8 +3,8 @@
 # Showed (be8a9bb, H200): tensor cores 2.25-3.6x the copy, CUDA cores 2.6-4.3x, addmm 1.7-2.7x on every shape
 # (results/nvidia-h200/merge_kernel.json, merge_kernel_cuda_cores.json).
 """Merge-kernel probe: one adapter of rank 16 in a bank of `--slots` slots, bf16, GPU time with L2 flushed
-(triton.testing.do_bench, median) and in a CUDA graph of 20 calls, against the Triton backend's merge kernel too.
-Each kernel's W' is checked against the float64 merge first.
+(triton.testing.do_bench, median) and in a CUDA graph of 20 calls (bench_fused.graph_us), against the Triton
+backend's merge kernel too. Each kernel's W' is checked against the float64 merge first.
 
     python benchmarks/probes/probe_merge_kernel.py --out $OUT/merge_kernel.json [--stream]
 
@@ -24,6 +24,9 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_fused import graph_us  # noqa: E402
 
 SHAPES = {  # (N, K) of the weights
     "sdxl": [(640, 640), (5120, 640), (640, 2560), (1280, 1280), (10240, 1280), (1280, 5120), (640, 2048),
@@ -62,31 +65,11 @@ def measure(ops, launch_merge, stream, model: str, N: int, K: int, S: int) -> di
         if errs[f"stream{stages}"] < 1e-2:
             forms[f"stream{stages}"] = functools.partial(stream.merge_stream, out, W, A, B, scale, ranks, stages, 2)
     us = {k: triton.testing.do_bench(f, return_mode="median") * 1e3 for k, f in forms.items()}
-    us_graph = {k: graph_us(f) for k, f in forms.items()}
+    us_graph = {k: graph_us([f], reps=20) for k, f in forms.items()}
     gbs = {k: 2 * W.numel() * W.element_size() / (v * 1e-6) / 1e9 for k, v in us.items()}
     return {"model": model, "N": N, "K": K, "elements": N * K, "rel_err": err, "rel_err_triton": err_triton,
             "rel_err_stream": errs, "us": us, "GB_s": gbs, "x_copy": {k: v / us["copy"] for k, v in us.items()},
             "us_graph": us_graph, "x_copy_graph": {k: v / us_graph["copy"] for k, v in us_graph.items()}}
-
-
-def graph_us(fn, calls: int = 20) -> float:
-    """GPU microseconds a call: `calls` calls captured in one CUDA graph (no host time, L2 not flushed between
-    them), the median of 5 replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(ts)[2]
 
 
 def main() -> int:
@@ -119,8 +102,8 @@ def main() -> int:
                   f" us, " + " ".join(f"{k} {v:.2f}x" for k, v in xg.items() if k != "copy")
                   + "".join(f" [{k} err {e:.1e}]" for k, e in r["rel_err_stream"].items() if e >= 1e-2), flush=True)
     if args.out:
-        timing = ("us: triton.testing.do_bench median, L2 flushed; us_graph: 20 calls in a CUDA graph, median of 5 "
-                  "replays")
+        timing = ("us: triton.testing.do_bench median, L2 flushed; us_graph: 20 calls in a CUDA graph, median of 7 "
+                  "replays (bench_fused.graph_us)")
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "dtype": "bfloat16", "rank": 16, "slots": args.slots, "active": 1,
                                         "timing": timing, "rows": rows}, indent=1))
