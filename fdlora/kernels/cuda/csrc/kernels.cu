@@ -187,20 +187,46 @@ __device__ __forceinline__ MergeEntry entry_at(const MergeArgs& a, int64_t t) {
   return a.table[lo];
 }
 
+// What block (blockIdx.x, blockIdx.y) of a merge works on: its entry, the blend's multipliers, the origin of its
+// MERGE_BN x MERGE_BK tile of W, and the operands, out at the blend's [N, K] block.
+template <typename T> struct MergeTile {
+  MergeEntry e;
+  const float* scale;
+  const float* gw;  // the blend's multipliers (a [1, S] group weight) or null
+  int64_t n0, k0;
+  const T *W, *A, *B;
+  T* out;
+
+  __device__ __forceinline__ explicit MergeTile(const MergeArgs& a) : e(entry_at(a, blockIdx.x)) {
+    scale = reinterpret_cast<const float*>(e.scale);
+    gw = a.gw ? a.gw + blockIdx.y * a.gw_s0 : nullptr;
+    const int64_t tiles_k = (e.K + MERGE_BK - 1) / MERGE_BK, local = blockIdx.x - e.first;
+    n0 = (local / tiles_k) * MERGE_BN, k0 = (local % tiles_k) * MERGE_BK;
+    W = reinterpret_cast<const T*>(e.W), A = reinterpret_cast<const T*>(e.A), B = reinterpret_cast<const T*>(e.B);
+    out = reinterpret_cast<T*>(e.out) + blockIdx.y * a.blend_out;
+  }
+};
+
 constexpr int MERGE_SLOTS = 128;  // slots whose multiplier and live rank a merge block keeps in shared memory
 
-// Each slot's multiplier (scale x group weight) and live rank (rounded up to 16; 0 where the multiplier is 0) into
-// shared memory, read by as many threads at once: the block's first global reads cost one memory latency, not one
-// per slot. Slots past MERGE_SLOTS are read where used (slot()). Returns whether the block merges: always without a
-// stamp; with one, when the version or a multiplier differs from it.
+// Slot s's multiplier (scale x group weight) and live rank (rounded up to 16; 0 where the multiplier is 0).
+__device__ __forceinline__ void slot_read(const MergeArgs& a, const float* scale, const float* gw, int64_t s,
+                                          float& ws, int& live) {
+  ws = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
+  live = ws == 0.f ? 0 : a.ranks ? min((int)a.R, granule(a.ranks[s])) : (int)a.R;
+}
+
+// Every slot's multiplier and live rank into shared memory, read by as many threads at once: the block's first
+// global reads cost one memory latency, not one per slot. Slots past MERGE_SLOTS are read where used (slot()).
+// Returns whether the block merges: always without a stamp; with one, when the version or a multiplier differs
+// from it.
 __device__ bool slots_of(const MergeArgs& a, const float* scale, const float* gw, float* ws, int* live) {
   int changed = 0;
   for (int64_t s = threadIdx.x; s < a.S; s += blockDim.x) {
-    const float v = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
-    if (s < MERGE_SLOTS) {
-      ws[s] = v;
-      live[s] = v == 0.f ? 0 : a.ranks ? min((int)a.R, granule(a.ranks[s])) : (int)a.R;
-    }
+    float v;
+    int l;
+    slot_read(a, scale, gw, s, v, l);
+    if (s < MERGE_SLOTS) ws[s] = v, live[s] = l;
     if (a.stamp != nullptr) changed |= a.stamp[s] != __float_as_int(v);
   }
   if (a.stamp != nullptr && threadIdx.x == 0) changed |= a.stamp[a.S] != a.version[0];
@@ -213,12 +239,12 @@ __device__ __forceinline__ void slot(const MergeArgs& a, const float* scale, con
     ws = ws_s[s], live = live_s[s];
     return;
   }
-  ws = scale[s] * (gw ? gw[s * a.gw_s1] : 1.f);
-  live = ws == 0.f ? 0 : a.ranks ? min((int)a.R, granule(a.ranks[s])) : (int)a.R;
+  slot_read(a, scale, gw, s, ws, live);
 }
 
 // The last block done writes the stamp (every block has read it by then).
-__device__ void stamp_merged(const MergeArgs& a, const float* scale, const float* gw, const float* ws_s) {
+__device__ void stamp_merged(const MergeArgs& a, const float* scale, const float* gw, const float* ws_s,
+                             const int* live_s) {
   if (a.stamp == nullptr) return;
   __threadfence();
   __syncthreads();
@@ -226,8 +252,12 @@ __device__ void stamp_merged(const MergeArgs& a, const float* scale, const float
     const int64_t S = a.S;
     const int done = atomicAdd(&a.stamp[S + 1], 1);
     if (done == (int)gridDim.x - 1) {
-      for (int64_t s = 0; s < S; ++s)
-        a.stamp[s] = __float_as_int(s < MERGE_SLOTS ? ws_s[s] : scale[s] * (gw ? gw[s * a.gw_s1] : 1.f));
+      for (int s = 0; s < (int)S; ++s) {
+        float v;
+        int live;
+        slot(a, scale, gw, ws_s, live_s, s, v, live);
+        a.stamp[s] = __float_as_int(v);
+      }
       a.stamp[S] = a.version[0];
       a.stamp[S + 1] = 0;
       __threadfence();
@@ -240,21 +270,16 @@ template <typename T>
 __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
   __shared__ float Bs[MERGE_BN][MERGE_RC + 1];
   __shared__ __align__(16) float As[MERGE_RC][MERGE_BK];
-  const int64_t t = blockIdx.x;
-  const MergeEntry e = entry_at(a, t);
-  const int S = (int)a.S, R = (int)a.R;
-  const float* scale = reinterpret_cast<const float*>(e.scale);
-  const float* gw = a.gw ? a.gw + blockIdx.y * a.gw_s0 : nullptr;
   __shared__ float slot_w[MERGE_SLOTS];
   __shared__ int slot_live[MERGE_SLOTS];
+  const MergeTile<T> m(a);
+  const MergeEntry& e = m.e;
+  const float *scale = m.scale, *gw = m.gw;
+  const int64_t n0 = m.n0, k0 = m.k0;
+  const T *W = m.W, *A = m.A, *B = m.B;
+  T* out = m.out;
+  const int S = (int)a.S, R = (int)a.R;
   if (!slots_of(a, scale, gw, slot_w, slot_live)) return;
-  const int64_t tiles_k = (e.K + MERGE_BK - 1) / MERGE_BK;
-  const int64_t local = t - e.first;
-  const int64_t n0 = (local / tiles_k) * MERGE_BN, k0 = (local % tiles_k) * MERGE_BK;
-  const T* W = reinterpret_cast<const T*>(e.W);
-  const T* A = reinterpret_cast<const T*>(e.A);
-  const T* B = reinterpret_cast<const T*>(e.B);
-  T* out = reinterpret_cast<T*>(e.out) + blockIdx.y * a.blend_out;
   // Thread (ty, tx): rows n0 + ty + 16i (i < 4), columns k0 + 8tx .. 8tx + 7, so a warp reads and writes two rows of
   // 256 contiguous bytes; 16-byte accesses where the rows are contiguous and aligned, one element at a time elsewhere.
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
@@ -320,7 +345,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
       if (n < e.N && k < e.K) out[n * e.son + k * e.sok] = from_f<T>(acc[i][j]);
     }
   }
-  stamp_merged(a, scale, gw, slot_w);
+  stamp_merged(a, scale, gw, slot_w, slot_live);
 }
 
 // 16-bit weights: the product B' A on tensor cores (mma.sync m16n8k16, fp32 accumulators that start as W, so the sum
@@ -388,18 +413,13 @@ __global__ void __launch_bounds__(MERGE_THREADS, 3) merge_mma_kernel(MergeArgs a
   __shared__ __align__(16) T At[MERGE_BK][MERGE_AT];
   __shared__ float slot_w[MERGE_SLOTS];
   __shared__ int slot_live[MERGE_SLOTS];
-  const int64_t t = blockIdx.x;
-  const MergeEntry e = entry_at(a, t);
+  const MergeTile<T> m(a);
+  const MergeEntry& e = m.e;
+  const float *scale = m.scale, *gw = m.gw;
+  const int64_t n0 = m.n0, k0 = m.k0;
+  const T *W = m.W, *A = m.A, *B = m.B;
+  T* out = m.out;
   const int S = (int)a.S, R = (int)a.R;
-  const float* scale = reinterpret_cast<const float*>(e.scale);
-  const float* gw = a.gw ? a.gw + blockIdx.y * a.gw_s0 : nullptr;
-  const int64_t tiles_k = (e.K + MERGE_BK - 1) / MERGE_BK;
-  const int64_t local = t - e.first;
-  const int64_t n0 = (local / tiles_k) * MERGE_BN, k0 = (local % tiles_k) * MERGE_BK;
-  const T* W = reinterpret_cast<const T*>(e.W);
-  const T* A = reinterpret_cast<const T*>(e.A);
-  const T* B = reinterpret_cast<const T*>(e.B);
-  T* out = reinterpret_cast<T*>(e.out) + blockIdx.y * a.blend_out;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   const int cw = 64 * (warp % 2);  // the warp's first column in the tile
   const int64_t rn = n0 + 16 * (warp / 2) + g, ck = k0 + cw + 2 * q;  // rows rn, rn + 8; columns ck + 8j, + 1
@@ -463,7 +483,7 @@ __global__ void __launch_bounds__(MERGE_THREADS, 3) merge_mma_kernel(MergeArgs a
     store2(out, e.N, e.K, e.son, e.sok, rn, ck + 8 * j, pair, acc[j]);
     store2(out, e.N, e.K, e.son, e.sok, rn + 8, ck + 8 * j, pair, acc[j] + 2);
   }
-  stamp_merged(a, scale, gw, slot_w);
+  stamp_merged(a, scale, gw, slot_w, slot_live);
 }
 }  // namespace
 
