@@ -8,8 +8,9 @@ backend's merge kernel too. Each kernel's W' is checked against the float64 merg
 
     python benchmarks/probes/probe_merge_kernel.py --out $OUT/merge_kernel.json [--stream]
 
---stream also builds merge_stream.cu (a persistent, pipelined candidate; about a minute) and times it with 2, 3 and
-4 stages of W tiles in flight.
+--stream also builds merge_stream.cu (candidates; about a minute) and times its persistent, pipelined kernel with 2, 3
+and 4 stages of W tiles in flight (streamN: fragments stored straight from the accumulators; streamNc: through shared
+memory in 16-byte rows) and its one-tile-a-block kernel with W staged in shared memory (tile128, tile256: threads).
 """
 
 from __future__ import annotations
@@ -58,12 +59,21 @@ def measure(ops, launch_merge, stream, model: str, N: int, K: int, S: int) -> di
              "kernel": lambda: ops.lora_merge(out, W, A, B, scale, ranks),
              "triton": lambda: launch_merge(W, A, B, scale, gw, ranks, out=out.view(1, N, K))}
     errs = {}
-    for stages in (2, 3, 4) if stream else ():  # the candidate (merge_stream.cu): timed only where it is right
+    candidates = {}  # merge_stream.cu's forms: timed only where they are right
+    if stream:
+        for stages in (2, 3, 4):
+            candidates[f"stream{stages}"] = functools.partial(stream.merge_stream, out, W, A, B, scale, ranks,
+                                                              stages, 2)
+            candidates[f"stream{stages}c"] = functools.partial(stream.merge_stream, out, W, A, B, scale, ranks,
+                                                               -stages, 2)
+        for threads in (128, 256):
+            candidates[f"tile{threads}"] = functools.partial(stream.merge_tile, out, W, A, B, scale, ranks, threads)
+    for name, f in candidates.items():
         out.fill_(float("nan"))
-        stream.merge_stream(out, W, A, B, scale, ranks, stages, 2)
-        errs[f"stream{stages}"] = ((out.double() - ref).abs().max() / ref.abs().max()).nan_to_num(1.0).item()
-        if errs[f"stream{stages}"] < 1e-2:
-            forms[f"stream{stages}"] = functools.partial(stream.merge_stream, out, W, A, B, scale, ranks, stages, 2)
+        f()
+        errs[name] = ((out.double() - ref).abs().max() / ref.abs().max()).nan_to_num(1.0).item()
+        if errs[name] < 1e-2:
+            forms[name] = f
     us = {k: triton.testing.do_bench(f, return_mode="median") * 1e3 for k, f in forms.items()}
     us_graph = {k: graph_us([f], reps=20) for k, f in forms.items()}
     gbs = {k: 2 * W.numel() * W.element_size() / (v * 1e-6) / 1e9 for k, v in us.items()}
@@ -96,7 +106,7 @@ def main() -> int:
             rows.append(r)
             us, x = r["us"], r["x_copy"]
             xg = r["x_copy_graph"]
-            cands = "".join(f" {k} {v:.2f}x" for k, v in x.items() if k.startswith("stream"))
+            cands = "".join(f" {k} {v:.2f}x" for k, v in x.items() if k.startswith(("stream", "tile")))
             print(f"{model:6s} {N:6d}x{K:<6d} copy {us['copy']:7.1f} us  addmm {x['addmm']:.2f}x  kernel "
                   f"{x['kernel']:.2f}x  triton {x['triton']:.2f}x{cands} | in a graph: copy {r['us_graph']['copy']:.1f}"
                   f" us, " + " ".join(f"{k} {v:.2f}x" for k, v in xg.items() if k != "copy")

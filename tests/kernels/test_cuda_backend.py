@@ -218,6 +218,35 @@ def test_merge_stamped_and_many(cops, dtype) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["transposed", "unaligned", "row-padded"])
+def test_merge_of_strided_and_unaligned_weights(cops, dtype, layout: str) -> None:
+    """W and out that are not contiguous 16-byte aligned rows (a transposed view, a view one element past an aligned
+    start, rows padded to an odd stride) take the kernels' element-wise reads and writes; the result is the same
+    merge."""
+    g = torch.Generator().manual_seed(2)
+    S, R, N, K = 2, 16, 200, 264
+    W0, A = torch.randn(N, K, generator=g), torch.randn(S, R, K, generator=g) * 0.3
+    B = torch.randn(N, S, R, generator=g)
+    scale = torch.tensor([0.75, -0.5])
+    exact = W0.double() + (B.double() * scale.double()[None, :, None]).reshape(N, S * R) @ A.double().reshape(S * R, K)
+    to = dict(device="cuda", dtype=dtype)
+
+    def laid_out(t: torch.Tensor) -> torch.Tensor:
+        if layout == "transposed":
+            return t.to(**to).t().contiguous().t()
+        if layout == "unaligned":
+            return torch.empty(t.numel() + 1, **to)[1:].view(N, K).copy_(t)
+        return torch.empty(N, K + 3, **to)[:, :K].copy_(t)
+
+    W, out = laid_out(W0), laid_out(torch.full((N, K), float("nan")))
+    cops.lora_merge(out, W, A.to(**to), B.to(**to), scale.cuda(), torch.full((S,), R, dtype=torch.int32,
+                                                                               device="cuda"))
+    eps = torch.finfo(dtype).eps
+    assert (out.double().cpu() - exact).abs().max().item() <= 8 * eps * exact.abs().max().item() + 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("padding", [(1, 1), "same"], ids=["pad1", "same"])
 def test_conv_delta_and_bias_match_reference(cops, padding) -> None:
     g = torch.Generator().manual_seed(1)

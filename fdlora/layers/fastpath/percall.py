@@ -26,8 +26,9 @@ Where the CUDA extension is built (the triton+cuda and cuda backends), its C++-b
 these forms and take the layers the host limits: BoundLinear (blend), BoundRows (per-row, and decode steps of
 per-sample batches), BoundSamples (per-sample scratch: every blend merged into scratch, by one merge-kernel launch or
 one cuBLASLt matmul per blend, then the batch's GEMMs) and its lora_linear (per-sample delta), the two per-sample
-forms weighed by bytes and launches (`bound_scratch_wins`); these forms keep the blend layers of very large weights
-(`LARGE_WEIGHT`).
+forms weighed by bytes and launches (`bound_scratch_wins`). The extension's merge kernel runs at about twice a copy
+of the weight, ahead of cuBLAS's addmm (2.6-2.8x on Flux's and Llama's largest weights), so these forms keep no blend
+layer there.
 """
 
 from __future__ import annotations
@@ -88,11 +89,6 @@ def bound_scratch_wins(M: int, K: int, N: int, blends: int, elt: int) -> bool:
     return scratch < delta
 
 
-LARGE_WEIGHT = 1 << 24  # elements: the extension's merge kernel trails cuBLAS's addmm on weights this large (Flux's
-# MLPs: the eager no-cache step 1.15x base through BoundLinear, 1.10x through addmm on an H200); SDXL's largest, 13M,
-# run faster on BoundLinear (1.22-1.25x against 1.29-1.31x with its feed-forward layers on addmm)
-
-
 def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The layer's output by a cuBLAS form, kept as its hot path; None when this call does not take these forms
     (not an eager call on a plain nn.Linear without a LoRA bias in the bank's dtype, not wanted here, or a call the
@@ -109,7 +105,7 @@ def forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     M = x.numel() // K
     bound = hasattr(layer._ops, "prepare_linear_rows")  # the CUDA extension (see the module docstring)
     if st.mode is Mode.BLEND:
-        if bound and not (scratch_wins(M, K, N, 1) and N * K >= LARGE_WEIGHT):
+        if bound:
             return None  # BoundLinear / BoundRows (fdlora.layers.modules.fused, fdlora.layers.fastpath.decode)
         fn, path = _blend(layer, W, base.bias, M, K, N)
     elif st.mode is Mode.SAMPLES:

@@ -349,11 +349,16 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(MergeArgs a) {
 }
 
 // 16-bit weights: the product B' A on tensor cores (mma.sync m16n8k16, fp32 accumulators that start as W, so the sum
-// and its one rounding are merge_kernel's). Warp w of the block's 64 x 128 tile owns rows 16 (w / 2) .. + 16 and
-// columns 64 (w % 2) .. + 64: eight 16 x 8 accumulator tiles. Each 16-rank chunk of A goes through shared memory
-// transposed, a column's ranks contiguous (row stride MERGE_AT: conflict-free fragment reads); B' = B * multiplier,
-// rounded to T, is read straight into the A-operand fragment.
+// and its one rounding are merge_kernel's), MERGE_MMA_THREADS threads a 64 x 128 tile. W's tile is copied into shared
+// memory (cp.async, 16 bytes a copy, no register held) while the slots and the first rank chunk are read; the
+// accumulators are read from it, and the merged tile is written back into it and stored in 16-byte rows, so every
+// global access of W and W' moves whole rows of 256 bytes. Warp w owns rows 16 w .. + 16, all 128 columns: sixteen
+// 16 x 8 accumulator tiles. Each 16-rank chunk of A goes through shared memory transposed, a column's ranks contiguous
+// (row stride MERGE_AT: conflict-free fragment reads); B' = B * multiplier, rounded to T, is read straight into the
+// A-operand fragment.
+constexpr int MERGE_MMA_THREADS = 128;
 constexpr int MERGE_AT = 24;
+constexpr int MERGE_WT = MERGE_BK + 8;  // elements per shared row of W's tile: conflict-free fragment reads
 
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   const T a = from_f<T>(lo), b = from_f<T>(hi);
@@ -382,34 +387,41 @@ template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], co
 #endif
 }
 
-// Two neighbouring elements (n, k), (n, k + 1) in one 4-byte access where `pair` (unit column stride, even sizes and
-// strides, aligned), else one at a time; zero outside the [N, K] weight.
-template <typename T> struct alignas(2 * sizeof(T)) Two { T lo, hi; };
-
-template <typename T> __device__ __forceinline__ void load2(const T* p, int64_t N, int64_t K, int64_t sn, int64_t sk,
-                                                            int64_t n, int64_t k, bool pair, float* v) {
-  if (pair && n < N && k < K) {
-    const Two<T> w = *reinterpret_cast<const Two<T>*>(p + n * sn + k);
-    v[0] = to_f(w.lo), v[1] = to_f(w.hi);
-    return;
-  }
-  v[0] = n < N && k < K ? to_f(p[n * sn + k * sk]) : 0.f;
-  v[1] = n < N && k + 1 < K ? to_f(p[n * sn + (k + 1) * sk]) : 0.f;
+// 16 bytes from global to shared memory without holding a register (cp.async: through L2 only); visible to the
+// block after cp_async_wait_all and a barrier.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
 }
 
-template <typename T> __device__ __forceinline__ void store2(T* p, int64_t N, int64_t K, int64_t sn, int64_t sk,
-                                                             int64_t n, int64_t k, bool pair, const float* v) {
-  if (pair && n < N && k < K) {
-    *reinterpret_cast<Two<T>*>(p + n * sn + k) = Two<T>{from_f<T>(v[0]), from_f<T>(v[1])};
-    return;
-  }
-  if (n < N && k < K) p[n * sn + k * sk] = from_f<T>(v[0]);
-  if (n < N && k + 1 < K) p[n * sn + (k + 1) * sk] = from_f<T>(v[1]);
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Two neighbouring elements (n, k), (n, k + 1) in one 4-byte access where `pair` (unit column stride, even sizes and
+// strides, aligned), else one at a time; zero outside the [N, K] matrix.
+template <typename T> struct alignas(2 * sizeof(T)) Two { T lo, hi; };
+
+template <typename T> __device__ __forceinline__ Two<T> load2(const T* p, int64_t N, int64_t K, int64_t sn,
+                                                               int64_t sk, int64_t n, int64_t k, bool pair) {
+  if (pair && n < N && k < K) return *reinterpret_cast<const Two<T>*>(p + n * sn + k);
+  const T zero = from_f<T>(0.f);
+  return Two<T>{n < N && k < K ? p[n * sn + k * sk] : zero, n < N && k + 1 < K ? p[n * sn + (k + 1) * sk] : zero};
 }
 
 template <typename T>
-__global__ void __launch_bounds__(MERGE_THREADS, 3) merge_mma_kernel(MergeArgs a) {
-  static_assert(MERGE_RC * MERGE_BK == 8 * MERGE_THREADS, "a thread moves eight elements of A's chunk");
+__global__ void __launch_bounds__(MERGE_MMA_THREADS) merge_mma_kernel(MergeArgs a) {
+  constexpr int JT = MERGE_BK / 8;  // a warp's 16 x 8 accumulator tiles
+  constexpr int AV = MERGE_RC * MERGE_BK / 8 / MERGE_MMA_THREADS;  // 8-element pieces of A's chunk a thread moves
+  constexpr int WV = MERGE_BN * MERGE_BK / 8 / MERGE_MMA_THREADS;  // and of W's tile
+  static_assert(MERGE_BN == 16 * (MERGE_MMA_THREADS / 32), "a warp owns 16 rows of the tile");
+  __shared__ __align__(16) T Wt[MERGE_BN][MERGE_WT];
   __shared__ __align__(16) T At[MERGE_BK][MERGE_AT];
   __shared__ float slot_w[MERGE_SLOTS];
   __shared__ int slot_live[MERGE_SLOTS];
@@ -420,27 +432,43 @@ __global__ void __launch_bounds__(MERGE_THREADS, 3) merge_mma_kernel(MergeArgs a
   const T *W = m.W, *A = m.A, *B = m.B;
   T* out = m.out;
   const int S = (int)a.S, R = (int)a.R;
-  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
-  const int cw = 64 * (warp % 2);  // the warp's first column in the tile
-  const int64_t rn = n0 + 16 * (warp / 2) + g, ck = k0 + cw + 2 * q;  // rows rn, rn + 8; columns ck + 8j, + 1
-  const bool pair = e.sok == 1 && e.swk == 1 && e.K % 2 == 0 && e.son % 2 == 0 && e.swn % 2 == 0 &&
-                    reinterpret_cast<uintptr_t>(W) % (2 * sizeof(T)) == 0 &&
-                    reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0;
-  // Every global read a thread makes is issued before it waits on any: W's tile (before the slots, unless a stamp
-  // may skip the block), then each chunk's A and B' together, so a block pays about one memory latency.
-  float acc[8][4];
+  const T zero = from_f<T>(0.f);
+  // Piece v of the tile: row v / 16, columns 8 (v % 16) .. + 7; whole rows of 16 bytes where W's (out's) rows are
+  // contiguous and aligned, one element at a time elsewhere.
+  const bool wvec = e.swk == 1 && e.swn % 8 == 0 && reinterpret_cast<uintptr_t>(W) % 16 == 0;
+  const bool ovec = e.sok == 1 && e.son % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   auto load_w = [&] {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      load2(W, e.N, e.K, e.swn, e.swk, rn, ck + 8 * j, pair, acc[j]);
-      load2(W, e.N, e.K, e.swn, e.swk, rn + 8, ck + 8 * j, pair, acc[j] + 2);
+    for (int u = 0; u < WV; ++u) {
+      const int v = threadIdx.x + u * MERGE_MMA_THREADS, row = v / (MERGE_BK / 8), col = v % (MERGE_BK / 8) * 8;
+      const int64_t n = n0 + row, k = k0 + col;
+      if (wvec && n < e.N && k + 8 <= e.K) {
+        cp_async16(&Wt[row][col], W + n * e.swn + k);
+        continue;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) Wt[row][col + j] = n < e.N && k + j < e.K ? W[n * e.swn + (k + j) * e.swk] : zero;
     }
   };
   if (a.stamp == nullptr) load_w();
   if (!slots_of(a, scale, gw, slot_w, slot_live)) return;
   if (a.stamp != nullptr) load_w();
-  // A's chunk: thread (fr, fk) reads rank fr's columns fk .. fk + 7 (16 bytes where A's rows are aligned).
-  const int fr = threadIdx.x % MERGE_RC, fk = threadIdx.x / MERGE_RC * 8;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  const int rl = 16 * warp + g;  // the thread's rows rl, rl + 8 of the tile; columns 8j + 2q, + 1
+  float acc[JT][4];
+  bool have = false;
+  auto take_w = [&] {  // the accumulators from W's tile, once its copies have landed
+    cp_async_wait_all();
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < JT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const Two<T> w = *reinterpret_cast<const Two<T>*>(&Wt[rl + 8 * h][8 * j + 2 * q]);
+        acc[j][2 * h] = to_f(w.lo), acc[j][2 * h + 1] = to_f(w.hi);
+      }
+    have = true;
+  };
   const bool avec = e.K % 8 == 0 && reinterpret_cast<uintptr_t>(A) % 16 == 0;
   const bool bpair = e.ldb % 2 == 0 && R % 2 == 0 && reinterpret_cast<uintptr_t>(B) % (2 * sizeof(T)) == 0;
   for (int s = 0; s < S; ++s) {
@@ -448,40 +476,67 @@ __global__ void __launch_bounds__(MERGE_THREADS, 3) merge_mma_kernel(MergeArgs a
     int live;
     slot(a, scale, gw, slot_w, slot_live, s, ws, live);
     for (int r0 = 0; r0 < live; r0 += MERGE_RC) {
-      float av[8];
-      const int64_t k = k0 + fk;
-      const T* src = A + ((int64_t)s * R + r0 + fr) * e.K + k;
-      const bool ok = r0 + fr < live;
-      if (ok && avec && k + 8 <= e.K) {
-        load8(src, av);
-      } else {
+      // A's chunk: piece v is rank v % 16's columns 8 (v / 16) .. + 7 (16 bytes where A's rows are aligned).
+      alignas(16) T av[AV][8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) av[j] = ok && k + j < e.K ? to_f(src[j]) : 0.f;
+      for (int u = 0; u < AV; ++u) {
+        const int v = threadIdx.x + u * MERGE_MMA_THREADS, fr = v % MERGE_RC;
+        const int64_t k = k0 + v / MERGE_RC * 8;
+        const T* src = A + ((int64_t)s * R + r0 + fr) * e.K + k;
+        const bool ok = r0 + fr < live;
+        if (ok && avec && k + 8 <= e.K) {
+          *reinterpret_cast<uint4*>(av[u]) = *reinterpret_cast<const uint4*>(src);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) av[u][j] = ok && k + j < e.K ? src[j] : zero;
+        }
       }
-      float bv[4][2];  // B rows rn (f 0, 2) and rn + 8 (1, 3), ranks 2q, 2q + 1 (f 0, 1) and 2q + 8, 2q + 9 (2, 3)
+      Two<T> bv[4];  // B rows rl (f 0, 2) and rl + 8 (1, 3), ranks 2q, 2q + 1 (f 0, 1) and 2q + 8, 2q + 9 (2, 3)
 #pragma unroll
       for (int f = 0; f < 4; ++f)
-        load2(B, e.N, (int64_t)s * R + live, e.ldb, 1, rn + 8 * (f % 2), (int64_t)s * R + r0 + 2 * q + 8 * (f / 2),
-              bpair, bv[f]);
+        bv[f] = load2(B, e.N, (int64_t)s * R + live, e.ldb, 1, n0 + rl + 8 * (f % 2),
+                      (int64_t)s * R + r0 + 2 * q + 8 * (f / 2), bpair);
+      if (!have) take_w();  // the first chunk's reads are in flight with W's
       __syncthreads();  // the previous chunk's reads of At are done
 #pragma unroll
-      for (int j = 0; j < 8; ++j) At[fk + j][fr] = from_f<T>(av[j]);
+      for (int u = 0; u < AV; ++u) {
+        const int v = threadIdx.x + u * MERGE_MMA_THREADS, fr = v % MERGE_RC, fk = v / MERGE_RC * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) At[fk + j][fr] = av[u][j];
+      }
       uint32_t af[4];  // the A operand: B' = B * ws rounded to T
 #pragma unroll
-      for (int f = 0; f < 4; ++f) af[f] = pack2<T>(bv[f][0] * ws, bv[f][1] * ws);
+      for (int f = 0; f < 4; ++f) af[f] = pack2<T>(to_f(bv[f].lo) * ws, to_f(bv[f].hi) * ws);
       __syncthreads();
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const T* col = At[cw + 8 * j + g];  // column ck + 8j's ranks: 2q, 2q + 1 and 2q + 8, 2q + 9
+      for (int j = 0; j < JT; ++j) {
+        const T* col = At[8 * j + g];  // column 8j + g's ranks: 2q, 2q + 1 and 2q + 8, 2q + 9
         mma16816<T>(acc[j], af, *reinterpret_cast<const uint32_t*>(col + 2 * q),
                     *reinterpret_cast<const uint32_t*>(col + 2 * q + 8));
       }
     }
   }
+  if (!have) take_w();  // no live chunk: W' = W
+  // Each thread rewrites the elements it read; the tile then leaves in 16-byte rows.
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    store2(out, e.N, e.K, e.son, e.sok, rn, ck + 8 * j, pair, acc[j]);
-    store2(out, e.N, e.K, e.son, e.sok, rn + 8, ck + 8 * j, pair, acc[j] + 2);
+  for (int j = 0; j < JT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<Two<T>*>(&Wt[rl + 8 * h][8 * j + 2 * q]) =
+          Two<T>{from_f<T>(acc[j][2 * h]), from_f<T>(acc[j][2 * h + 1])};
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < WV; ++u) {
+    const int v = threadIdx.x + u * MERGE_MMA_THREADS, row = v / (MERGE_BK / 8), col = v % (MERGE_BK / 8) * 8;
+    const int64_t n = n0 + row, k = k0 + col;
+    if (n >= e.N) continue;
+    if (ovec && k + 8 <= e.K) {
+      *reinterpret_cast<uint4*>(out + n * e.son + k) = *reinterpret_cast<const uint4*>(&Wt[row][col]);
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (k + j < e.K) out[n * e.son + (k + j) * e.sok] = Wt[row][col + j];
   }
   stamp_merged(a, scale, gw, slot_w, slot_live);
 }
@@ -577,7 +632,8 @@ void launch_merge(at::ScalarType dtype, const MergeEntry& one, const at::Tensor*
     merge_kernel<float><<<grid, MERGE_THREADS, 0, stream>>>(a);
   } else {
     FDLORA_DISPATCH(dtype, T, [&] {
-      if constexpr (!std::is_same<T, float>::value) merge_mma_kernel<T><<<grid, MERGE_THREADS, 0, stream>>>(a);
+      if constexpr (!std::is_same<T, float>::value)
+        merge_mma_kernel<T><<<grid, MERGE_MMA_THREADS, 0, stream>>>(a);
     });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
