@@ -1,6 +1,7 @@
-// A candidate for the extension's merge (W' = W + sum_s scale[s] B_s A_s, fp32 sum, one rounding), built and timed
-// by probe_merge_kernel.py --stream; not part of the library. It keeps W's reads in flight while it merges: a
-// persistent block owns one 128-column strip and walks its 64-row tiles, copying the next STAGES - 1 tiles of W into
+// Candidates for the extension's merge (W' = W + sum_s scale[s] B_s A_s, fp32 sum, one rounding), built and timed
+// by probe_merge_kernel.py --stream; not part of the library. merge_tile_kernel is the form the library's
+// merge_mma_kernel took, without its strides, pointer table and stamps (128 registers at 128 threads, where the
+// library's needs 166). merge_stream_kernel keeps W's reads in flight while it merges: a persistent block owns one 128-column strip and walks its 64-row tiles, copying the next STAGES - 1 tiles of W into
 // a shared-memory ring (cp.async, 16 bytes a copy) while the current tile is merged (mma.sync m16n8k16, fp32
 // accumulators that start as W) and stored. A's live rank chunks for the strip stay in shared memory, transposed.
 // Limits of the candidate: one [N, K] weight with contiguous rows, K a multiple of 8, 16-bit types, at most 64 slots.

@@ -1,7 +1,8 @@
 # Measures: the CUDA extension's merge kernel (W' = W + B diag(s) A) on every full-size layer shape of SDXL, Flux-dev
-# and Llama-3-8B against a copy of the same bytes (the floor) and cuBLAS's addmm (what percall's large blends use).
-# Showed (be8a9bb, H200): tensor cores 2.25-3.6x the copy, CUDA cores 2.6-4.3x, addmm 1.7-2.7x on every shape
-# (results/nvidia-h200/merge_kernel.json, merge_kernel_cuda_cores.json).
+# and Llama-3-8B against a copy of the same bytes (the floor), cuBLAS's addmm and the Triton backend's merge.
+# Showed (H200): fragment-sized accesses 3.0-3.7x the copy on the largest weights (86adf30), W staged in shared
+# memory and stored in 16-byte rows 2.0-2.1x (e83f7b7), addmm 2.6-2.7x, the Triton merge 1.55-1.65x in a CUDA graph
+# (results/nvidia-h200/merge_kernel.json, merge_kernel_candidates.json, merge_kernel_cuda_cores.json).
 """Merge-kernel probe: one adapter of rank 16 in a bank of `--slots` slots, bf16, GPU time with L2 flushed
 (triton.testing.do_bench, median) and in a CUDA graph of 20 calls (bench_fused.graph_us), against the Triton
 backend's merge kernel too. Each kernel's W' is checked against the float64 merge first.
