@@ -132,7 +132,7 @@ void delta_impl(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& A, cons
 
 // The merged path pays the merge (one kernel: W read, W' written, the live rank's product on tensor cores, on CUDA
 // cores for fp32; the GEMM then reads W' instead of W) instead of the delta's bytes (x re-read, y read-modify-written)
-// and its launches and scratch: a rough cost model in bytes-equivalents (the merge runs at about a third of a copy's
+// and its launches and scratch: a rough cost model in bytes-equivalents (the merge runs at about half a copy's
 // bandwidth on an H200: benchmarks/probes/probe_merge_kernel.py), a launch with its host work counted as 10e6 (on an
 // H100 host, SDXL's text-attention k/v, 154 x 2048 -> 1280, took 59.5 us of host per call on the delta path, ~21 us
 // on the merged path, where F.linear takes 17; benchmarks/probes/probe_bound_linear.py re-measures it).
