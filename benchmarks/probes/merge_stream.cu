@@ -1,64 +1,32 @@
 // Candidates for the extension's merge (W' = W + sum_s scale[s] B_s A_s, fp32 sum, one rounding), built and timed
 // by probe_merge_kernel.py --stream; not part of the library. merge_tile_kernel is the form the library's
 // merge_mma_kernel took, without its strides, pointer table and stamps (128 registers at 128 threads, where the
-// library's needs 166). merge_stream_kernel keeps W's reads in flight while it merges: a persistent block owns one 128-column strip and walks its 64-row tiles, copying the next STAGES - 1 tiles of W into
-// a shared-memory ring (cp.async, 16 bytes a copy) while the current tile is merged (mma.sync m16n8k16, fp32
-// accumulators that start as W) and stored. A's live rank chunks for the strip stay in shared memory, transposed.
-// Limits of the candidate: one [N, K] weight with contiguous rows, K a multiple of 8, 16-bit types, at most 64 slots.
+// library's needs 166). merge_stream_kernel keeps W's reads in flight while it merges: a persistent block owns one
+// 128-column strip and walks its 64-row tiles, copying the next STAGES - 1 tiles of W into a shared-memory ring
+// (cp.async, 16 bytes a copy) while the current tile is merged (mma.sync m16n8k16, fp32 accumulators that start as
+// W) and stored. A's live rank chunks for the strip stay in shared memory, transposed.
+// Limits of the candidates: one [N, K] weight with contiguous rows, K a multiple of 8, 16-bit types, at most 64
+// slots. The device helpers are the extension's (fdlora/kernels/cuda/csrc/device.cuh).
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
-#include <cstring>
-#include <type_traits>
+#include "device.cuh"
 
+namespace fdlora_cuda {  // beside the extension's helpers (device.cuh), as kernels.cu
 namespace {
 
 constexpr int BN = 64, BK = 128, THREADS = 256, RC = 16, MAX_SLOTS = 64;
 constexpr int WS = BK + 8;  // elements per shared row of a W tile: fragment reads without bank conflicts
 constexpr int AT = 24;  // elements per shared row of A^T (a column's 16 ranks + 8): likewise
 
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-__device__ __forceinline__ int granule(int r) { return (r + 15) / 16 * 16; }
-
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T a = from_f<T>(lo), b = from_f<T>(hi);
-  uint16_t ua, ub;
-  memcpy(&ua, &a, 2);
-  memcpy(&ub, &b, 2);
-  return (uint32_t)ua | ((uint32_t)ub << 16);
-}
-
-template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                               uint32_t b1) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+// 16 bytes into shared memory by cp.async, or 16 zero bytes where !pred (src is then not read).
+__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool pred) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(pred ? 16 : 0));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-template <typename T> struct alignas(4) Two { T lo, hi; };
 
 // Writes the merged tile back into its shared stage, then stores it in 16-byte rows (COALESCED), or stores each
 // fragment's pair of elements straight from the accumulators.
@@ -88,7 +56,7 @@ __global__ void __launch_bounds__(THREADS, 2) merge_stream_kernel(T* __restrict_
       for (int u = 0; u < BN * BK / 8 / THREADS; ++u) {
         const int idx = threadIdx.x + u * THREADS, row = idx / (BK / 8), col = idx % (BK / 8) * 8;
         const bool in = n0 + row < N && k0 + col < K;
-        cp_async16(dst + row * WS + col, in ? W + (n0 + row) * K + k0 + col : W, in);
+        cp_async16_or_zero(dst + row * WS + col, in ? W + (n0 + row) * K + k0 + col : W, in);
       }
     }
     cp_commit();
@@ -184,7 +152,8 @@ __global__ void __launch_bounds__(THREADS, 2) merge_stream_kernel(T* __restrict_
       for (int u = 0; u < BN * BK / 8 / THREADS; ++u) {
         const int idx = threadIdx.x + u * THREADS, row = idx / (BK / 8), col = idx % (BK / 8) * 8;
         if (n0 + row < N && k0 + col < K)
-          *reinterpret_cast<uint4*>(out + (n0 + row) * K + k0 + col) = *reinterpret_cast<const uint4*>(st + row * WS + col);
+          *reinterpret_cast<uint4*>(out + (n0 + row) * K + k0 + col) =
+              *reinterpret_cast<const uint4*>(st + row * WS + col);
       }
     } else {
 #pragma unroll
@@ -222,7 +191,7 @@ __global__ void __launch_bounds__(NT) merge_tile_kernel(T* __restrict__ out, con
   for (int idx = threadIdx.x; idx < BN * BK / 8; idx += NT) {
     const int row = idx / (BK / 8), col = idx % (BK / 8) * 8;
     const bool in = n0 + row < N && k0 + col < K;
-    cp_async16(Wt + row * WS + col, in ? W + (n0 + row) * K + k0 + col : W, in);
+    cp_async16_or_zero(Wt + row * WS + col, in ? W + (n0 + row) * K + k0 + col : W, in);
   }
   cp_commit();
   if (threadIdx.x < S) {
@@ -258,7 +227,8 @@ __global__ void __launch_bounds__(NT) merge_tile_kernel(T* __restrict__ out, con
       for (int u = 0; u < AV; ++u) {
         const int idx = threadIdx.x + u * NT, fr = idx % RC, fk = idx / RC * 8;
         if (r0 + fr < live && k0 + fk < K) {
-          *reinterpret_cast<uint4*>(av[u]) = *reinterpret_cast<const uint4*>(A + ((int64_t)s * R + r0 + fr) * K + k0 + fk);
+          *reinterpret_cast<uint4*>(av[u]) =
+              *reinterpret_cast<const uint4*>(A + ((int64_t)s * R + r0 + fr) * K + k0 + fk);
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j) av[u][j] = from_f<T>(0.f);
@@ -380,7 +350,9 @@ void merge_tile(at::Tensor out, const at::Tensor& W, const at::Tensor& A, const 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+}  // namespace fdlora_cuda
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("merge_stream", &merge_stream);
-  m.def("merge_tile", &merge_tile);
+  m.def("merge_stream", &fdlora_cuda::merge_stream);
+  m.def("merge_tile", &fdlora_cuda::merge_tile);
 }

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fused import graph_us  # noqa: E402
@@ -98,6 +99,7 @@ def main() -> int:
 
         major, minor = torch.cuda.get_device_capability()
         stream = load(name="fdlora_probe_merge_stream", sources=[str(Path(__file__).with_name("merge_stream.cu"))],
+                      extra_include_paths=[str(ROOT / "fdlora" / "kernels" / "cuda" / "csrc")],
                       extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
     torch.manual_seed(0)
     rows = []

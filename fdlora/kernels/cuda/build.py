@@ -32,6 +32,7 @@ from ...errors import BackendUnavailableError
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ops.cpp", "kernels.cu")
+HEADERS = ("kernels.h", "device.cuh")  # included by the sources: in the digest too
 NAME = "fdlora_cuda"
 ARCHS = "8.0;8.9;9.0;10.0;12.0+PTX"  # A100, L40/4090, H100/H200, B200, RTX 50xx; PTX for what comes next
 FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
@@ -55,7 +56,7 @@ class Status:
 
 def digest() -> str:
     h = hashlib.sha256()
-    for name in SOURCES + ("kernels.h",):
+    for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
     h.update(" ".join([*FLAGS, RECIPE]).encode())
     return h.hexdigest()[:12]
