@@ -81,7 +81,6 @@ CASES = [
 ]
 
 
-
 def _ragged(n: int) -> Case:
     """Per-row batch of n adapters (1..8) in contiguous runs of uneven length, a base run after the first, and for
     n >= 3 the first adapter again at the end (a slot in two runs), as an LLM batch of several users' requests."""
@@ -89,8 +88,8 @@ def _ragged(n: int) -> Case:
     runs.insert(1, (-1, 2))
     if n >= 3:
         runs.append((0, 3))
-    dtype = ("fp32", "fp16", "bf16")[n % 3]
-    return _c(f"rows-ragged-S{n}-M{sum(r for _, r in runs)}-{dtype}", "rows", sum(r for _, r in runs), 24, 20, 16,
+    dtype, M = ("fp32", "fp16", "bf16")[n % 3], sum(rows for _, rows in runs)
+    return _c(f"rows-ragged-S{n}-M{M}-{dtype}", "rows", M, 24, 20, 16,
               [16, 3, 8, 16, 1, 12, 16, 5][:n], [1.0, 0.5, 2.0, 0.25, 1.5, 0.75, 1.0, 0.3][:n], dtype=dtype,
               segments=tuple(runs))
 
